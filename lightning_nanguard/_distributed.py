@@ -1,0 +1,32 @@
+"""Every cross-rank call nanguard makes. Each function must be called by all ranks, every time, in the same order."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+__all__ = ["any_rank", "bad_ranks", "broadcast_object"]
+
+
+def any_rank(trainer: pl.Trainer, flag: Tensor | bool) -> bool:
+    """True on every rank if ``flag`` is true on at least one. One host read; one all-reduce under DDP."""
+    if trainer.world_size <= 1:
+        return bool(flag.item()) if isinstance(flag, Tensor) else bool(flag)
+    local = flag.detach().float().reshape(()) if isinstance(flag, Tensor) else torch.tensor(float(flag))
+    total = trainer.strategy.reduce(local.to(trainer.strategy.root_device), reduce_op="sum")
+    return bool(total.item() > 0)
+
+
+def bad_ranks(trainer: pl.Trainer, flag: Tensor | bool) -> list[int]:
+    """The ranks whose local ``flag`` is true. An all-gather: call it only on the (rare) incident path."""
+    local = flag.detach().float().reshape(1) if isinstance(flag, Tensor) else torch.tensor([float(flag)])
+    if trainer.world_size <= 1:
+        return [0] if bool(local.item()) else []
+    gathered = trainer.strategy.all_gather(local.to(trainer.strategy.root_device)).reshape(-1)
+    return [int(i) for i in torch.nonzero(gathered > 0).reshape(-1).tolist()]
+
+
+def broadcast_object(trainer: pl.Trainer, obj: object, src: int = 0) -> object:
+    """Rank ``src``'s ``obj`` on every rank."""
+    return trainer.strategy.broadcast(obj, src=src)

@@ -1,0 +1,46 @@
+"""Errors raised by lightning_nanguard.
+
+The hierarchy, so that a caller can catch as broadly or narrowly as it needs::
+
+    NanGuardError (RuntimeError)            anything nanguard raises on purpose at run time
+    ├── NonFiniteTrainingError              training went non-finite and the configured budget ran out
+    │   └── RecoveryBudgetExhausted         a recovery (rollback, backoff) budget ran out
+    ├── CheckpointVerificationError         a checkpoint failed its checksum / readability / finiteness check
+    └── UnsupportedSetupError               a strategy or optimizer setup nanguard refuses rather than mishandle
+    NanGuardConfigError (ValueError)        a constructor argument broke its rule (raised at construction)
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointVerificationError",
+    "NanGuardConfigError",
+    "NanGuardError",
+    "NonFiniteTrainingError",
+    "RecoveryBudgetExhausted",
+    "UnsupportedSetupError",
+]
+
+
+class NanGuardError(RuntimeError):
+    """Base class of the run-time errors nanguard raises on purpose."""
+
+
+class NonFiniteTrainingError(NanGuardError):
+    """Training produced non-finite values more often than the configured budget allows."""
+
+
+class RecoveryBudgetExhausted(NonFiniteTrainingError):
+    """A recovery budget (rollbacks, backoffs, loss-scale collapses) ran out."""
+
+
+class CheckpointVerificationError(NanGuardError):
+    """A checkpoint failed verification: checksum mismatch, unreadable, or non-finite tensors."""
+
+
+class UnsupportedSetupError(NanGuardError):
+    """A training setup nanguard cannot handle correctly; refused at setup instead of guessed at."""
+
+
+class NanGuardConfigError(ValueError):
+    """A constructor argument is invalid. The message names the argument, its value and the rule."""

@@ -1,0 +1,97 @@
+"""Incident records: one JSON object per event, kept in memory and appended to ``incidents.jsonl``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Incident", "IncidentLog"]
+
+
+@dataclass(frozen=True)
+class Incident:
+    """One event: something non-finite (or unhealthy) was seen and an action was taken.
+
+    Attributes:
+        step: ``trainer.global_step`` when the event was decided.
+        epoch: ``trainer.current_epoch``.
+        batch_idx: batch index within the epoch (``-1`` when not tied to a batch).
+        ranks: the ranks whose local reading was bad (``[0]`` on one device).
+        trigger: what was seen, e.g. ``"nonfinite_grads"``, ``"nonfinite_loss"``, ``"loss_scale_collapse"``.
+        action: what was done, an ``Action`` value (``"skip"``, ``"rollback"``, ...).
+        source: the callback that acted, e.g. ``"GradNormMonitor"``.
+        values: the readings behind the decision (finite floats, ``"nan"``/``"inf"`` strings otherwise).
+        budget_left: how many more such actions the budget allows (``-1`` when unbounded).
+        message: one human sentence: what happened and what to try.
+    """
+
+    step: int
+    epoch: int
+    batch_idx: int
+    ranks: list[int]
+    trigger: str
+    action: str
+    source: str
+    values: dict[str, Any] = field(default_factory=dict)
+    budget_left: int = -1
+    message: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["values"] = {k: _json_safe(v) for k, v in self.values.items()}
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Incident:
+        fields = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
+        return cls(**fields)
+
+
+class IncidentLog:
+    """The incidents of one run, in order. Appends each to ``path`` (JSON lines) when a path is set.
+
+    Only rank 0 is given a path; every rank keeps the same in-memory list because every decision is rank-consistent.
+    """
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path
+        self.records: list[Incident] = []
+
+    def add(self, incident: Incident) -> None:
+        self.records.append(incident)
+        if self.path is None:
+            return
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(incident.to_dict(), sort_keys=True) + "\n")
+            f.flush()
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def counts(self) -> dict[str, int]:
+        """Number of incidents per action."""
+        out: dict[str, int] = {}
+        for r in self.records:
+            out[r.action] = out.get(r.action, 0) + 1
+        return out
+
+    @staticmethod
+    def read(path: str) -> list[Incident]:
+        """Load the incidents a run wrote to ``path``."""
+        with open(path, encoding="utf-8") as f:
+            return [Incident.from_dict(json.loads(line)) for line in f if line.strip()]
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    return value

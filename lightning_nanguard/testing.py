@@ -1,0 +1,154 @@
+"""Public test doubles: deterministic fault injection, so you can test your own setup as we test ours.
+
+Example::
+
+    >>> from lightning.pytorch import Trainer
+    >>> from lightning_nanguard import GradNormMonitor
+    >>> from lightning_nanguard.testing import FaultInjector
+    >>> trainer = Trainer(max_steps=10, callbacks=[FaultInjector("loss", steps=[3]), GradNormMonitor()])
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_nanguard._validation import check_choice, check_int
+from lightning_nanguard.exceptions import NanGuardConfigError
+
+__all__ = ["FaultInjector"]
+
+Target = Literal["loss", "grad", "param", "input"]
+_VALUES = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+class FaultInjector(Callback):
+    """Inject NaN, inf or a spike into the loss, the gradients, a parameter or the input at chosen steps and ranks.
+
+    Steps are optimizer steps (``trainer.global_step`` when the batch starts); with gradient accumulation every
+    micro-batch of that step's window is hit. Injection is deterministic: same steps, same ranks, same element.
+
+    * ``"loss"``: the loss is multiplied in place in ``on_before_backward`` (``"nan"`` poisons the loss and every
+      gradient; a finite ``value`` such as ``1e4`` is a loss spike).
+    * ``"grad"``: in ``on_after_backward`` (before unscaling and before any nanguard check), element 0 of one
+      parameter's gradient becomes ``value`` (non-finite) or the gradient is multiplied by it (finite: a spike).
+      Under DDP the gradients are already all-reduced here, so only the chosen ranks see the fault.
+    * ``"param"``: in ``on_train_batch_start``, element 0 of one parameter becomes ``value`` (or is multiplied).
+    * ``"input"``: in ``on_train_batch_start``, every floating-point tensor of the batch is multiplied by ``value``.
+
+    Args:
+        target: where to inject.
+        steps: the optimizer steps to inject at (an int or a list of ints).
+        value: ``"nan"``, ``"inf"``, ``"-inf"`` or a finite multiplier.
+        ranks: global ranks to inject on; ``None`` for every rank.
+        param_name: the parameter hit by ``"grad"``/``"param"`` (a name from ``named_parameters()``); ``None`` for
+            the first parameter that has a gradient (``"grad"``) or the first parameter (``"param"``).
+
+    Attributes:
+        injected: ``(global_step, target, rank)`` for every injection made, in order.
+
+    Raises:
+        NanGuardConfigError: on an unknown target, a negative step, or an unknown value.
+    """
+
+    def __init__(
+        self,
+        target: Target = "loss",
+        steps: int | Sequence[int] = 0,
+        value: float | str = "nan",
+        ranks: int | Sequence[int] | None = None,
+        param_name: str | None = None,
+    ) -> None:
+        owner = type(self).__name__
+        check_choice(owner, "target", target, ("loss", "grad", "param", "input"))
+        step_list = [steps] if isinstance(steps, int) else list(steps)
+        for s in step_list:
+            check_int(owner, "steps", s, minimum=0)
+        if isinstance(value, str):
+            if value not in _VALUES:
+                raise NanGuardConfigError(f"{owner}(value={value!r}): must be 'nan', 'inf', '-inf' or a number.")
+            number = _VALUES[value]
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            number = float(value)
+        else:
+            raise NanGuardConfigError(f"{owner}(value={value!r}): must be 'nan', 'inf', '-inf' or a number.")
+        self.target: Target = target
+        self.steps = frozenset(step_list)
+        self.value = number
+        self.ranks = None if ranks is None else frozenset([ranks] if isinstance(ranks, int) else ranks)
+        self.param_name = param_name
+        self.injected: list[tuple[int, str, int]] = []
+
+    def _due(self, trainer: pl.Trainer, target: Target) -> bool:
+        if self.target != target or trainer.global_step not in self.steps:
+            return False
+        return self.ranks is None or trainer.global_rank in self.ranks
+
+    def _note(self, trainer: pl.Trainer) -> None:
+        self.injected.append((trainer.global_step, self.target, trainer.global_rank))
+
+    def _param(self, pl_module: pl.LightningModule, need_grad: bool) -> Tensor:
+        for name, p in pl_module.named_parameters():
+            if self.param_name is not None and name != self.param_name:
+                continue
+            if need_grad and p.grad is None:
+                continue
+            return p
+        raise NanGuardConfigError(
+            f"FaultInjector(param_name={self.param_name!r}): no such parameter"
+            + (" with a gradient" if need_grad else "")
+            + f"; parameters are {[n for n, _ in pl_module.named_parameters()]!r}."
+        )
+
+    def _poison(self, t: Tensor) -> None:
+        with torch.no_grad():
+            if math.isfinite(self.value):
+                t.mul_(self.value)
+            else:
+                t.view(-1)[:1].fill_(self.value)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._due(trainer, "param"):
+            self._poison(self._param(pl_module, need_grad=False))
+            self._note(trainer)
+        elif self._due(trainer, "input"):
+            with torch.no_grad():
+                for t in _tensors(batch):
+                    if t.is_floating_point():
+                        t.mul_(self.value)
+            self._note(trainer)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self._due(trainer, "loss"):
+            # In place, so the poisoned value flows into backward as it would from a real overflow.
+            loss.mul_(self.value)
+            self._note(trainer)
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._due(trainer, "grad"):
+            grad = self._param(pl_module, need_grad=True).grad
+            assert grad is not None
+            self._poison(grad)
+            self._note(trainer)
+
+
+def _tensors(batch: Any) -> list[Tensor]:
+    if isinstance(batch, Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        return [t for v in batch.values() for t in _tensors(v)]
+    if isinstance(batch, (list, tuple)):
+        return [t for v in batch for t in _tensors(v)]
+    return []
