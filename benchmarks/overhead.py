@@ -1,0 +1,240 @@
+"""Per-step overhead of GradNormMonitor vs plain Lightning, Lightning's grad_norm recipe and detect_anomaly.
+
+Prints, side by side in one run, for a small GPT (4 layers, d256, ~4.2M params) and a deep one (24 layers, ~26M
+params, 292 tensors):
+
+* in-Trainer step-time ratios vs the plain-Lightning baseline (process CPU time, torch pinned to 1 thread, rounds
+  with the variant order rotated; ratio = median over rounds of variant median / same-round baseline median);
+* the isolated cost of the check itself on real gradients with a cold cache, and that cost divided by one read of
+  all gradients at this machine's measured memory bandwidth (the floor);
+* host reads (``aten::_local_scalar_dense``, i.e. ``.item()``/``bool()`` on a tensor) per training step, counted with
+  a TorchDispatchMode, minus the baseline's.
+
+Run: ``python benchmarks/overhead.py`` (about 5 minutes on 2 cores) or ``--quick`` (about 1 minute, noisier).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import grad_norm
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _models import DEEP, GPT, SMALL, GPTConfig
+
+from lightning_nanguard import GradNormMonitor
+from lightning_nanguard.signals.gradients import ParamIndex, grad_reading
+
+
+class StepTimer(pl.Callback):
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.marks = warmup, []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.marks.append(time.process_time())
+
+    def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.marks.append(time.process_time())
+
+    def step_times(self) -> list[float]:
+        return [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)][self.warmup :]
+
+
+class LightningGradNormRecipe(pl.Callback):
+    """What Lightning's docs recommend since track_grad_norm was removed: log grad_norm(...) every step."""
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        pl_module.log_dict(grad_norm(pl_module, norm_type=2))
+
+
+class _CountHostReads(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.__name__.startswith("_local_scalar_dense"):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+class HostReadCounter(pl.Callback):
+    def __init__(self) -> None:
+        self.per_step: list[int] = []
+        self._mode: _CountHostReads | None = None
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._mode = _CountHostReads()
+        self._mode.__enter__()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        assert self._mode is not None
+        self._mode.__exit__(None, None, None)
+        self.per_step.append(self._mode.count)
+
+
+VARIANTS: dict[str, Callable[[], tuple[list[pl.Callback], dict[str, Any]]]] = {
+    "baseline": lambda: ([], {}),
+    "GradNormMonitor()": lambda: ([GradNormMonitor()], {}),
+    "grad_norm+log_dict": lambda: ([LightningGradNormRecipe()], {}),
+    "detect_anomaly": lambda: ([], {"detect_anomaly": True}),
+}
+
+
+def _trainer(steps: int, callbacks: list[pl.Callback], tmp: str, **kw: Any) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        callbacks=callbacks,
+        default_root_dir=tmp,
+        logger=pl.loggers.TensorBoardLogger(tmp, name="bench"),
+        log_every_n_steps=50,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kw,
+    )
+
+
+def in_trainer(
+    cfg: GPTConfig, rounds: int, warmup: int, timed: int, tmp: str
+) -> dict[str, tuple[float, float, float, float]]:
+    names = list(VARIANTS)
+    ratios: dict[str, list[float]] = {n: [] for n in names}
+    medians: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        this_round: dict[str, float] = {}
+        for name in order:
+            callbacks, kw = VARIANTS[name]()
+            timer = StepTimer(warmup)
+            torch.manual_seed(0)
+            model = GPT(cfg, steps=warmup + timed + 1)
+            _trainer(warmup + timed, [*callbacks, timer], tmp, **kw).fit(model)
+            this_round[name] = statistics.median(timer.step_times())
+        for name in names:
+            medians[name].append(this_round[name])
+            ratios[name].append(this_round[name] / this_round["baseline"])
+    return {
+        n: (statistics.median(medians[n]) * 1e3, statistics.median(ratios[n]), min(ratios[n]), max(ratios[n]))
+        for n in names
+    }
+
+
+def host_reads(cfg: GPTConfig, tmp: str, steps: int = 4) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for name, make in VARIANTS.items():
+        callbacks, kw = make()
+        counter = HostReadCounter()
+        torch.manual_seed(0)
+        _trainer(steps, [*callbacks, counter], tmp, **kw).fit(GPT(cfg, steps=steps + 1))
+        out[name] = statistics.median(counter.per_step[1:])
+    return out
+
+
+def _bandwidth_gbps() -> float:
+    buf = torch.ones(128 * 1024 * 1024)  # 512 MiB fp32
+    best = float("inf")
+    for _ in range(5):
+        t = time.process_time()
+        buf.sum()
+        best = min(best, time.process_time() - t)
+    return buf.numel() * 4 / best / 1e9
+
+
+def isolated(cfg: GPTConfig, reps: int = 15) -> dict[str, float]:
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    x, y = next(iter(model.train_dataloader()))
+    logits = model(x)
+    torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab), y.reshape(-1)).backward()
+    params = list(model.parameters())
+    index = ParamIndex(params, [n for n, _ in model.named_parameters()], depth=1)
+    grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    scratch = torch.empty(16 * 1024 * 1024)  # 64 MiB written before each rep: the grads are not cache-hot
+
+    def ours() -> None:  # exactly the healthy-path work of the shared step health
+        reading = grad_reading(index)
+        assert reading is not None
+        bool((~torch.isfinite(reading.total_norm)).item())
+
+    def lightning_recipe() -> None:
+        grad_norm(model, norm_type=2)
+
+    out: dict[str, float] = {}
+    for name, fn in (("GradNormMonitor()", ours), ("grad_norm+log_dict", lightning_recipe)):
+        times = []
+        for _ in range(reps):
+            scratch.fill_(1.0)
+            t = time.process_time()
+            fn()
+            times.append(time.process_time() - t)
+        out[name] = statistics.median(times) * 1e3
+    out["floor"] = grad_bytes / (_bandwidth_gbps() * 1e9) * 1e3
+    out["grad_mib"] = grad_bytes / 2**20
+    out["tensors"] = float(len(params))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="2 rounds, 6 timed steps (noisier)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--timed", type=int, default=10)
+    args = parser.parse_args()
+    rounds, timed = (2, 6) if args.quick else (args.rounds, args.timed)
+    torch.set_num_threads(1)
+    import logging
+    import tempfile
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    with tempfile.TemporaryDirectory() as tmp:
+        results = {}
+        for cfg in (SMALL, DEEP):
+            print(f"measuring {cfg.name} ...", file=sys.stderr, flush=True)
+            results[cfg.name] = (in_trainer(cfg, rounds, 2, timed, tmp), isolated(cfg), host_reads(cfg, tmp))
+
+    print(f"\nCPU process time, 1 thread, {rounds} rounds x {timed} timed steps (ratio: median [min-max] vs baseline)")
+    header = (
+        f"| variant | {SMALL.name}: step ms | ratio | {DEEP.name}: step ms | ratio | host reads/step (small; deep) |"
+    )
+    print(header)
+    print("|" + "---|" * 6)
+    small, deep = results[SMALL.name], results[DEEP.name]
+    for name in VARIANTS:
+        s, d = small[0][name], deep[0][name]
+        hs = small[2][name] - small[2]["baseline"]
+        hd = deep[2][name] - deep[2]["baseline"]
+        print(
+            f"| {name} | {s[0]:.1f} | {s[1]:.3f} [{s[2]:.3f}-{s[3]:.3f}] | {d[0]:.1f} | {d[1]:.3f} [{d[2]:.3f}-{d[3]:.3f}]"
+            f" | +{hs:.0f}; +{hd:.0f} |"
+        )
+    print(
+        "\nIsolated check on real gradients, cold cache (ms; x floor = / one read of all grads at measured bandwidth)"
+    )
+    print("| model | grads MiB | tensors | floor ms | GradNormMonitor ms (x floor, % of step) | grad_norm recipe ms |")
+    print("|" + "---|" * 6)
+    for cfg in (SMALL, DEEP):
+        iso = results[cfg.name][1]
+        step = results[cfg.name][0]["baseline"][0]
+        ours = iso["GradNormMonitor()"]
+        print(
+            f"| {cfg.name} | {iso['grad_mib']:.1f} | {iso['tensors']:.0f} | {iso['floor']:.2f} | {ours:.2f} "
+            f"({ours / iso['floor']:.2f}x, {100 * ours / step:.2f}%) | {iso['grad_norm+log_dict']:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

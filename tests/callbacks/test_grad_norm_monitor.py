@@ -1,0 +1,241 @@
+"""GradNormMonitor on real Trainer.fit runs with deterministic fault injection."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_nanguard import GradNormMonitor, NanGuardConfigError, NonFiniteTrainingError
+from lightning_nanguard.context import get_context
+from lightning_nanguard.testing import FaultInjector
+from tests.helpers import PRECISIONS, TinyModel, all_finite, csv_metrics, loggers, make_trainer, params_of, tb_scalars
+
+
+class ParamsAtBatchStart(pl.Callback):
+    """Records the parameters at the start of every optimizer step (keyed by global_step)."""
+
+    def __init__(self) -> None:
+        self.at: dict[int, dict[str, torch.Tensor]] = {}
+        self.adam_steps: dict[int, float] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.at.setdefault(trainer.global_step, params_of(pl_module))
+        state = trainer.optimizers[0].state
+        steps = [float(s["step"]) for s in state.values() if "step" in s]
+        self.adam_steps.setdefault(trainer.global_step, max(steps, default=0.0))
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("value", ["nan", "inf"])
+@pytest.mark.parametrize("target", ["loss", "grad"])
+def test_bad_step_is_skipped_and_recorded(tmp_path: Any, precision: str, value: str, target: str) -> None:
+    spy = ParamsAtBatchStart()
+    monitor = GradNormMonitor()
+    trainer = make_trainer(
+        tmp_path,
+        precision,
+        logger=loggers(tmp_path),
+        callbacks=[FaultInjector(target, steps=[2], value=value), monitor, spy],
+    )
+    model = TinyModel()
+    trainer.fit(model)
+
+    assert _same(spy.at[2], spy.at[3]), "the poisoned update landed"
+    assert not _same(spy.at[1], spy.at[2]), "healthy steps must still update"
+    assert spy.adam_steps[3] == spy.adam_steps[2], "Adam's step count moved on a skipped step"
+    assert all_finite(model)
+    assert monitor.skipped_steps == 1
+    records = get_context(trainer).incidents.records
+    assert [(r.step, r.action) for r in records] == [(2, "scaler_skip" if precision == "16-mixed" else "skip")]
+    assert records[0].trigger.startswith("nonfinite")
+
+    tb_dir = os.path.join(tmp_path, "tb", "version_0")
+    with open(os.path.join(tb_dir, "nanguard", "incidents.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+    assert len(lines) == 1
+    assert lines[0]["step"] == 2
+    assert lines[0]["ranks"] == [0]
+    assert {"step", "epoch", "batch_idx", "ranks", "trigger", "values", "action", "budget_left"} <= lines[0].keys()
+
+    scalars = tb_scalars(tb_dir)
+    assert [v for _, v in scalars["nanguard/skipped_steps"]][-1] == 1.0
+    assert len(scalars["nanguard/grad_norm"]) == 6
+    assert any(math.isinf(v) or math.isnan(v) for _, v in scalars["nanguard/grad_norm"])
+    assert [v for _, v in scalars["nanguard/nonfinite_grads"]].count(0.0) == 5
+    assert "nanguard/incident/" + records[0].action in scalars
+
+    rows = csv_metrics(os.path.join(tmp_path, "csv", "version_0"))
+    skipped = [float(r["nanguard/skipped_steps"]) for r in rows if r.get("nanguard/skipped_steps")]
+    assert skipped[-1] == 1.0
+    assert sum(1 for r in rows if r.get("nanguard/grad_norm")) == 6
+
+
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+def test_accumulated_window_with_bad_micro_batch_is_skipped(tmp_path: Any, precision: str) -> None:
+    spy = ParamsAtBatchStart()
+    monitor = GradNormMonitor()
+    trainer = make_trainer(
+        tmp_path, precision, accumulate_grad_batches=2, callbacks=[FaultInjector("loss", steps=[1]), monitor, spy]
+    )
+    model = TinyModel()
+    trainer.fit(model)
+    assert _same(spy.at[1], spy.at[2])
+    assert not _same(spy.at[2], spy.at[3])
+    assert monitor.skipped_steps == 1
+    assert all_finite(model)
+
+
+def test_budget_exhausted_stops_with_error_and_finite_weights(tmp_path: Any) -> None:
+    monitor = GradNormMonitor(max_consecutive_skips=2)
+    trainer = make_trainer(tmp_path, max_steps=10, callbacks=[FaultInjector("loss", steps=range(3, 10)), monitor])
+    model = TinyModel()
+    with pytest.raises(
+        NonFiniteTrainingError, match=r"global_step=5.*3 non-finite steps in a row.*max_consecutive_skips=2"
+    ):
+        trainer.fit(model)
+    assert trainer.global_step == 6  # stopped after the batch that exhausted the budget
+    assert all_finite(model)
+    actions = [r.action for r in get_context(trainer).incidents.records]
+    assert actions == ["skip", "skip", "stop"]
+
+
+def test_stop_mode_stops_at_first_bad_step(tmp_path: Any) -> None:
+    trainer = make_trainer(
+        tmp_path, max_steps=10, callbacks=[FaultInjector("grad", steps=[4]), GradNormMonitor("stop")]
+    )
+    model = TinyModel()
+    with pytest.raises(NonFiniteTrainingError, match="global_step=4"):
+        trainer.fit(model)
+    assert all_finite(model)
+
+
+def test_warn_mode_lets_update_through_and_warns(tmp_path: Any) -> None:
+    trainer = make_trainer(tmp_path, callbacks=[FaultInjector("loss", steps=[2]), GradNormMonitor("warn")])
+    model = TinyModel()
+    with pytest.warns(UserWarning, match="on_nonfinite='warn' lets this update through"):
+        trainer.fit(model)
+    assert not all_finite(model)  # documented: warn is for diagnosis only
+
+
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed", "bf16-mixed"])
+def test_healthy_run_is_bit_identical_with_and_without_monitor(tmp_path: Any, precision: str) -> None:
+    def run(callbacks: list[pl.Callback]) -> dict[str, torch.Tensor]:
+        pl.seed_everything(7, verbose=False)
+        model = TinyModel()
+        make_trainer(tmp_path, precision, max_steps=8, gradient_clip_val=0.5, callbacks=callbacks).fit(model)
+        return params_of(model)
+
+    plain = run([])
+    guarded = run([GradNormMonitor(layer_depth=2, histogram=True)])
+    assert _same(plain, guarded)
+
+
+def test_per_layer_norms_and_clipped_norm_reach_tensorboard(tmp_path: Any) -> None:
+    monitor = GradNormMonitor(layer_depth=1, log_every_n_steps=2, histogram=True)
+    trainer = make_trainer(tmp_path, logger=loggers(tmp_path), gradient_clip_val=0.01, callbacks=[monitor])
+    trainer.fit(TinyModel())
+    scalars = tb_scalars(os.path.join(tmp_path, "tb", "version_0"))
+    layer_keys = sorted(k for k in scalars if k.startswith("nanguard/layer_grad_norm/"))
+    assert layer_keys == ["nanguard/layer_grad_norm/body", "nanguard/layer_grad_norm/head"]
+    assert [s for s, _ in scalars["nanguard/layer_grad_norm/body"]] == [1, 3, 5]
+    pre = dict(scalars["nanguard/grad_norm"])
+    post = dict(scalars["nanguard/grad_norm_clipped"])
+    assert set(post) == set(pre)
+    for step, clipped in post.items():
+        assert clipped <= 0.01 * 1.001 < pre[step]
+        # the total of the per-layer norms is the total norm
+    body, head = dict(scalars["nanguard/layer_grad_norm/body"]), dict(scalars["nanguard/layer_grad_norm/head"])
+    for step in body:
+        assert math.isclose(math.hypot(body[step], head[step]), pre[step], rel_tol=1e-4)
+
+
+def test_fused_optimizer_with_scaler_reports_unscaled_norm(tmp_path: Any) -> None:
+    def norms(fused: bool) -> list[float]:
+        pl.seed_everything(3, verbose=False)
+        model = TinyModel(fused=fused) if fused else TinyModel(foreach=False)
+        trainer = make_trainer(
+            tmp_path / str(fused), "16-mixed", logger=loggers(tmp_path / str(fused)), callbacks=[GradNormMonitor()]
+        )
+        trainer.fit(model)
+        scalars = tb_scalars(os.path.join(tmp_path / str(fused), "tb", "version_0"))
+        return [v for _, v in scalars["nanguard/grad_norm"]]
+
+    fused, plain = norms(True), norms(False)
+    assert fused == pytest.approx(plain, rel=1e-3)
+
+
+def test_fused_optimizer_with_scaler_bad_step_is_skipped(tmp_path: Any) -> None:
+    spy = ParamsAtBatchStart()
+    trainer = make_trainer(tmp_path, "16-mixed", callbacks=[FaultInjector("grad", steps=[2]), GradNormMonitor(), spy])
+    model = TinyModel(fused=True)
+    trainer.fit(model)
+    assert _same(spy.at[2], spy.at[3])
+    assert all_finite(model)
+
+
+def test_state_round_trips_through_weights_only_checkpoint(tmp_path: Any) -> None:
+    monitor = GradNormMonitor(max_consecutive_skips=3)
+    trainer = make_trainer(tmp_path, max_steps=8, callbacks=[FaultInjector("loss", steps=[2, 7]), monitor])
+    trainer.fit(TinyModel())  # 8 steps = one full epoch, so the resume is at an epoch boundary
+    path = os.path.join(tmp_path, "a.ckpt")
+    trainer.save_checkpoint(path)
+    ckpt = torch.load(path, weights_only=True)
+    state = ckpt["callbacks"][monitor.state_key]
+    assert state["skipped_steps"] == 2
+    assert state["streak"] == 1
+
+    resumed = GradNormMonitor(max_consecutive_skips=3)
+    trainer2 = make_trainer(tmp_path, max_steps=12, callbacks=[resumed])
+    trainer2.fit(TinyModel(), ckpt_path=path, weights_only=True)
+    assert resumed.skipped_steps == 2
+    assert resumed.state_dict()["streak"] == 0  # healthy steps after the resume reset the streak
+
+
+def test_manual_optimization_skip(tmp_path: Any) -> None:
+    class Manual(TinyModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            opt = self.optimizers()
+            loss = super().training_step(batch, batch_idx)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+            return loss
+
+    spy = ParamsAtBatchStart()
+    trainer = make_trainer(tmp_path, callbacks=[FaultInjector("loss", steps=[2]), GradNormMonitor(), spy])
+    model = Manual()
+    trainer.fit(model)
+    assert _same(spy.at[2], spy.at[3])
+    assert all_finite(model)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"on_nonfinite": "ignore"},
+            r"GradNormMonitor\(on_nonfinite='ignore'\): must be one of \['skip', 'stop', 'warn'\]",
+        ),
+        ({"max_consecutive_skips": -1}, r"GradNormMonitor\(max_consecutive_skips=-1\): must be an int >= 0"),
+        ({"layer_depth": 0}, r"GradNormMonitor\(layer_depth=0\): must be an int or None >= 1"),
+        ({"log_every_n_steps": 2.5}, r"GradNormMonitor\(log_every_n_steps=2.5\): must be an int or None >= 1"),
+        ({"histogram": "yes"}, r"GradNormMonitor\(histogram='yes'\)"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(NanGuardConfigError, match=match):
+        GradNormMonitor(**kwargs)

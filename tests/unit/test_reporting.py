@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import pytest
+
+from lightning_nanguard import NanGuardConfigError
+from lightning_nanguard._validation import check_float
+from lightning_nanguard.cli import main
+from lightning_nanguard.reporting.incidents import Incident, IncidentLog
+from lightning_nanguard.reporting.summary import format_summary
+
+
+def _incident(step: int, action: str = "skip") -> Incident:
+    return Incident(step, 0, step, [0], "nonfinite_loss", action, "GradNormMonitor", {"loss": math.nan, "g": 1.5}, 3)
+
+
+def test_incident_log_writes_json_lines_with_nonfinite_values_as_strings(tmp_path: Any) -> None:
+    log = IncidentLog(str(tmp_path / "sub" / "incidents.jsonl"))
+    log.add(_incident(3))
+    log.add(_incident(4, "stop"))
+    lines = (tmp_path / "sub" / "incidents.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    assert first["values"] == {"loss": "nan", "g": 1.5}
+    assert [r.step for r in IncidentLog.read(str(tmp_path / "sub" / "incidents.jsonl"))] == [3, 4]
+    assert log.counts() == {"skip": 1, "stop": 1}
+
+
+def test_summary_is_short_and_names_counts() -> None:
+    text = format_summary([_incident(i) for i in range(30)], ["GradNormMonitor"], "/x/incidents.jsonl")
+    assert "incidents: 30  skip=30" in text
+    assert "... 22 more ..." in text
+    assert len(text.splitlines()) < 20
+    assert "no incidents" in format_summary([], ["GradNormMonitor"], None)
+
+
+def test_cli_report(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    log = IncidentLog(str(tmp_path / "nanguard" / "incidents.jsonl"))
+    log.add(_incident(7))
+    assert main(["report", str(tmp_path)]) == 0
+    assert "step       7" in capsys.readouterr().out
+    assert main(["report", str(tmp_path / "missing")]) == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "value", "message"),
+    [
+        ({"low": 0.0, "high": 1.0, "low_inclusive": False}, 0.0, r"X\(f=0.0\): must be a number in \(0.0, 1.0\]"),
+        ({"low": 1.0}, float("nan"), r"X\(f=nan\): must be a number in \[1.0, inf\)"),
+        ({}, "a", r"X\(f='a'\): must be a number"),
+    ],
+)
+def test_check_float_messages(kwargs: dict[str, Any], value: Any, message: str) -> None:
+    with pytest.raises(NanGuardConfigError, match=message):
+        check_float("X", "f", value, **kwargs)
