@@ -106,6 +106,14 @@ def tb_scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+def tb_tags(log_dir: str) -> dict[str, list[str]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(log_dir, size_guidance={"tensors": 0})
+    acc.Reload()
+    return acc.Tags()
+
+
 def csv_metrics(log_dir: str) -> list[dict[str, str]]:
     import csv
     import os

@@ -14,7 +14,17 @@ import torch
 from lightning_nanguard import GradNormMonitor, NanGuardConfigError, NonFiniteTrainingError
 from lightning_nanguard.context import get_context
 from lightning_nanguard.testing import FaultInjector
-from tests.helpers import PRECISIONS, TinyModel, all_finite, csv_metrics, loggers, make_trainer, params_of, tb_scalars
+from tests.helpers import (
+    PRECISIONS,
+    TinyModel,
+    all_finite,
+    csv_metrics,
+    loggers,
+    make_trainer,
+    params_of,
+    tb_scalars,
+    tb_tags,
+)
 
 
 class ParamsAtBatchStart(pl.Callback):
@@ -65,6 +75,8 @@ def test_bad_step_is_skipped_and_recorded(tmp_path: Any, precision: str, value: 
     assert len(lines) == 1
     assert lines[0]["step"] == 2
     assert lines[0]["ranks"] == [0]
+    assert lines[0]["batch_idx"] == 2
+    assert lines[0]["source"] == "GradNormMonitor"
     assert {"step", "epoch", "batch_idx", "ranks", "trigger", "values", "action", "budget_left"} <= lines[0].keys()
 
     scalars = tb_scalars(tb_dir)
@@ -73,6 +85,7 @@ def test_bad_step_is_skipped_and_recorded(tmp_path: Any, precision: str, value: 
     assert any(math.isinf(v) or math.isnan(v) for _, v in scalars["nanguard/grad_norm"])
     assert [v for _, v in scalars["nanguard/nonfinite_grads"]].count(0.0) == 5
     assert "nanguard/incident/" + records[0].action in scalars
+    assert "nanguard/incidents/text_summary" in tb_tags(tb_dir)["tensors"]
 
     rows = csv_metrics(os.path.join(tmp_path, "csv", "version_0"))
     skipped = [float(r["nanguard/skipped_steps"]) for r in rows if r.get("nanguard/skipped_steps")]
