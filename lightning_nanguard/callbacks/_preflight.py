@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
 from lightning_nanguard import _lightning_compat
@@ -41,7 +41,7 @@ def describe_optimizers(trainer: pl.Trainer) -> list[OptimizerInfo]:
 
 
 def run_preflight(trainer: pl.Trainer, on_hazard: OnHazard, safe_eps: float, source: str) -> list[Finding]:
-    """Check, then fix / warn / raise per ``on_hazard``; every finding becomes an incident and a warning.
+    """Check, then fix / warn / raise per ``on_hazard``; every finding becomes an incident and a warning (notes: info).
 
     Raises:
         UnsupportedSetupError: ``on_hazard="raise"`` and a hazard (not a note) was found. Same on every rank, since
@@ -69,7 +69,9 @@ def run_preflight(trainer: pl.Trainer, on_hazard: OnHazard, safe_eps: float, sou
             trainer,
             make_incident(trainer, trigger=f.code, action=action, source=source, values=values, message=message),
         )
-        rank_zero_warn(f"{source} preflight: {message}")
+        # A note (true half precision is a legitimate choice) goes to the log; a hazard is a warning.
+        report = rank_zero_info if f.code in _NOTES else rank_zero_warn
+        report(f"{source} preflight: {message}")
     return findings
 
 

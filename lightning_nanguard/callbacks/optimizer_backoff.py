@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -128,6 +129,7 @@ class OptimizerBackoff(Callback):
         self._pending: list[ScaleChange] = []
         self._restored = False
         self._in_batch = False
+        self._at_batch_end = False  # between our on_train_batch_end and the next batch: global_step already moved
         self._state_loaded = False
         self._last_tick = -1
 
@@ -167,6 +169,7 @@ class OptimizerBackoff(Callback):
             groups = self._eps_targets(trainer)
             if groups:
                 self._eps_scale = float(groups[0][2].get(EPS_SCALE_KEY, 1.0))
+        self._at_batch_end = False
         self._apply(trainer, [], trigger="reapplied_after_resume")
         self._last_tick = trainer.global_step
 
@@ -174,16 +177,17 @@ class OptimizerBackoff(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._in_batch = True
+        self._in_batch, self._at_batch_end = True, False
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         # Lightning has stepped the step/epoch schedulers by now: from here on a change is not undone this step.
-        self._in_batch = False
+        self._in_batch, self._at_batch_end = False, True
         changes, self._pending = self._pending, []
         if changes or self._restored:
+            self._restored = False
             self._apply(trainer, changes, trigger="reapplied_after_restore")
         if trainer.global_step != self._last_tick:
             self._last_tick = trainer.global_step
@@ -295,10 +299,12 @@ class OptimizerBackoff(Callback):
             + (f"; at the floor min_lr_scale={self.min_lr_scale:g}, no further backoff" if at_floor else "")
             + "."
         )
+        # Applied in on_train_batch_end, a change follows the step that just ran (global_step has moved on).
+        step = trainer.global_step - 1 if self._at_batch_end else trainer.global_step
         incident = make_incident(
             trainer, trigger=cause, action="backoff", source=type(self).__name__, values=values, message=message
         )
-        get_context(trainer).record(trainer, incident)
+        get_context(trainer).record(trainer, dataclasses.replace(incident, step=max(step, 0)))
 
     def _eps_metrics(self, trainer: pl.Trainer) -> dict[str, float]:
         found = {

@@ -34,8 +34,8 @@ __all__ = [
     "scale_eps",
     "scale_schedule",
     "schedulers_of",
-    "sync_eps_scale",
     "stamp_lr_scale",
+    "sync_eps_scale",
     "sync_lr_scale",
 ]
 
