@@ -6,7 +6,6 @@ import dataclasses
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
@@ -17,7 +16,15 @@ from lightning_nanguard.callbacks._preflight import OnHazard, run_preflight
 from lightning_nanguard.context import get_context
 from lightning_nanguard.exceptions import NanGuardConfigError
 from lightning_nanguard.policies.backoff import BackoffPolicy, ScaleChange, parse_triggers
-from lightning_nanguard.recovery.backoff import EPS_SCALE_KEY, lr_scale_of, sync_eps_scale, sync_lr_scale
+from lightning_nanguard.recovery.backoff import (
+    EPS_SCALE_KEY,
+    eps_groups,
+    eps_metrics,
+    lr_scale_of,
+    stamp_lr_scale,
+    sync_eps_scale,
+    sync_lr_scale,
+)
 from lightning_nanguard.reporting import emit, keys
 from lightning_nanguard.reporting.incidents import Incident
 
@@ -160,13 +167,21 @@ class OptimizerBackoff(Callback):
         ctx.subscribe("restored", self._on_restored)
 
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Record scale 1.0 in every fresh optimizer/scheduler before anyone snapshots them: a scheduler restore is
+        # ``__dict__.update`` and cannot drop a record its saved state lacks (see ``stamp_lr_scale``).
+        schedulers = [cfg.scheduler for cfg in trainer.lr_scheduler_configs]
+        for opt in trainer.optimizers:
+            stamp_lr_scale(opt, schedulers)
+
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Optimizer and scheduler state are restored by now (on a resume too): check them, then re-apply.
         run_preflight(trainer, self.on_hazard, self.safe_eps, type(self).__name__)
         if not self._state_loaded and trainer.optimizers:
             # No callback state (added on resume): adopt the scale the optimizer state says was baked in.
             self._policy.scale = lr_scale_of(trainer.optimizers[0])
-            groups = self._eps_targets(trainer)
+            groups = eps_groups(trainer.optimizers, self.eps_backoff)
             if groups:
                 self._eps_scale = float(groups[0][2].get(EPS_SCALE_KEY, 1.0))
         self._at_batch_end = False
@@ -196,7 +211,7 @@ class OptimizerBackoff(Callback):
                 self._apply(trainer, [change])
         if _lightning_compat.should_update_logs(trainer):
             # Host floats already: one logger call, no tensors, no per-key ``self.log`` overhead (~2 ms each).
-            emit.log_event(trainer, {keys.LR_SCALE: self._policy.scale, **self._eps_metrics(trainer)})
+            emit.log_event(trainer, {keys.LR_SCALE: self._policy.scale, **eps_metrics(trainer.optimizers, keys.EPS)})
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -254,23 +269,9 @@ class OptimizerBackoff(Callback):
             self._apply(trainer, [], trigger="reapplied_after_restore")
 
     # ------------------------------------------------------------------ acting
-    def _eps_targets(self, trainer: pl.Trainer) -> list[tuple[int, int, dict[str, Any]]]:
-        """``(opt_idx, group_idx, group)`` of the groups eps backoff acts on."""
-        if self.eps_backoff == "never":
-            return []
-        out = []
-        for i, opt in enumerate(trainer.optimizers):
-            for j, group in enumerate(opt.param_groups):
-                if not _has_eps(group):
-                    continue
-                fp16 = any(p.dtype == torch.float16 for p in group["params"])
-                if self.eps_backoff == "always" or (fp16 and not group.get("fused")):
-                    out.append((i, j, group))
-        return out
-
     def _apply(self, trainer: pl.Trainer, changes: list[ScaleChange], trigger: str = "") -> None:
         """Raise/lower ``_eps_scale`` for the changes, then sync every optimizer to the scales; record what changed."""
-        targets = self._eps_targets(trainer)
+        targets = eps_groups(trainer.optimizers, self.eps_backoff)
         if any(c.eps for c in changes) and any(float(g["eps"]) < self.max_eps for _, _, g in targets):
             self._eps_scale *= self.eps_factor
         lr_before = [lr_scale_of(opt) for opt in trainer.optimizers]
@@ -305,21 +306,3 @@ class OptimizerBackoff(Callback):
             trainer, trigger=cause, action="backoff", source=type(self).__name__, values=values, message=message
         )
         get_context(trainer).record(trainer, dataclasses.replace(incident, step=max(step, 0)))
-
-    def _eps_metrics(self, trainer: pl.Trainer) -> dict[str, float]:
-        found = {
-            f"opt{i}_group{j}": float(g["eps"])
-            for i, opt in enumerate(trainer.optimizers)
-            for j, g in enumerate(opt.param_groups)
-            if _has_eps(g)
-        }
-        if not found:
-            return {}
-        if len(set(found.values())) == 1:
-            return {keys.EPS: next(iter(found.values()))}
-        return {f"{keys.EPS}/{name}": value for name, value in found.items()}
-
-
-def _has_eps(group: dict[str, Any]) -> bool:
-    eps = group.get("eps")
-    return isinstance(eps, (int, float)) and not isinstance(eps, bool)

@@ -22,6 +22,7 @@ import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -29,6 +30,8 @@ __all__ = [
     "EPS_SCALE_KEY",
     "LR_SCALE_KEY",
     "eps_groups",
+    "eps_metrics",
+    "has_eps",
     "iter_schedulers",
     "lr_scale_of",
     "scale_eps",
@@ -163,14 +166,40 @@ def sync_lr_scale(optimizer: Optimizer, schedulers: Sequence[Any], scale: float)
     return changed
 
 
-def eps_groups(optimizer: Optimizer) -> list[dict[str, Any]]:
-    """The param groups whose ``eps`` is a plain number (Adam family, RMSprop, Adagrad, Adadelta, ...)."""
+def has_eps(group: dict[str, Any]) -> bool:
+    """Whether a param group has a plain-number ``eps`` (Adam family, RMSprop, Adagrad, Adadelta, ...)."""
+    eps = group.get("eps")
+    return isinstance(eps, (int, float)) and not isinstance(eps, bool)
+
+
+def eps_groups(optimizers: Sequence[Optimizer], mode: str = "always") -> list[tuple[int, int, dict[str, Any]]]:
+    """``(opt_idx, group_idx, group)`` of the groups eps backoff acts on.
+
+    ``mode="auto"``: non-fused groups holding float16 parameters, the only place eps underflows (``16-true``); under
+    mixed precision the optimizer runs in float32 on float32 master weights, and bfloat16 has float32's range.
+    ``"always"``: every group with an eps. ``"never"``: none.
+    """
+    if mode == "never":
+        return []
     out = []
-    for group in optimizer.param_groups:
-        eps = group.get("eps")
-        if isinstance(eps, (int, float)) and not isinstance(eps, bool):
-            out.append(group)
+    for i, opt in enumerate(optimizers):
+        for j, group in enumerate(opt.param_groups):
+            if not has_eps(group):
+                continue
+            fp16 = any(p.dtype == torch.float16 for p in group["params"])
+            if mode == "always" or (fp16 and not group.get("fused")):
+                out.append((i, j, group))
     return out
+
+
+def eps_metrics(optimizers: Sequence[Optimizer], key: str) -> dict[str, float]:
+    """``{key: eps}`` when every group with an eps shares one value, else ``{key/opt{i}_group{j}: eps}``."""
+    found = {f"opt{i}_group{j}": float(g["eps"]) for i, j, g in eps_groups(optimizers)}
+    if not found:
+        return {}
+    if len(set(found.values())) == 1:
+        return {key: next(iter(found.values()))}
+    return {f"{key}/{name}": value for name, value in found.items()}
 
 
 def scale_eps(group: dict[str, Any], factor: float, max_eps: float) -> tuple[float, float]:
