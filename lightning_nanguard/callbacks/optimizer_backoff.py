@@ -43,7 +43,8 @@ class OptimizerBackoff(Callback):
     restores an older optimizer/scheduler state (AutoRollback's ``"restored"`` event, ``fit(ckpt_path=...)``) the
     backoff is re-applied exactly once.
 
-    eps backoff (``eps_backoff="auto"``) acts only on non-fused param groups holding float16 parameters
+    eps backs off with every learning-rate backoff (same triggers), by ``eps_factor`` up to ``max_eps``. With
+    ``eps_backoff="auto"`` it acts only on non-fused param groups holding float16 parameters
     (``precision="16-true"``): there eps lives in fp16, 1e-8 is 0 and Adam divides by zero. Under ``*-mixed`` the
     optimizer runs in float32 on float32 master weights and eps is not the problem, so it is left alone; bfloat16 has
     float32's range. eps never recovers. Before the first step a preflight check (``on_hazard``) catches an eps that is

@@ -186,8 +186,7 @@ def eps_groups(optimizers: Sequence[Optimizer], mode: str = "always") -> list[tu
         for j, group in enumerate(opt.param_groups):
             if not has_eps(group):
                 continue
-            fp16 = any(p.dtype == torch.float16 for p in group["params"])
-            if mode == "always" or (fp16 and not group.get("fused")):
+            if mode == "always" or (not group.get("fused") and any(p.dtype == torch.float16 for p in group["params"])):
                 out.append((i, j, group))
     return out
 
