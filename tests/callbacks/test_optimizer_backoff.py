@@ -355,3 +355,32 @@ def test_state_round_trip_weights_only(tmp_path: Any) -> None:
     assert other.eps_scale == 10.0
     OptimizerBackoff().load_state_dict({})  # tolerant of older/empty state
     assert OptimizerBackoff(lr_factor=0.5).state_key != OptimizerBackoff(lr_factor=0.25).state_key
+
+
+class ManualModel(SchedModel):
+    """Manual optimization: the module steps its own scheduler inside training_step."""
+
+    def __init__(self) -> None:
+        super().__init__("LambdaLR", lr=0.02)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt, sched = self.optimizers(), self.lr_schedulers()
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        opt.zero_grad()  # type: ignore[union-attr]
+        self.manual_backward(loss)
+        opt.step()  # type: ignore[union-attr]
+        sched.step()  # type: ignore[union-attr]
+        return loss
+
+
+def test_manual_optimization(tmp_path: Any) -> None:
+    def fit(steps: list[int]) -> Recorder:
+        rec = Recorder()
+        make_trainer(tmp_path, max_steps=8, callbacks=[IncidentAt(steps), OptimizerBackoff(), rec]).fit(ManualModel())
+        return rec
+
+    ref, got = fit([]), fit([3])
+    ratios = [got.lr[s] / ref.lr[s] for s in range(8)]
+    assert ratios == [pytest.approx(1.0)] * 4 + [pytest.approx(0.5)] * 4
