@@ -1,6 +1,6 @@
 """lightning_nanguard: composable PyTorch Lightning callbacks that keep training numerically healthy."""
 
-from lightning_nanguard.callbacks import GradNormMonitor
+from lightning_nanguard.callbacks import GradNormMonitor, OptimizerBackoff
 from lightning_nanguard.exceptions import (
     CheckpointVerificationError,
     NanGuardConfigError,
@@ -22,6 +22,7 @@ __all__ = [
     "NanGuardConfigError",
     "NanGuardError",
     "NonFiniteTrainingError",
+    "OptimizerBackoff",
     "RecoveryBudgetExhausted",
     "UnsupportedSetupError",
 ]

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 __all__ = [
+    "EPS",
     "GRAD_NORM",
     "GRAD_NORM_CLIPPED",
     "LAYER_GRAD_NORM",
+    "LR_SCALE",
     "NONFINITE_GRADS",
     "PREFIX",
     "SKIPPED_STEPS",
@@ -25,3 +27,5 @@ GRAD_NORM_CLIPPED = key("grad_norm_clipped")
 NONFINITE_GRADS = key("nonfinite_grads")
 SKIPPED_STEPS = key("skipped_steps")
 LAYER_GRAD_NORM = key("layer_grad_norm")  # + "/<module path>"
+LR_SCALE = key("lr_scale")
+EPS = key("eps")  # or + "/opt{i}_group{j}" when groups differ

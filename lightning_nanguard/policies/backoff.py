@@ -1,0 +1,110 @@
+"""When to back off the learning rate (and eps), how far, and when to recover: the policy behind OptimizerBackoff.
+
+Pure: incidents (as plain action/trigger/step values) in, scale changes out. The callback applies the scales.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+__all__ = ["TRIGGERS", "BackoffPolicy", "ScaleChange", "parse_triggers"]
+
+# What an incident must look like to count, by trigger name in ``OptimizerBackoff(on=...)``.
+TRIGGERS = ("rollback", "skip", "scaler_skip", "loss_scale_collapse", "warn", "stop")
+
+
+def parse_triggers(on: str) -> frozenset[str]:
+    """``"rollback, skip"`` -> ``{"rollback", "skip"}``. Raises ValueError naming the unknown ones."""
+    names = frozenset(part.strip() for part in on.split(",") if part.strip())
+    unknown = sorted(names.difference(TRIGGERS))
+    if unknown:
+        raise ValueError(f"unknown trigger(s) {unknown}; choose from {list(TRIGGERS)}")
+    return names
+
+
+def incident_trigger(action: str, trigger: str) -> str | None:
+    """Which ``on=`` name an incident with this ``action``/``trigger`` answers to (None: not a backoff cause)."""
+    if trigger == "loss_scale_collapse":
+        return "loss_scale_collapse"
+    if action in TRIGGERS:
+        return action
+    return None
+
+
+@dataclass(frozen=True)
+class ScaleChange:
+    """One decided change of the learning-rate scale (and whether eps should back off with it)."""
+
+    before: float
+    after: float
+    cause: str
+    eps: bool = False
+
+
+@dataclass
+class BackoffPolicy:
+    """Decide backoffs and recoveries of a multiplicative learning-rate scale (1.0 = the schedule as configured).
+
+    Args:
+        lr_factor: multiply the scale by this on each backoff, in (0, 1).
+        min_lr_scale: the floor of the scale; a backoff at the floor changes nothing.
+        on: the incident kinds that cause a backoff (see ``TRIGGERS``).
+        skips_before_backoff: ``"skip"``/``"scaler_skip"`` incidents needed within ``skip_window`` steps for one
+            backoff (the count starts again after each backoff).
+        skip_window: the window, in optimizer steps, those skips are counted over.
+        recover_after: healthy optimizer steps (no incident at all) before the scale is raised one notch;
+            ``None``: never recover.
+        recover_steps: notches to climb from one backoff back to the previous level: each notch multiplies the
+            scale by ``(1 / lr_factor) ** (1 / recover_steps)``, capped at 1.0.
+    """
+
+    lr_factor: float = 0.5
+    min_lr_scale: float = 0.01
+    on: frozenset[str] = frozenset({"rollback", "skip", "loss_scale_collapse"})
+    skips_before_backoff: int = 3
+    skip_window: int = 100
+    recover_after: int | None = None
+    recover_steps: int = 1
+    scale: float = 1.0
+    backoffs: int = 0
+    last_event_step: int = -1
+    skip_steps: list[int] = field(default_factory=list)
+
+    def observe(self, action: str, trigger: str, step: int) -> ScaleChange | None:
+        """An incident happened at ``step``. Returns the backoff it causes, if any."""
+        self.last_event_step = max(self.last_event_step, step)
+        kind = incident_trigger(action, trigger)
+        if kind is None or kind not in self.on:
+            return None
+        if kind in ("skip", "scaler_skip"):
+            self.skip_steps = [s for s in self.skip_steps if s > step - self.skip_window] + [step]
+            if len(self.skip_steps) < self.skips_before_backoff:
+                return None
+            self.skip_steps = []
+        return self.back_off(kind)
+
+    def back_off(self, cause: str) -> ScaleChange:
+        """Lower the scale one step (not below the floor). ``before == after`` at the floor."""
+        before = self.scale
+        self.scale = max(before * self.lr_factor, self.min_lr_scale)
+        if self.scale < before:
+            self.backoffs += 1
+        return ScaleChange(before=before, after=self.scale, cause=cause, eps=True)
+
+    def tick(self, step: int) -> ScaleChange | None:
+        """A step ended at ``step`` (after its scheduler step). Returns a recovery notch when one is due."""
+        if self.recover_after is None or self.scale >= 1.0:
+            return None
+        if self.last_event_step < 0:
+            self.last_event_step = step
+        # ``step`` is the post-step ``global_step``; an incident was stamped with the pre-step one.
+        if step - self.last_event_step <= self.recover_after:
+            return None
+        before = self.scale
+        notch = (1.0 / self.lr_factor) ** (1.0 / self.recover_steps)
+        after = before * notch
+        # Land exactly on 1.0 (and on earlier levels) despite float error in the root.
+        self.scale = 1.0 if after >= 1.0 or math.isclose(after, 1.0, rel_tol=1e-9) else after
+        self.last_event_step = step - 1
+        return ScaleChange(before=before, after=self.scale, cause="recovery")

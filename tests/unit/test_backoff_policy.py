@@ -1,0 +1,138 @@
+"""BackoffPolicy (when/how far/recovery) and the preflight findings: pure."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_nanguard.policies.backoff import BackoffPolicy, parse_triggers
+from lightning_nanguard.policies.preflight import GroupInfo, OptimizerInfo, min_safe_eps, preflight_findings
+
+
+def test_parse_triggers() -> None:
+    assert parse_triggers(" rollback, skip ,") == {"rollback", "skip"}
+    with pytest.raises(ValueError, match=r"unknown trigger\(s\) \['rolback'\]"):
+        parse_triggers("rolback")
+
+
+def test_rollback_backs_off_each_time_down_to_the_floor() -> None:
+    p = BackoffPolicy(lr_factor=0.5, min_lr_scale=0.2)
+    scales = []
+    for step in range(4):
+        change = p.observe("rollback", "nonfinite_grads", step)
+        assert change is not None
+        assert change.cause == "rollback"
+        scales.append(change.after)
+    assert scales == [0.5, 0.25, 0.2, 0.2]
+    assert p.backoffs == 3
+
+
+def test_skips_back_off_only_as_a_streak_within_the_window() -> None:
+    p = BackoffPolicy(skips_before_backoff=3, skip_window=10)
+    assert p.observe("skip", "nonfinite_loss", 0) is None
+    assert p.observe("skip", "nonfinite_loss", 5) is None
+    assert p.observe("skip", "nonfinite_loss", 20) is None  # 0 and 5 fell out of the window
+    assert p.observe("skip", "nonfinite_loss", 21) is None
+    change = p.observe("skip", "nonfinite_loss", 22)
+    assert change is not None
+    assert change.after == 0.5
+    assert p.observe("skip", "nonfinite_loss", 23) is None  # the count starts again after a backoff
+
+
+def test_triggers_select_incidents() -> None:
+    p = BackoffPolicy(on=parse_triggers("loss_scale_collapse"))
+    assert p.observe("rollback", "nonfinite_grads", 1) is None
+    assert p.observe("skip", "nonfinite_grads", 1) is None
+    assert p.observe("warn", "loss_scale_collapse", 2) is not None  # by trigger, whatever the action
+    q = BackoffPolicy()
+    assert q.observe("scaler_skip", "nonfinite_grads", 1) is None  # GradScaler skips are routine: not by default
+    assert q.observe("backoff", "rollback", 1) is None
+
+
+@pytest.mark.parametrize("recover_steps", [1, 2, 3])
+def test_recovery_climbs_back_in_notches_after_healthy_steps(recover_steps: int) -> None:
+    p = BackoffPolicy(lr_factor=0.5, recover_after=4, recover_steps=recover_steps)
+    p.observe("rollback", "x", 10)  # stamped with the pre-step global_step 10
+    scales = []
+    for gs in range(11, 40):  # post-step global_step at on_train_batch_end
+        change = p.tick(gs)
+        if change is not None:
+            scales.append((gs, change.after))
+    assert [gs for gs, _ in scales] == [15 + 4 * k for k in range(recover_steps)]
+    assert scales[-1][1] == 1.0
+    assert scales[0][1] == pytest.approx(0.5 * 2 ** (1 / recover_steps))
+
+
+def test_an_incident_resets_recovery() -> None:
+    p = BackoffPolicy(recover_after=3)
+    p.observe("rollback", "x", 0)
+    assert p.tick(3) is None
+    p.observe("skip", "x", 3)  # a lone skip: no backoff, but the run is not healthy
+    assert p.tick(4) is None
+    assert p.tick(6) is None
+    assert p.tick(7) is not None
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    factor=st.floats(min_value=0.05, max_value=0.95),
+    floor=st.floats(min_value=1e-3, max_value=1.0),
+    n=st.integers(min_value=1, max_value=30),
+)
+def test_scale_is_factor_power_clamped_at_the_floor(factor: float, floor: float, n: int) -> None:
+    p = BackoffPolicy(lr_factor=factor, min_lr_scale=floor)
+    for step in range(n):
+        p.observe("rollback", "x", step)
+    assert p.scale == pytest.approx(max(factor**n, floor), rel=1e-9)
+    assert floor <= p.scale <= 1.0
+
+
+def _info(eps: float | None, dtype: torch.dtype, fused: bool = False, fws: bool = False) -> OptimizerInfo:
+    return OptimizerInfo(0, "AdamW", (GroupInfo(eps, fused, (dtype,)),), fused_with_scaler=fws)
+
+
+def test_min_safe_eps() -> None:
+    assert min_safe_eps(torch.float16) == pytest.approx(6.1035e-5, rel=1e-3)
+    assert min_safe_eps(torch.bfloat16) < 1e-30
+
+
+@pytest.mark.parametrize(
+    ("eps", "dtype", "fused", "expect"),
+    [
+        (1e-8, torch.float16, False, True),  # 0 in fp16: the TRELLIS case
+        (1e-7, torch.float16, False, True),  # subnormal
+        (1e-6, torch.float16, False, True),
+        (1e-4, torch.float16, False, False),
+        (1e-8, torch.float16, True, False),  # the fused kernel computes in fp32
+        (1e-8, torch.bfloat16, False, False),
+        (1e-8, torch.float32, False, False),
+        (None, torch.float16, False, False),  # SGD: no eps
+    ],
+)
+def test_eps_underflow_finding(eps: float | None, dtype: torch.dtype, fused: bool, expect: bool) -> None:
+    found = [
+        f
+        for f in preflight_findings([_info(eps, dtype, fused)], clip=False, safe_eps=1e-4)
+        if f.code == "eps_underflow"
+    ]
+    assert bool(found) is expect
+    if expect:
+        assert found[0].fixable
+        assert found[0].fix_eps == 1e-4
+        assert "float16" in found[0].message
+        assert "fused=True" in found[0].message
+
+
+def test_fix_eps_is_at_least_the_smallest_normal() -> None:
+    (f,) = [f for f in preflight_findings([_info(1e-8, torch.float16)], clip=False, safe_eps=1e-6) if f.fix_eps]
+    assert f.fix_eps == pytest.approx(min_safe_eps(torch.float16))
+
+
+def test_fused_scaler_clip_and_half_master() -> None:
+    codes = [f.code for f in preflight_findings([_info(1e-8, torch.float32, True, True)], clip=True, safe_eps=1e-4)]
+    assert codes == ["fused_scaler_clip"]
+    assert preflight_findings([_info(1e-8, torch.float32, True, True)], clip=False, safe_eps=1e-4) == []
+    codes = [f.code for f in preflight_findings([_info(1e-3, torch.bfloat16)], clip=False, safe_eps=1e-4)]
+    assert codes == ["half_master"]
