@@ -12,6 +12,7 @@ EXPECTED = {
     "NanGuardConfigError",
     "NanGuardError",
     "NonFiniteTrainingError",
+    "OptimizerBackoff",
     "RecoveryBudgetExhausted",
     "UnsupportedSetupError",
 }
