@@ -48,8 +48,8 @@ def _good_run(tmp_path: pathlib.Path) -> pathlib.Path:
     """A guarded run that leaves verified checkpoints at steps 2 and 4 (plus the tag) in ``tmp_path/ck``."""
     ck = tmp_path / "ck"
     mc = ModelCheckpoint(dirpath=str(ck), every_n_train_steps=2, save_top_k=-1)
-    trainer = make_trainer(tmp_path / "first", callbacks=[mc, CheckpointGuard()], enable_checkpointing=True, max_steps=4)
-    trainer.fit(TinyModel())
+    callbacks = [mc, CheckpointGuard()]
+    make_trainer(tmp_path / "first", callbacks=callbacks, enable_checkpointing=True, max_steps=4).fit(TinyModel())
     assert sorted(p.name for p in ck.glob("*.ckpt")) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", LAST_GOOD_NAME]
     return ck
 
