@@ -78,8 +78,10 @@ def write_sidecar(path: str, *, digest: str | None = None) -> str:
 def nonfinite_tensors(checkpoint: dict[str, Any]) -> list[str]:
     """Names of the non-finite floating-point tensors in a checkpoint's weights and optimizer states.
 
-    One fused max-abs pass per (device, dtype) group and one host read: the max-abs of a finite tensor is finite
-    whatever its magnitude (a 2-norm of large, finite Adam moments would overflow to inf), and NaN propagates.
+    One fused 2-norm pass per (device, dtype) group (float32 accumulation) and one host read. A 2-norm propagates
+    NaN/inf, so a tensor with a finite norm is finite; a non-finite norm can also be an overflow of large, finite
+    values (Adam's second moments), so those few tensors are confirmed one by one. (``_foreach_norm`` with
+    ``ord=inf`` would need no confirmation but was 8-14x slower on CPU.)
     """
     names: list[str] = []
     tensors: list[Tensor] = []
@@ -106,13 +108,21 @@ def nonfinite_tensors(checkpoint: dict[str, Any]) -> list[str]:
     order: list[int] = []
     flags: list[Tensor] = []
     for positions in groups.values():
-        maxabs = torch.stack(list(torch._foreach_norm([tensors[i] for i in positions], float("inf"))))
-        flags.append((~torch.isfinite(maxabs)).cpu())
+        norms = torch.stack(list(_foreach_norm_fp32([tensors[i] for i in positions])))
+        flags.append((~torch.isfinite(norms)).cpu())
         order.extend(positions)
-    bad = torch.cat(flags)
-    if not bool(bad.any()):  # the one host read on the healthy path
+    suspect = torch.cat(flags)
+    if not bool(suspect.any()):  # the one host read on the healthy path
         return []
-    return [names[j] for j in sorted(order[i] for i in torch.nonzero(bad).reshape(-1).tolist())]
+    suspects = sorted(order[i] for i in torch.nonzero(suspect).reshape(-1).tolist())
+    return [names[j] for j in suspects if not bool(torch.isfinite(tensors[j]).all())]
+
+
+def _foreach_norm_fp32(tensors: list[Tensor]) -> list[Tensor]:
+    try:
+        return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    except (TypeError, RuntimeError):  # float64 tensors (no downcast) or an older torch without dtype=
+        return list(torch._foreach_norm(tensors, 2))
 
 
 def check_sidecar(path: str, *, require_sidecar: bool = True) -> str | None:
