@@ -173,9 +173,7 @@ class CheckpointGuard(Callback):
         if event.kind == "refused_save":
             rank_zero_warn(message)
         if trainer is None or not self._fit:
-            if event.kind != "refused_save":
-                rank_zero_warn(message)
-            return
+            return  # outside fit there is no incident log; the warning above or the raised error says it all
         values: dict[str, Any] = {"file": event.path, "reason": event.reason}
         if event.substitute:
             values["loaded"] = event.substitute
@@ -210,7 +208,7 @@ class CheckpointGuard(Callback):
             )
         if event.kind == "fallback":
             return (
-                f"CheckpointGuard: {event.path} failed verification ({event.reason}); resumed from {event.substitute}, "
+                f"CheckpointGuard: {event.path} failed verification ({event.reason}); loaded {event.substitute}, "
                 "the newest verified checkpoint of that directory, instead. trainer.ckpt_path still shows the "
                 "requested file."
             )

@@ -183,7 +183,7 @@ class VerifyingCheckpointIO(CheckpointIO):
             if _is_local_file_protocol(path)
             else None
         )
-        if good is not None and not _same_file(good, path):
+        if good is not None and os.path.abspath(good) != os.path.abspath(path):
             tries.append(
                 f"resume from the newest verified checkpoint of that directory, {good} (or pass "
                 "CheckpointGuard(fallback=True) to do so automatically)"
@@ -237,10 +237,3 @@ def _tag(source: str, tag: str, digest: str) -> None:
 
 def _is_local_file_protocol(path: str) -> bool:
     return bool(fsspec.utils.get_protocol(path) == "file")
-
-
-def _same_file(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return os.path.abspath(a) == os.path.abspath(b)

@@ -248,3 +248,15 @@ def test_async_checkpoint_io_is_refused(tmp_path: pathlib.Path) -> None:
     trainer = make_trainer(tmp_path, callbacks=[CheckpointGuard()], plugins=[AsyncCheckpointIO()], max_steps=1)
     with pytest.raises(UnsupportedSetupError, match="AsyncCheckpointIO"):
         trainer.fit(TinyModel())
+
+
+def test_validate_with_a_bad_checkpoint_is_refused_too(tmp_path: pathlib.Path) -> None:
+    ck = _good_run(tmp_path)
+    bad = ck / "epoch=0-step=4.ckpt"
+    _corrupt(bad, "nan_weights")
+    trainer = make_trainer(tmp_path / "val", callbacks=[CheckpointGuard()], limit_val_batches=1)
+    with pytest.raises(CheckpointVerificationError, match=r"non-finite values in state_dict\.head\.weight"):
+        trainer.validate(TinyModel(), ckpt_path=str(bad))
+    trainer = make_trainer(tmp_path / "val", callbacks=[CheckpointGuard(fallback=True)], limit_val_batches=1)
+    with pytest.warns(UserWarning, match="loaded .*epoch=0-step=2.ckpt"):
+        trainer.validate(TinyModel(), ckpt_path=str(bad))
