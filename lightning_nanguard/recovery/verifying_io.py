@@ -80,6 +80,7 @@ class VerifyingCheckpointIO(CheckpointIO):
         self.fallback = fallback
         self.tag_last_good = tag_last_good
         self.listener = listener
+        self._told_remote = False
 
     # ------------------------------------------------------------------ save
     @override
@@ -93,7 +94,7 @@ class VerifyingCheckpointIO(CheckpointIO):
             return
         if not _is_local_file_protocol(target):
             self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
-            self._notify(CheckpointEvent("unverified", target, "not a local file: written without a sidecar"))
+            self._tell_remote(target, "not a local file: written without a sidecar (checksums are local-only)")
             return
         directory = os.path.dirname(os.path.abspath(target))
         os.makedirs(directory, exist_ok=True)
@@ -165,6 +166,11 @@ class VerifyingCheckpointIO(CheckpointIO):
         if self.listener is not None:
             self.listener(event)
 
+    def _tell_remote(self, path: str, reason: str) -> None:
+        if not self._told_remote:  # once per wrapper: a warning per save would drown the log
+            self._told_remote = True
+            self._notify(CheckpointEvent("unverified", path, reason))
+
     def _load_remote(self, path: str, load: Callable[[str], Any]) -> Any:
         checkpoint = load(path)
         bad = nonfinite_tensors(checkpoint) if isinstance(checkpoint, dict) else []
@@ -172,7 +178,7 @@ class VerifyingCheckpointIO(CheckpointIO):
             reason = f"non-finite values in {', '.join(bad[:3])}"
             self._notify(CheckpointEvent("refused_load", path, reason))
             raise CheckpointVerificationError(self._load_error(path, reason))
-        self._notify(CheckpointEvent("unverified", path, "not a local file: checksum not checked"))
+        self._tell_remote(path, "not a local file: finiteness checked, checksum not (checksums are local-only)")
         return checkpoint
 
     def _load_error(self, path: str, reason: str) -> str:

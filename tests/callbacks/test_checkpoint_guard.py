@@ -142,14 +142,16 @@ def test_require_sidecar_false_accepts_a_plain_lightning_checkpoint(tmp_path: pa
     assert probe.start == (2, True)
 
 
-@pytest.mark.parametrize("save_top_k", [1, 3])
+@pytest.mark.parametrize(
+    ("save_top_k", "precision"), [(1, "32-true"), (3, "32-true"), (1, "bf16-mixed"), (1, "16-mixed"), (1, "bf16-true")]
+)
 def test_nonfinite_checkpoint_is_refused_and_last_good_survives_retention(
-    tmp_path: pathlib.Path, save_top_k: int
+    tmp_path: pathlib.Path, save_top_k: int, precision: str
 ) -> None:
     ck = tmp_path / "ck"
     mc = ModelCheckpoint(dirpath=str(ck), every_n_train_steps=1, save_top_k=save_top_k, monitor="step", mode="max")
     callbacks = [mc, CheckpointGuard(), FaultInjector("param", steps=[3], value="nan")]
-    trainer = make_trainer(tmp_path, callbacks=callbacks, enable_checkpointing=True, max_steps=7)
+    trainer = make_trainer(tmp_path, precision, callbacks=callbacks, enable_checkpointing=True, max_steps=7)
     with pytest.warns(UserWarning, match="CheckpointGuard refused to write"):
         trainer.fit(TinyModel())
     assert not all_finite(trainer.lightning_module)  # the run did go NaN (nothing here rolls it back)

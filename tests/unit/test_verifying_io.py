@@ -140,3 +140,17 @@ def test_load_error_names_the_file_reason_and_the_verified_alternative(tmp_path:
     assert f"checkpoint {bad} failed verification: no checksum sidecar" in message
     assert f"resume from the newest verified checkpoint of that directory, {good}" in message
     assert f"nanguard verify --write-sidecar {bad}" in message
+
+
+def test_remote_paths_get_the_finiteness_check_and_one_notice() -> None:
+    events: list[CheckpointEvent] = []
+    io = VerifyingCheckpointIO(TorchCheckpointIO(), listener=events.append)
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, "memory://nanguard-test/a.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, "memory://nanguard-test/b.ckpt")
+    assert io.load_checkpoint("memory://nanguard-test/a.ckpt")["state_dict"]["w"].tolist() == [1.0, 1.0]
+    assert [e.kind for e in events] == ["unverified"]  # told once, not per save
+    TorchCheckpointIO().save_checkpoint(
+        {"state_dict": {"w": torch.full((2,), float("inf"))}}, "memory://nanguard-test/c.ckpt"
+    )
+    with pytest.raises(CheckpointVerificationError, match=r"non-finite values in state_dict\.w"):
+        io.load_checkpoint("memory://nanguard-test/c.ckpt")
