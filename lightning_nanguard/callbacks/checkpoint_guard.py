@@ -195,16 +195,15 @@ class CheckpointGuard(Callback):
                 f" and {len(event.tensors) - 3} more" if len(event.tensors) > 3 else ""
             )
             where = f" at global_step={self._trainer.global_step}" if self._trainer is not None else ""
-            kept = (
-                f"stays at {os.path.join(os.path.dirname(os.path.abspath(event.path)), LAST_GOOD_NAME)}"
-                if self.tag_last_good
-                else "is the one written before it"
-            )
+            tag = os.path.join(os.path.dirname(os.path.abspath(event.path)), LAST_GOOD_NAME)
+            if self.tag_last_good and os.path.isfile(tag):
+                kept = f"the newest good checkpoint stays at {tag}"
+            else:
+                kept = "earlier checkpoints are untouched"
             return (
                 f"CheckpointGuard refused to write {event.path}{where}: non-finite values in {shown}. Nothing was "
-                f"written; the newest good checkpoint {kept}. "
-                "The weights went non-finite: add GradNormMonitor/AutoRollback to stop such updates, lower the "
-                "learning rate, or resume from the last good checkpoint."
+                f"written; {kept}. The weights or optimizer state went non-finite: add GradNormMonitor or "
+                "AutoRollback to stop such updates, lower the learning rate, or resume from the last good checkpoint."
             )
         if event.kind == "fallback":
             return (
