@@ -6,6 +6,7 @@ import lightning_nanguard
 
 EXPECTED = {
     "Action",
+    "CheckpointGuard",
     "CheckpointVerificationError",
     "GradNormMonitor",
     "Incident",
@@ -15,6 +16,8 @@ EXPECTED = {
     "OptimizerBackoff",
     "RecoveryBudgetExhausted",
     "UnsupportedSetupError",
+    "last_good_checkpoint",
+    "verify_checkpoint",
 }
 
 

@@ -1,0 +1,156 @@
+"""VerifyingCheckpointIO: a crash (SIGKILL, or an error between rename and sidecar) never leaves a file that verifies
+unless it is complete; removals take their sidecars; loads pass weights_only=True through."""
+
+from __future__ import annotations
+
+import io
+import os
+import pathlib
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+from lightning_nanguard import checkpoints
+from lightning_nanguard.checkpoints import LAST_GOOD_NAME, SIDECAR_SUFFIX, checkpoint_files, verify_checkpoint
+from lightning_nanguard.exceptions import CheckpointVerificationError
+from lightning_nanguard.recovery import verifying_io
+from lightning_nanguard.recovery.verifying_io import CheckpointEvent, VerifyingCheckpointIO
+
+
+class SlowIO(TorchCheckpointIO):
+    """Writes in small flushed chunks; on the save of ``global_step == 1`` it signals the parent midway and stalls."""
+
+    def __init__(self, signal_fd: int) -> None:
+        self.signal_fd = signal_fd
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        buf = io.BytesIO()
+        torch.save(checkpoint, buf)
+        data, chunk = buf.getvalue(), 1 << 16
+        with open(path, "wb") as f:
+            for i in range(0, len(data), chunk):
+                f.write(data[i : i + chunk])
+                f.flush()
+                if i == 4 * chunk and checkpoint["global_step"] == 1:
+                    os.write(self.signal_fd, b"M")
+                    time.sleep(30)  # SIGKILLed here, with half the file written
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork and SIGKILL (POSIX)")
+def test_sigkill_mid_save_never_leaves_a_file_that_verifies_unless_complete(tmp_path: pathlib.Path) -> None:
+    # A forked child (no second interpreter start-up: well under a second) saves a complete checkpoint, then
+    # overwrites it through a slow write and is SIGKILLed halfway through.
+    target = tmp_path / "last.ckpt"
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        try:
+            os.close(read_fd)
+            guarded = VerifyingCheckpointIO(SlowIO(write_fd))
+            ckpt: dict[str, Any] = {"global_step": 0, "state_dict": {"w": torch.randn(1 << 19)}}
+            guarded.save_checkpoint(ckpt, str(target))
+            ckpt = {"global_step": 1, "state_dict": {"w": torch.randn(1 << 19)}}
+            guarded.save_checkpoint(ckpt, str(target))
+        finally:
+            os._exit(1)
+    os.close(write_fd)
+    try:
+        assert os.read(read_fd, 1) == b"M"
+    finally:
+        os.close(read_fd)
+        os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status)
+    assert os.WTERMSIG(status) == signal.SIGKILL
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert leftovers  # the half-written file is there, under a hidden temporary name that is not *.ckpt
+    files = checkpoint_files(str(tmp_path))
+    assert sorted(files) == sorted([str(target), str(tmp_path / LAST_GOOD_NAME)])
+    for path in files:
+        assert verify_checkpoint(path).ok
+        assert torch.load(path, weights_only=True)["global_step"] == 0  # the complete, older save
+
+
+def test_crash_between_rename_and_sidecar_fails_verification(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    io = VerifyingCheckpointIO(TorchCheckpointIO())
+    target = str(tmp_path / "last.ckpt")
+    io.save_checkpoint({"global_step": 0, "state_dict": {"w": torch.ones(3)}}, target)
+
+    def crash(path: str, *, digest: str | None = None) -> str:
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(verifying_io, "write_sidecar", crash)
+    with pytest.raises(KeyboardInterrupt):
+        io.save_checkpoint({"global_step": 1, "state_dict": {"w": torch.zeros(3)}}, target)
+    assert torch.load(target, weights_only=True)["global_step"] == 1  # the new bytes landed...
+    assert "sha256 does not match" in verify_checkpoint(target).reason  # ...but the old sidecar does not vouch
+    good = checkpoints.last_good_checkpoint(str(tmp_path))
+    assert good == str(tmp_path / LAST_GOOD_NAME)  # the tag still holds the complete previous save
+    assert torch.load(good, weights_only=True)["global_step"] == 0
+
+
+def test_refused_save_writes_nothing_and_reports(tmp_path: pathlib.Path) -> None:
+    events: list[CheckpointEvent] = []
+    io = VerifyingCheckpointIO(TorchCheckpointIO(), listener=events.append)
+    target = tmp_path / "x.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.tensor([1.0, float("nan")])}}, str(target))
+    assert list(tmp_path.iterdir()) == []
+    assert [(e.kind, e.tensors) for e in events] == [("refused_save", ("state_dict.w",))]
+
+
+def test_remove_takes_the_sidecar_and_keeps_the_tag(tmp_path: pathlib.Path) -> None:
+    io = VerifyingCheckpointIO(TorchCheckpointIO())
+    target = str(tmp_path / "x.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, target)
+    io.remove_checkpoint(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LAST_GOOD_NAME, LAST_GOOD_NAME + SIDECAR_SUFFIX]
+    assert verify_checkpoint(str(tmp_path / LAST_GOOD_NAME)).ok
+
+
+def test_load_passes_weights_only_true_and_keeps_map_location_default(tmp_path: pathlib.Path) -> None:
+    seen: list[dict[str, Any]] = []
+
+    class Recording(TorchCheckpointIO):
+        def load_checkpoint(self, path: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+            seen.append(kwargs)
+            return super().load_checkpoint(path, **kwargs)
+
+    io = VerifyingCheckpointIO(Recording())
+    target = str(tmp_path / "x.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, target)
+    assert io.load_checkpoint(target)["state_dict"]["w"].tolist() == [1.0, 1.0]
+    io.load_checkpoint(target, weights_only=False, map_location="cpu")
+    assert seen == [{"weights_only": True}, {"weights_only": False, "map_location": "cpu"}]
+
+
+def test_load_error_names_the_file_reason_and_the_verified_alternative(tmp_path: pathlib.Path) -> None:
+    io = VerifyingCheckpointIO(TorchCheckpointIO(), tag_last_good=False)
+    good, bad = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, good)
+    torch.save({"state_dict": {"w": torch.ones(2)}}, bad)  # written without the guard: no sidecar
+    with pytest.raises(CheckpointVerificationError) as info:
+        io.load_checkpoint(bad)
+    message = str(info.value)
+    assert f"checkpoint {bad} failed verification: no checksum sidecar" in message
+    assert f"resume from the newest verified checkpoint of that directory, {good}" in message
+    assert f"nanguard verify --write-sidecar {bad}" in message
+
+
+def test_remote_paths_get_the_finiteness_check_and_one_notice() -> None:
+    events: list[CheckpointEvent] = []
+    io = VerifyingCheckpointIO(TorchCheckpointIO(), listener=events.append)
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, "memory://nanguard-test/a.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, "memory://nanguard-test/b.ckpt")
+    assert io.load_checkpoint("memory://nanguard-test/a.ckpt")["state_dict"]["w"].tolist() == [1.0, 1.0]
+    assert [e.kind for e in events] == ["unverified"]  # told once, not per save
+    TorchCheckpointIO().save_checkpoint(
+        {"state_dict": {"w": torch.full((2,), float("inf"))}}, "memory://nanguard-test/c.ckpt"
+    )
+    with pytest.raises(CheckpointVerificationError, match=r"non-finite values in state_dict\.w"):
+        io.load_checkpoint("memory://nanguard-test/c.ckpt")
