@@ -8,6 +8,9 @@ __all__ = [
     "LAYER_GRAD_NORM",
     "NONFINITE_GRADS",
     "PREFIX",
+    "RESTORED_FROM_STEP",
+    "ROLLBACKS",
+    "ROLLBACK_SKIPPED_BATCHES",
     "SKIPPED_STEPS",
     "key",
 ]
@@ -25,3 +28,6 @@ GRAD_NORM_CLIPPED = key("grad_norm_clipped")
 NONFINITE_GRADS = key("nonfinite_grads")
 SKIPPED_STEPS = key("skipped_steps")
 LAYER_GRAD_NORM = key("layer_grad_norm")  # + "/<module path>"
+ROLLBACKS = key("rollbacks")
+RESTORED_FROM_STEP = key("restored_from_step")
+ROLLBACK_SKIPPED_BATCHES = key("rollback_skipped_batches")
