@@ -80,7 +80,7 @@ class AutoRollback(Callback):
 
     Raises:
         NanGuardConfigError: at construction, for an argument outside its rule.
-        UnsupportedSetupError: at fit start, with ``source="disk"`` and no checkpoint directory.
+        UnsupportedSetupError: at train start, with ``source="disk"`` and no checkpoint directory.
         RecoveryBudgetExhausted: at the end of training, when the rollback budget ran out.
 
     Example::
@@ -114,17 +114,22 @@ class AutoRollback(Callback):
             raise NanGuardConfigError(f"{owner}(num_snapshots=0): must be >= 1 with source='memory'.")
         if checkpoint_dir is not None and not isinstance(checkpoint_dir, str):
             raise NanGuardConfigError(f"{owner}(checkpoint_dir={checkpoint_dir!r}): must be a str path or None.")
-        self.every_n_steps, self.num_snapshots, self.quiet_steps = every_n_steps, num_snapshots, quiet_steps
-        self.max_rollbacks, self.rollback_window, self.recurrence_steps = (
-            max_rollbacks,
-            rollback_window,
-            recurrence_steps,
-        )
-        self.skip_batches, self.source, self.checkpoint_dir = skip_batches, source, checkpoint_dir
+        self.every_n_steps = every_n_steps
+        self.num_snapshots = num_snapshots
+        self.quiet_steps = quiet_steps
+        self.max_rollbacks = max_rollbacks
+        self.rollback_window = rollback_window
+        self.recurrence_steps = recurrence_steps
+        self.skip_batches = skip_batches
+        self.source = source
+        self.checkpoint_dir = checkpoint_dir
         self.policy = RollbackPolicy(max_rollbacks, rollback_window, recurrence_steps)
-        self.ring = SnapshotRing(num_snapshots if source == "memory" else 0)
+        self.ring = SnapshotRing(num_snapshots if source == "memory" else 0, pin_memory=True)
         self.skipped_batches = 0
         self._skip_left = 0
+        self._reset_fit_state()
+
+    def _reset_fit_state(self) -> None:
         self._last_incident: int | None = None
         self._params_bad_at: int | None = None
         self._pending: dict[int, _Pending] = {}  # step -> trigger, decided in on_before_optimizer_step
@@ -147,17 +152,20 @@ class AutoRollback(Callback):
         if stage != "fit":
             return
         check_strategy_supported(trainer, type(self).__name__)
+        self._reset_fit_state()
         ctx = get_context(trainer)
         ctx.setup(trainer, type(self).__name__)
         ctx.subscribe("incident", self._on_incident)
 
     @override
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.source == "disk" and checkpoint_dir(trainer, self.checkpoint_dir) is None:
             raise UnsupportedSetupError(
                 "AutoRollback(source='disk') needs a checkpoint directory: configure a ModelCheckpoint with a dirpath "
                 "or pass AutoRollback(checkpoint_dir=...)."
             )
+        # Here, not in on_fit_start: the loops are restored by now, so on a resume this START also purges whatever
+        # the interrupted run logged after its checkpoint.
         write_session_start(trainer, _lightning_compat.log_step(trainer))
 
     @override

@@ -11,7 +11,13 @@ import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.optim import Optimizer
 
-from lightning_nanguard import AutoRollback, GradNormMonitor, NanGuardConfigError, RecoveryBudgetExhausted
+from lightning_nanguard import (
+    AutoRollback,
+    GradNormMonitor,
+    NanGuardConfigError,
+    RecoveryBudgetExhausted,
+    UnsupportedSetupError,
+)
 from lightning_nanguard.checkpoints import verify_checkpoint, write_sidecar
 from lightning_nanguard.context import get_context
 from lightning_nanguard.testing import FaultInjector
@@ -192,12 +198,8 @@ def test_tensorboard_forgets_the_abandoned_steps(tmp_path: Any) -> None:
 
 
 def test_disk_source_restores_the_newest_verified_checkpoint(tmp_path: Any) -> None:
+    good = _good_checkpoint(tmp_path)
     ckpt_dir = tmp_path / "ckpts"
-    good = str(ckpt_dir / "good.ckpt")
-    trainer0 = make_trainer(tmp_path, max_steps=6)
-    trainer0.fit(TinyModel())
-    trainer0.save_checkpoint(good)
-    write_sidecar(good)
     torch.save({"not": "a checkpoint"}, str(ckpt_dir / "newer-unverified.ckpt"))  # no sidecar: must be ignored
     saved = torch.load(good, weights_only=True)
 
@@ -246,3 +248,32 @@ def test_state_round_trips_through_a_weights_only_checkpoint(tmp_path: Any) -> N
 def test_constructor_validation(kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(NanGuardConfigError, match=message):
         AutoRollback(**kwargs)
+
+
+def _good_checkpoint(tmp_path: Any) -> str:
+    trainer = make_trainer(tmp_path, max_steps=6)
+    trainer.fit(TinyModel())
+    path = str(tmp_path / "ckpts" / "good.ckpt")
+    trainer.save_checkpoint(path)
+    write_sidecar(path)
+    return path
+
+
+def test_memory_falls_back_to_disk_when_no_older_snapshot_exists(tmp_path: Any) -> None:
+    good = _good_checkpoint(tmp_path)
+    rb = AutoRollback(
+        every_n_steps=2, num_snapshots=1, quiet_steps=0, recurrence_steps=5, checkpoint_dir=os.path.dirname(good)
+    )
+    trainer = make_trainer(tmp_path, callbacks=[FaultInjector("loss", steps=[5, 7]), rb], max_steps=9)
+    trainer.fit(TinyModel())
+    # One slot: the recurrence at 7 wants something older than step 4, which only the checkpoint (step 6) is.
+    assert [(r.values["source"], r.values["restored_from_step"]) for r in rollbacks(trainer)] == [
+        ("memory", 4),
+        ("disk", 6),
+    ]
+
+
+def test_disk_source_without_a_checkpoint_dir_is_refused(tmp_path: Any) -> None:
+    trainer = make_trainer(tmp_path, callbacks=[AutoRollback(source="disk")], max_steps=2)
+    with pytest.raises(UnsupportedSetupError, match=r"source='disk'\) needs a checkpoint directory"):
+        trainer.fit(TinyModel())
