@@ -12,19 +12,25 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_nanguard import _distributed, _lightning_compat
+from lightning_nanguard import _lightning_compat
 from lightning_nanguard._validation import check_choice, check_int
 from lightning_nanguard.callbacks._common import check_strategy_supported, make_incident
+from lightning_nanguard.callbacks._rollback_support import (
+    Pending,
+    exhausted_message,
+    params_nonfinite,
+    pending_from_request,
+    rollback_message,
+)
 from lightning_nanguard.context import get_context
 from lightning_nanguard.exceptions import NanGuardConfigError, RecoveryBudgetExhausted, UnsupportedSetupError
 from lightning_nanguard.policies.rollback import RollbackPolicy, snapshot_due
 from lightning_nanguard.policies.verdict import Action
 from lightning_nanguard.recovery.final_checkpoint import checkpoint_dir, save_verified_checkpoint
 from lightning_nanguard.recovery.rollback import restore_state
-from lightning_nanguard.recovery.snapshot import SnapshotRing, model_tensors
+from lightning_nanguard.recovery.snapshot import SnapshotRing
 from lightning_nanguard.reporting import emit, keys
 from lightning_nanguard.reporting.tb_purge import write_session_start
-from lightning_nanguard.signals.tensors import all_finite
 
 __all__ = ["AutoRollback"]
 
@@ -132,7 +138,7 @@ class AutoRollback(Callback):
     def _reset_fit_state(self) -> None:
         self._last_incident: int | None = None
         self._params_bad_at: int | None = None
-        self._pending: dict[int, _Pending] = {}  # step -> trigger, decided in on_before_optimizer_step
+        self._pending: dict[int, Pending] = {}  # step -> trigger, decided in on_before_optimizer_step
         self._handled: int | None = None  # the last step whose outcome was acted on
         self._skip_counted: int | None = None
 
@@ -181,7 +187,7 @@ class AutoRollback(Callback):
             quiet_steps=self.quiet_steps,
         ):
             return
-        if _params_nonfinite(trainer, pl_module):  # one fused pass and one host read per snapshot, reduced
+        if params_nonfinite(trainer, pl_module):  # one fused pass and one host read per snapshot, reduced
             self._params_bad_at = step
             return
         scaler = _lightning_compat.get_scaler(trainer)
@@ -205,13 +211,13 @@ class AutoRollback(Callback):
         if step in self._pending:
             pass  # another optimizer of the same (manual) step already decided
         elif health.bad and not health.scaler_active:  # bad_ranks is a collective; `bad` is reduced: all ranks here
-            self._pending[step] = _Pending(health.trigger(), health.bad_ranks(trainer), health.values())
-        elif health.bad and _params_nonfinite(trainer, pl_module):  # rare path: one fused pass, reduced
-            self._pending[step] = _Pending("nonfinite_params", health.bad_ranks(trainer), health.values())
+            self._pending[step] = Pending(health.trigger(), health.bad_ranks(trainer), health.values())
+        elif health.bad and params_nonfinite(trainer, pl_module):  # rare path: one fused pass, reduced
+            self._pending[step] = Pending("nonfinite_params", health.bad_ranks(trainer), health.values())
         elif self._params_bad_at == step:
-            self._pending[step] = _Pending("nonfinite_params", list(range(trainer.world_size)))
+            self._pending[step] = Pending("nonfinite_params", list(range(trainer.world_size)))
         elif requested:
-            self._pending[step] = _request(requested[0], trainer)
+            self._pending[step] = pending_from_request(requested[0], trainer)
         if step in self._pending:
             ctx.skip_step(trainer, optimizer, health, name)
         elif self._skip_left > 0:
@@ -232,7 +238,7 @@ class AutoRollback(Callback):
         requests = [r for r in out.requests if r.get("what") == "rollback"] if out is not None else []
         pending = self._pending.pop(step, None)
         if pending is None and requests and step != self._handled:
-            pending = _request(requests[0], trainer)
+            pending = pending_from_request(requests[0], trainer)
         if pending is not None:
             self._handled = step
             self._pending.clear()
@@ -281,7 +287,7 @@ class AutoRollback(Callback):
     def _on_incident(self, trainer: pl.Trainer, incident: Any) -> None:
         self._last_incident = max(self._last_incident or 0, int(incident.step))
 
-    def _rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, pending: _Pending) -> None:
+    def _rollback(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, pending: Pending) -> None:
         ctx = get_context(trainer)
         self._last_incident = step
         decision = self.policy.decide(step)
@@ -299,10 +305,7 @@ class AutoRollback(Callback):
         emit.log_event(trainer, {keys.RESTORED_FROM_STEP: float(restored.step)})
         values.update(restored_from_step=restored.step, source=restored.source, steps_lost=step - restored.step)
         values.update(rollbacks=self.rollbacks, recurrence=decision.recurrence, checkpoint=restored.path)
-        message = (
-            f"{what} at {where}: update dropped, state restored from step {restored.step} ({restored.source}); "
-            f"rollback {decision.in_window} of {self.max_rollbacks} allowed within {self.rollback_window} steps."
-        )
+        message = rollback_message(f"{what} at {where}", restored.step, restored.source, decision, self.policy)
         self._record(trainer, step, pending, Action.ROLLBACK, values, message)
         ctx.emit("restored", trainer, from_step=restored.step, source=restored.source)
         if not decision.exhausted:
@@ -312,20 +315,15 @@ class AutoRollback(Callback):
             dirpath or os.path.join(trainer.default_root_dir, "checkpoints"),
             f"nanguard-final-step={step}.ckpt",
         )
-        message = (
-            f"AutoRollback gave up: {what} at {where}, ranks {pending.ranks}, was rollback {decision.in_window} "
-            f"within {self.rollback_window} steps, more than max_rollbacks={self.max_rollbacks} ({self.rollbacks} "
-            f"in total this run). The state from step {restored.step} was restored and saved to {path} (verified "
-            "finite). Training keeps diverging from good states: lower the learning rate (OptimizerBackoff), raise "
-            "Adam eps under 16-true, clip gradients, skip more batches after a rollback (skip_batches), check the "
-            "data near this step, or raise max_rollbacks/rollback_window."
+        message = exhausted_message(
+            f"{what} at {where}, ranks {pending.ranks}", restored.step, path, decision, self.policy
         )
         values = {"checkpoint": path, "restored_from_step": restored.step}
-        self._record(trainer, step, _Pending("rollback_budget_exhausted", pending.ranks), Action.STOP, values, message)
+        self._record(trainer, step, Pending("rollback_budget_exhausted", pending.ranks), Action.STOP, values, message)
         ctx.request_stop(trainer, RecoveryBudgetExhausted(message))
 
     def _record(
-        self, trainer: pl.Trainer, step: int, pending: _Pending, action: Action, values: dict[str, Any], message: str
+        self, trainer: pl.Trainer, step: int, pending: Pending, action: Action, values: dict[str, Any], message: str
     ) -> None:
         incident = make_incident(
             trainer,
@@ -338,21 +336,3 @@ class AutoRollback(Callback):
             message=message,
         )
         get_context(trainer).record(trainer, dataclasses.replace(incident, step=step))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Pending:
-    """A rollback trigger decided in on_before_optimizer_step, acted on in on_train_batch_end."""
-
-    trigger: str
-    ranks: list[int]
-    values: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-def _request(request: dict[str, Any], trainer: pl.Trainer) -> _Pending:
-    by = {"requested_by": str(request.get("source", ""))}
-    return _Pending(str(request.get("trigger", "requested")), list(range(trainer.world_size)), by)
-
-
-def _params_nonfinite(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
-    return _distributed.any_rank(trainer, ~all_finite([p for p in model_tensors(pl_module) if p.is_floating_point()]))

@@ -277,3 +277,18 @@ def test_disk_source_without_a_checkpoint_dir_is_refused(tmp_path: Any) -> None:
     trainer = make_trainer(tmp_path, callbacks=[AutoRollback(source="disk")], max_steps=2)
     with pytest.raises(UnsupportedSetupError, match=r"source='disk'\) needs a checkpoint directory"):
         trainer.fit(TinyModel())
+
+
+def test_same_run_whatever_the_callback_order(tmp_path: Any) -> None:
+    finals = []
+    for order in (0, 1):
+        pl.seed_everything(7)
+        model = TinyModel()
+        pair = [GradNormMonitor(), AutoRollback(every_n_steps=2, quiet_steps=0)]
+        trainer = make_trainer(
+            tmp_path / str(order), callbacks=[FaultInjector("grad", steps=[3]), *pair[:: 1 - 2 * order]], max_steps=6
+        )
+        trainer.fit(model)
+        assert [r.values["restored_from_step"] for r in rollbacks(trainer)] == [2]
+        finals.append(params_of(model))
+    assert same(finals[0], finals[1])
