@@ -292,3 +292,14 @@ def test_same_run_whatever_the_callback_order(tmp_path: Any) -> None:
         assert [r.values["restored_from_step"] for r in rollbacks(trainer)] == [2]
         finals.append(params_of(model))
     assert same(finals[0], finals[1])
+
+
+def test_gradient_accumulation_rolls_back_the_whole_window(tmp_path: Any) -> None:
+    spy, rb = StateSpy(), AutoRollback(every_n_steps=2, quiet_steps=0)
+    faults = FaultInjector("loss", steps=[3])  # both micro-batches of step 3
+    trainer = make_trainer(tmp_path, callbacks=[spy, faults, rb], max_steps=5, accumulate_grad_batches=2)
+    trainer.fit(TinyModel())
+    (incident,) = rollbacks(trainer)
+    assert incident.step == 3
+    assert incident.values["restored_from_step"] == 2
+    assert same(spy.params[4], spy.params[2])
