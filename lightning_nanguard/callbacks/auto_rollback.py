@@ -38,16 +38,17 @@ __all__ = ["AutoRollback"]
 class AutoRollback(Callback):
     """Keep verified-finite snapshots of the training state in memory; on a bad step, drop the update and restore.
 
-    **Snapshots** are taken in ``on_train_batch_start`` (the state before that step's update) every ``every_n_steps``
-    optimizer steps, into ``num_snapshots`` preallocated CPU buffers with foreach copies, and only when the
-    parameters pass one fused finiteness check (one host read per snapshot) and no incident happened in the last
-    ``quiet_steps`` steps. The optimizer state is checked when a snapshot is restored (the rare path).
+    **Snapshots** are taken in ``on_train_batch_start`` (the state before that step's update; under DDP every rank
+    snapshots on the same steps) every ``every_n_steps`` optimizer steps, into ``num_snapshots`` preallocated CPU
+    buffers with foreach copies, and only when the parameters pass one fused finiteness check (one host read per
+    snapshot, reduced across ranks) and no incident happened in the last ``quiet_steps`` steps. The optimizer state
+    is checked when a snapshot is about to be restored (the rare path); a non-finite one is discarded.
 
     **Triggers**, decided in ``on_before_optimizer_step`` from the shared, rank-reduced step health: a non-finite loss
     or gradient (under an active GradScaler only when the parameters are non-finite too: an fp16 overflow is the
     scaler's routine, it drops the update and backs off; a collapse is LossScaleWatchdog's to report); non-finite
-    parameters (seen at a snapshot step, or through the NaN loss they cause at the next
-    step, e.g. fp16 AdamW eps underflow); a ``ctx.request(trainer, "rollback", ...)`` from another callback (a spike
+    parameters (seen at a snapshot step, or through the NaN loss they cause at the next step, e.g. fp16 AdamW eps
+    underflow); a ``ctx.request(trainer, "rollback", ...)`` from another callback (a spike
     or loss-scale collapse; the requester drops the update). The update is dropped with ``ctx.skip_step``, and the
     newest good snapshot is restored in ``on_train_batch_end``. A trigger within ``recurrence_steps`` of the previous
     rollback restores an older snapshot; snapshots newer than the restored one are discarded. The batches between
@@ -63,8 +64,10 @@ class AutoRollback(Callback):
     ModelCheckpoint ``dirpath`` (else ``checkpoint_dir``) is loaded with public strategy calls, loops untouched;
     its lr/eps are ignored (the live ones win). **Budget**: more than ``max_rollbacks`` within ``rollback_window``
     steps restores once more, saves a verified checkpoint and stops with ``RecoveryBudgetExhausted``.
-    **TensorBoard**: a ``SessionLog.START`` event at fit start and at each rollback (step = the snapshot's logging
-    step + 1) makes the abandoned steps disappear from the dashboard. Snapshots are not saved in checkpoints.
+    **TensorBoard**: a ``SessionLog.START`` event at train start and at each rollback (step = the snapshot's logging
+    step + 1: the snapshot step's own metrics were computed on its good weights) makes the abandoned steps disappear
+    from the dashboard; the incident step's metrics, logged after the rollback, stay as its marker. Snapshots are not
+    saved in checkpoints (the callback state is counters only).
 
     Args:
         every_n_steps: snapshot cadence in optimizer steps (50: about 0.1-0.3% of a step for a 25M-param model).
