@@ -218,7 +218,7 @@ def test_disk_source_restores_the_newest_verified_checkpoint(tmp_path: Any) -> N
 
 def test_state_round_trips_through_a_weights_only_checkpoint(tmp_path: Any) -> None:
     rb = AutoRollback(every_n_steps=2, quiet_steps=0, skip_batches=1)
-    trainer = make_trainer(tmp_path, callbacks=[FaultInjector("loss", steps=[3]), rb], max_steps=5)
+    trainer = make_trainer(tmp_path, callbacks=[FaultInjector("loss", steps=[3]), rb], max_steps=8)
     trainer.fit(TinyModel())
     path = str(tmp_path / "state.ckpt")
     trainer.save_checkpoint(path)
@@ -231,6 +231,10 @@ def test_state_round_trips_through_a_weights_only_checkpoint(tmp_path: Any) -> N
     assert fresh.state_dict() == rb.state_dict()
     fresh.load_state_dict({})  # tolerant of older/empty state
     assert fresh.rollbacks == 0
+    resumed = AutoRollback(every_n_steps=2, quiet_steps=0, skip_batches=1)
+    make_trainer(tmp_path, callbacks=[resumed], max_steps=10).fit(TinyModel(), ckpt_path=path)  # weights_only load
+    assert resumed.rollbacks == 1
+    assert resumed.skipped_batches == 1
 
 
 @pytest.mark.parametrize(
