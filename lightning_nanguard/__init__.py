@@ -1,6 +1,6 @@
 """lightning_nanguard: composable PyTorch Lightning callbacks that keep training numerically healthy."""
 
-from lightning_nanguard.callbacks import CheckpointGuard, GradNormMonitor, OptimizerBackoff
+from lightning_nanguard.callbacks import AutoRollback, CheckpointGuard, GradNormMonitor, OptimizerBackoff
 from lightning_nanguard.checkpoints import last_good_checkpoint, verify_checkpoint
 from lightning_nanguard.exceptions import (
     CheckpointVerificationError,
@@ -17,6 +17,7 @@ __version__ = "0.1.0.dev0"
 
 __all__ = [
     "Action",
+    "AutoRollback",
     "CheckpointGuard",
     "CheckpointVerificationError",
     "GradNormMonitor",

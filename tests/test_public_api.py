@@ -6,6 +6,7 @@ import lightning_nanguard
 
 EXPECTED = {
     "Action",
+    "AutoRollback",
     "CheckpointGuard",
     "CheckpointVerificationError",
     "GradNormMonitor",

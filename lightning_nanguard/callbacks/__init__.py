@@ -1,7 +1,8 @@
 """Lightning adapters: one thin callback per file over the pure logic in signals/, policies/, recovery/."""
 
+from lightning_nanguard.callbacks.auto_rollback import AutoRollback
 from lightning_nanguard.callbacks.checkpoint_guard import CheckpointGuard
 from lightning_nanguard.callbacks.grad_norm_monitor import GradNormMonitor
 from lightning_nanguard.callbacks.optimizer_backoff import OptimizerBackoff
 
-__all__ = ["CheckpointGuard", "GradNormMonitor", "OptimizerBackoff"]
+__all__ = ["AutoRollback", "CheckpointGuard", "GradNormMonitor", "OptimizerBackoff"]

@@ -10,6 +10,9 @@ __all__ = [
     "LR_SCALE",
     "NONFINITE_GRADS",
     "PREFIX",
+    "RESTORED_FROM_STEP",
+    "ROLLBACKS",
+    "ROLLBACK_SKIPPED_BATCHES",
     "SKIPPED_STEPS",
     "key",
 ]
@@ -29,3 +32,6 @@ SKIPPED_STEPS = key("skipped_steps")
 LAYER_GRAD_NORM = key("layer_grad_norm")  # + "/<module path>"
 LR_SCALE = key("lr_scale")
 EPS = key("eps")  # or + "/opt{i}_group{j}" when groups differ
+ROLLBACKS = key("rollbacks")
+RESTORED_FROM_STEP = key("restored_from_step")
+ROLLBACK_SKIPPED_BATCHES = key("rollback_skipped_batches")

@@ -1,0 +1,79 @@
+"""Carry out a rollback decision: restore from the snapshot ring, else from the newest verified checkpoint.
+
+Every function here is called on every rank with identical arguments (snapshots are taken on the same steps on all
+ranks, because every decision is reduced), and does the same collectives on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import lightning.pytorch as pl
+
+from lightning_nanguard import _distributed, _lightning_compat
+from lightning_nanguard.checkpoints import last_good_checkpoint
+from lightning_nanguard.policies.rollback import RollbackDecision, RollbackPolicy
+from lightning_nanguard.recovery.disk_restore import restore_from_checkpoint
+from lightning_nanguard.recovery.snapshot import SnapshotRing
+
+__all__ = ["Restored", "keep_lower_scale", "restore_state"]
+
+
+@dataclass(frozen=True)
+class Restored:
+    step: int  # global_step of the restored state
+    log_step: int  # its logging step
+    source: str  # "memory" or "disk"
+    path: str = ""  # the checkpoint, for "disk"
+
+
+def restore_state(
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    ring: SnapshotRing,
+    decision: RollbackDecision,
+    dirpath: str | None,
+) -> Restored | None:
+    """Memory first (the snapshot the policy picks), then disk; on a recurrence with nothing older anywhere, the
+    newest snapshot again (still better than the bad state). ``None`` when there is nothing to restore."""
+    restored = _from_ring(trainer, pl_module, ring, decision)
+    if restored is None:
+        restored = _from_disk(trainer, dirpath)
+    if restored is None and decision.older_than is not None:
+        restored = _from_ring(trainer, pl_module, ring, replace(decision, older_than=None))
+    return restored
+
+
+def keep_lower_scale(trainer: pl.Trainer, scale: float | None) -> None:
+    """Lower the GradScaler's scale to ``scale`` if that is lower; never raise it (the backoff was earned)."""
+    scaler = _lightning_compat.get_scaler(trainer)
+    if scale is not None and scaler is not None and scaler.is_enabled() and scale < float(scaler.get_scale()):
+        scaler.update(new_scale=scale)
+
+
+def _from_ring(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, ring: SnapshotRing, decision: RollbackDecision
+) -> Restored | None:
+    while True:
+        chosen = RollbackPolicy.choose(decision, ring.steps())
+        snap = None if chosen is None else ring.get(chosen)
+        if snap is None:
+            return None
+        # Parameters were verified when the snapshot was taken; the optimizer state is verified now (rare path).
+        if not _distributed.any_rank(trainer, ~ring.state_finite(snap)):
+            break
+        ring.discard(snap)
+    ring.restore(snap, pl_module, trainer.optimizers)
+    ring.discard_newer(snap.step)  # they belong to the trajectory that just went bad
+    keep_lower_scale(trainer, snap.scale)
+    return Restored(snap.step, snap.log_step, "memory")
+
+
+def _from_disk(trainer: pl.Trainer, dirpath: str | None) -> Restored | None:
+    local = last_good_checkpoint(dirpath) if dirpath is not None and trainer.is_global_zero else None
+    path = _distributed.broadcast_object(trainer, local)  # every rank loads the same file
+    if not isinstance(path, str):
+        return None
+    done = restore_from_checkpoint(trainer, path)
+    keep_lower_scale(trainer, done.scale)
+    return Restored(done.step, done.log_step, "disk", path)
