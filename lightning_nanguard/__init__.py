@@ -1,6 +1,6 @@
 """lightning_nanguard: composable PyTorch Lightning callbacks that keep training numerically healthy."""
 
-from lightning_nanguard.callbacks import GradNormMonitor
+from lightning_nanguard.callbacks import GradNormMonitor, LossScaleWatchdog
 from lightning_nanguard.exceptions import (
     CheckpointVerificationError,
     NanGuardConfigError,
@@ -19,6 +19,7 @@ __all__ = [
     "CheckpointVerificationError",
     "GradNormMonitor",
     "Incident",
+    "LossScaleWatchdog",
     "NanGuardConfigError",
     "NanGuardError",
     "NonFiniteTrainingError",
