@@ -16,6 +16,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
 from lightning_nanguard import (
+    GradNormMonitor,
     LossScaleWatchdog,
     NanGuardConfigError,
     NonFiniteTrainingError,
@@ -321,3 +322,24 @@ def test_incidents_reach_the_jsonl_log(tmp_path: Any) -> None:
         lines = f.readlines()
     assert len(lines) == 1
     assert '"trigger": "loss_scale_collapse"' in lines[0]
+
+
+@pytest.mark.parametrize("watchdog_first", [True, False])
+def test_composes_with_grad_norm_monitor_in_any_order(tmp_path: Any, watchdog_first: bool) -> None:
+    probe = ScaleProbe()
+    watchdog = LossScaleWatchdog(min_scale=256.0, floor_patience=2, max_overflow_streak=None, on_collapse="stop")
+    monitor = GradNormMonitor(max_consecutive_skips=50)
+    pair: list[Callback] = [watchdog, monitor] if watchdog_first else [monitor, watchdog]
+    trainer = _trainer(tmp_path, [FaultInjector("grad", steps=range(1, 20), value="inf"), *pair, probe], max_steps=20)
+    with pytest.raises(NonFiniteTrainingError, match=r"Loss-scale collapse at global_step=4"):
+        trainer.fit(TinyModel())
+    assert [s for _, s in probe.after] == [1024.0, 512.0, 256.0, 256.0, 256.0]
+    records = get_context(trainer).incidents.records
+    assert sorted((r.step, r.action, r.source) for r in records) == [
+        (1, "scaler_skip", "GradNormMonitor"),
+        (2, "scaler_skip", "GradNormMonitor"),
+        (3, "scaler_skip", "GradNormMonitor"),
+        (4, "scaler_skip", "GradNormMonitor"),
+        (4, "stop", "LossScaleWatchdog"),
+    ]
+    assert monitor.skipped_steps == 4  # the collapse step is counted once, whoever drops it
