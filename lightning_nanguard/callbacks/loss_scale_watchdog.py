@@ -252,25 +252,12 @@ class LossScaleWatchdog(Callback):
     # ------------------------------------------------------------------ state
     @override
     def state_dict(self) -> dict[str, Any]:
-        p = self._policy
-        return {
-            "version": 1,
-            "overflow_steps": p.overflow_steps,
-            "streak": p.streak,
-            "floor_hits": p.floor_hits,
-            "collapses": p.collapses,
-            "recent": list(p.recent),
-            "history": [[step, scale] for step, scale in self._history],
-        }
+        history = [[step, scale] for step, scale in self._history]
+        return {"version": 1, **self._policy.state_dict(), "history": history}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        p = self._policy
-        p.overflow_steps = int(state_dict.get("overflow_steps", 0))
-        p.streak = int(state_dict.get("streak", 0))
-        p.floor_hits = int(state_dict.get("floor_hits", 0))
-        p.collapses = int(state_dict.get("collapses", 0))
-        p.recent = deque((int(v) for v in state_dict.get("recent", [])), maxlen=self.window)
+        self._policy.load_state_dict(state_dict)
         self._history = deque(((int(s), float(v)) for s, v in state_dict.get("history", [])), maxlen=_HISTORY)
 
     # ------------------------------------------------------------------ internals
@@ -312,17 +299,21 @@ class LossScaleWatchdog(Callback):
         diagnosis = diagnose(
             weights_finite=weights_finite, finite_steps=self._finite_steps, resumed_from=self._resumed_from
         )
-        message = self._message(trainer, action, diagnosis.advice)
         p = self._policy
+        message = p.describe(
+            action,
+            step=trainer.global_step,
+            epoch=trainer.current_epoch,
+            scale=self._mirror.scale,
+            min_scale=self.min_scale,
+            history=self._history,
+            advice=diagnosis.advice,
+        )
         values = {
             **health.values(),
             "loss_scale": self._mirror.scale,
             "min_scale": self.min_scale,
-            "overflow_streak": p.streak,
-            "floor_hits": p.floor_hits,
-            "overflow_steps": p.overflow_steps,
-            "overflow_rate": p.overflow_rate,
-            "collapses": p.collapses,
+            **p.readings(),
             "weights_finite": weights_finite,
             "diagnosis": diagnosis.kind,
             "resumed_from": self._resumed_from or "",
@@ -347,34 +338,3 @@ class LossScaleWatchdog(Callback):
             error_type = RecoveryBudgetExhausted if p.budget_exhausted else NonFiniteTrainingError
             ctx.request_stop(trainer, error_type(message))
         p.reset_streaks()
-
-    def _message(self, trainer: pl.Trainer, action: Action, advice: str) -> str:
-        assert self._mirror is not None
-        p = self._policy
-        if p.reason == "floor":
-            why = (
-                f"{p.floor_hits} overflowing steps with the scale already at its floor min_scale={self.min_scale:g} "
-                f"(floor_patience={self.floor_patience}): the GradScaler cannot go lower, and skips every such step"
-            )
-        else:
-            why = (
-                f"{p.streak} overflowing steps in a row (max_overflow_streak={self.max_overflow_streak}); the "
-                "GradScaler skipped every one of them"
-            )
-        history = ", ".join(f"{s}: {v:g}" for s, v in self._history)
-        head = (
-            f"Loss-scale collapse at global_step={trainer.global_step} (epoch {trainer.current_epoch}): {why}. "
-            f"Scale now {self._mirror.scale:g}; recent scale history (step: scale) {history}. Diagnosis: {advice}"
-        )
-        left = "no collapse budget" if p.budget_left < 0 else f"{p.budget_left} more collapses allowed"
-        if action is Action.WARN:
-            tail = f"on_collapse='warn': training goes on and overflowing steps keep being skipped ({left})."
-        elif action is Action.ROLLBACK:
-            tail = f"on_collapse='rollback': this update was dropped and AutoRollback was asked to restore ({left})."
-        elif p.budget_exhausted:
-            tail = f"Training stopped: collapse {p.collapses} is more than max_collapses={self.max_collapses}."
-        elif self.on_collapse == "rollback":
-            tail = "Training stopped: on_collapse='rollback' but AutoRollback is not installed to restore a state."
-        else:
-            tail = "Training stopped (on_collapse='stop'); the GradScaler skipped the overflowing updates."
-        return f"{head} {tail}"

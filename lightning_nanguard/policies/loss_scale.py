@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 import struct
 from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from lightning_nanguard.policies.verdict import Action
 
@@ -90,8 +91,8 @@ class CollapsePolicy:
     """Count overflows and decide when the loss scale has collapsed.
 
     A collapse is either ``max_overflow_streak`` overflowing steps in a row, or ``floor_patience`` overflowing steps
-    while the scale already sits at the floor (the GradScaler would have lowered it further; counted until the scale
-    grows off the floor). Each collapse costs one unit of ``max_collapses``; one more than the budget stops training.
+    while the scale already sits at the floor (the GradScaler would have lowered it further; counted until an overflow
+    happens above the floor). Each collapse costs one unit of ``max_collapses``; one more than the budget stops.
 
     Args:
         on_collapse: the action for a collapse within budget.
@@ -149,6 +150,74 @@ class CollapsePolicy:
         """Start counting afresh: after a collapse was acted on, or after a rollback restored the state."""
         self.streak = 0
         self.floor_hits = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters, as primitives (``weights_only``-safe)."""
+        return {
+            "overflow_steps": self.overflow_steps,
+            "streak": self.streak,
+            "floor_hits": self.floor_hits,
+            "collapses": self.collapses,
+            "recent": list(self.recent),
+        }
+
+    def readings(self) -> dict[str, Any]:
+        """The counters behind a collapse, for its incident record."""
+        return {
+            "overflow_streak": self.streak,
+            "floor_hits": self.floor_hits,
+            "overflow_steps": self.overflow_steps,
+            "overflow_rate": self.overflow_rate,
+            "collapses": self.collapses,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the counters; missing keys (older state) read as zero."""
+        self.overflow_steps = int(state.get("overflow_steps", 0))
+        self.streak = int(state.get("streak", 0))
+        self.floor_hits = int(state.get("floor_hits", 0))
+        self.collapses = int(state.get("collapses", 0))
+        self.recent = deque((int(v) for v in state.get("recent", [])), maxlen=self.window)
+
+    def describe(
+        self,
+        action: Action,
+        *,
+        step: int,
+        epoch: int,
+        scale: float,
+        min_scale: float,
+        history: Iterable[tuple[int, float]],
+        advice: str,
+    ) -> str:
+        """The incident/error text of the collapse just decided: what, where, the scale history, the diagnosis."""
+        if self.reason == "floor":
+            why = (
+                f"{self.floor_hits} overflowing steps with the scale already at its floor min_scale={min_scale:g} "
+                f"(floor_patience={self.floor_patience}): the GradScaler cannot go lower, and skips every such step"
+            )
+        else:
+            why = (
+                f"{self.streak} overflowing steps in a row (max_overflow_streak={self.max_overflow_streak}); the "
+                "GradScaler skipped every one of them"
+            )
+        steps = ", ".join(f"{s}: {v:g}" for s, v in history)
+        head = (
+            f"Loss-scale collapse at global_step={step} (epoch {epoch}): {why}. Scale now {scale:g}; recent scale "
+            f"history (step: scale) {steps}. Diagnosis: {advice}"
+        )
+        left = "no collapse budget" if self.budget_left < 0 else f"{self.budget_left} more collapses allowed"
+        if action is Action.WARN:
+            tail = f"on_collapse='warn': training goes on and overflowing steps keep being skipped ({left})."
+        elif action is Action.ROLLBACK:
+            tail = f"on_collapse='rollback': this update was dropped and AutoRollback was asked to restore ({left})."
+        elif self.budget_exhausted:
+            tail = f"Training stopped: collapse {self.collapses} is more than max_collapses={self.max_collapses}."
+        elif self.on_collapse == "rollback":
+            tail = "Training stopped: on_collapse='rollback' but AutoRollback is not installed to restore a state."
+        else:
+            tail = "Training stopped (on_collapse='stop'); the GradScaler skipped the overflowing updates."
+        return f"{head} {tail}"
 
     @property
     def overflow_rate(self) -> float:

@@ -343,3 +343,27 @@ def test_composes_with_grad_norm_monitor_in_any_order(tmp_path: Any, watchdog_fi
         (4, "stop", "LossScaleWatchdog"),
     ]
     assert monitor.skipped_steps == 4  # the collapse step is counted once, whoever drops it
+
+
+class ManualModel(TinyModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x).float(), y.float())
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        return loss.detach()
+
+
+def test_manual_optimization_keeps_the_floor(tmp_path: Any) -> None:
+    probe = ScaleProbe()
+    watchdog = LossScaleWatchdog(min_scale=256.0, floor_patience=2, max_overflow_streak=None)
+    trainer = _trainer(tmp_path, [FaultInjector("grad", steps=range(1, 20), value="inf"), watchdog, probe], max_steps=9)
+    with pytest.raises(NonFiniteTrainingError, match=r"global_step=4.*floor min_scale=256"):
+        trainer.fit(ManualModel())
+    assert [s for _, s in probe.after] == [1024.0, 512.0, 256.0, 256.0, 256.0]
