@@ -22,6 +22,7 @@ from lightning_nanguard import (
     NonFiniteTrainingError,
     RecoveryBudgetExhausted,
     UnsupportedSetupError,
+    _lightning_compat,
 )
 from lightning_nanguard.context import get_context
 from lightning_nanguard.testing import FaultInjector
@@ -367,3 +368,28 @@ def test_manual_optimization_keeps_the_floor(tmp_path: Any) -> None:
     with pytest.raises(NonFiniteTrainingError, match=r"global_step=4.*floor min_scale=256"):
         trainer.fit(ManualModel())
     assert [s for _, s in probe.after] == [1024.0, 512.0, 256.0, 256.0, 256.0]
+
+
+@pytest.mark.parametrize(("log_every", "faults", "reads"), [(50, [], 1), (50, [2, 4], 3), (2, [], 4)])
+def test_scale_is_read_only_at_start_after_overflows_and_on_logging_steps(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, log_every: int, faults: list[int], reads: int
+) -> None:
+    # The healthy path replays the GradScaler's schedule on the host: no read of the scale per step.
+    calls: list[int] = []
+    real = _lightning_compat.scaler_state
+
+    def counted(scaler: Any) -> tuple[float, int]:
+        calls.append(1)
+        return real(scaler)
+
+    monkeypatch.setattr(_lightning_compat, "scaler_state", counted)
+    probe, watchdog = ScaleProbe(), LossScaleWatchdog()
+    callbacks = [FaultInjector("grad", steps=faults, value="inf"), watchdog, probe]
+    _trainer(tmp_path, callbacks, log_every_n_steps=log_every, **amp(growth_interval=2)).fit(TinyModel())
+    assert len(calls) == reads
+    changes = [(0, 1024.0)]
+    for step, scale in probe.after:
+        if scale != changes[-1][1]:
+            changes.append((step, scale))
+    assert watchdog.scale_history == changes  # the host mirror followed the real scale without reading it
+    assert len(changes) >= 3
