@@ -1,6 +1,12 @@
 """lightning_nanguard: composable PyTorch Lightning callbacks that keep training numerically healthy."""
 
-from lightning_nanguard.callbacks import AutoRollback, CheckpointGuard, GradNormMonitor, OptimizerBackoff
+from lightning_nanguard.callbacks import (
+    AutoRollback,
+    CheckpointGuard,
+    GradNormMonitor,
+    LossScaleWatchdog,
+    OptimizerBackoff,
+)
 from lightning_nanguard.checkpoints import last_good_checkpoint, verify_checkpoint
 from lightning_nanguard.exceptions import (
     CheckpointVerificationError,
@@ -22,6 +28,7 @@ __all__ = [
     "CheckpointVerificationError",
     "GradNormMonitor",
     "Incident",
+    "LossScaleWatchdog",
     "NanGuardConfigError",
     "NanGuardError",
     "NonFiniteTrainingError",

@@ -90,6 +90,7 @@ class StepOutcome:
     """What nanguard did about one optimizer step, filled in ``on_before_optimizer_step``."""
 
     step: int
+    batch: int = -1  # _lightning_compat.batch_counter when created: the batch this outcome belongs to
     skipped: bool = False
     skipped_by: str = ""
     how: str = ""
@@ -199,6 +200,7 @@ class NanGuardContext:
         )
         self._reset_loss()
         self._health[cache_key] = health
+        self.outcome(trainer)  # every checked step gets its own outcome record
         return health
 
     def param_index(self, pl_module: pl.LightningModule, optimizer: Optimizer, opt_idx: int) -> ParamIndex:
@@ -211,12 +213,17 @@ class NanGuardContext:
         out = self._outcomes.get(step)
         if out is None:
             self._outcomes.clear()
-            out = self._outcomes[step] = StepOutcome(step=step)
+            out = self._outcomes[step] = StepOutcome(step=step, batch=_lightning_compat.batch_counter(trainer))
         return out
 
-    def last_outcome(self) -> StepOutcome | None:
-        """The most recent step's outcome (in ``on_train_batch_end`` ``global_step`` has already moved on)."""
-        return next(iter(self._outcomes.values()), None)
+    def last_outcome(self, trainer: pl.Trainer) -> StepOutcome | None:
+        """The outcome of the optimizer step taken in the current batch, for ``on_train_batch_end`` (where
+        ``global_step`` has already moved on). ``None`` when this batch took no step or nothing was recorded for it,
+        so an older step's outcome is never mistaken for this one's."""
+        out = next(iter(self._outcomes.values()), None)
+        if out is None or out.batch != _lightning_compat.batch_counter(trainer):
+            return None
+        return out
 
     def skip_step(self, trainer: pl.Trainer, optimizer: Optimizer, health: StepHealth, source: str) -> bool:
         """Drop this step's update (idempotent; every rank must call it on the same steps). True if newly skipped."""

@@ -11,6 +11,7 @@ EXPECTED = {
     "CheckpointVerificationError",
     "GradNormMonitor",
     "Incident",
+    "LossScaleWatchdog",
     "NanGuardConfigError",
     "NanGuardError",
     "NonFiniteTrainingError",

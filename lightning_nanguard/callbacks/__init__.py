@@ -3,6 +3,7 @@
 from lightning_nanguard.callbacks.auto_rollback import AutoRollback
 from lightning_nanguard.callbacks.checkpoint_guard import CheckpointGuard
 from lightning_nanguard.callbacks.grad_norm_monitor import GradNormMonitor
+from lightning_nanguard.callbacks.loss_scale_watchdog import LossScaleWatchdog
 from lightning_nanguard.callbacks.optimizer_backoff import OptimizerBackoff
 
-__all__ = ["AutoRollback", "CheckpointGuard", "GradNormMonitor", "OptimizerBackoff"]
+__all__ = ["AutoRollback", "CheckpointGuard", "GradNormMonitor", "LossScaleWatchdog", "OptimizerBackoff"]

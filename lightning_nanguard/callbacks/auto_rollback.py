@@ -234,7 +234,7 @@ class AutoRollback(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        out = get_context(trainer).last_outcome()
+        out = get_context(trainer).last_outcome(trainer)
         step = out.step if out is not None else trainer.global_step - 1
         if out is not None and out.skipped:  # a dropped update is an incident: no snapshot for quiet_steps
             self._last_incident = max(self._last_incident or 0, out.step)

@@ -147,7 +147,8 @@ class GradNormMonitor(Callback):
         pl_module.log(keys.SKIPPED_STEPS, float(self.skipped_steps), on_step=True, on_epoch=False)
         clipped = self._clipped_norm(trainer, pl_module)
         if clipped is not None:
-            pl_module.log(keys.GRAD_NORM_CLIPPED, clipped, on_step=True, on_epoch=False)
+            # Straight to the loggers: through self.log, Lightning would re-emit the last value on a skipped step.
+            emit.log_event(trainer, {keys.GRAD_NORM_CLIPPED: float(clipped.item())})
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -238,7 +239,7 @@ class GradNormMonitor(Callback):
         if not trainer.gradient_clip_val or not pl_module.automatic_optimization or not trainer.optimizers:
             return None
         ctx = get_context(trainer)
-        out = ctx.last_outcome()
+        out = ctx.last_outcome(trainer)
         if out is not None and out.skipped:
             return None
         reading = grad_reading(ctx.param_index(pl_module, trainer.optimizers[0], 0))

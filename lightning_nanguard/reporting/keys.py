@@ -7,8 +7,12 @@ __all__ = [
     "GRAD_NORM",
     "GRAD_NORM_CLIPPED",
     "LAYER_GRAD_NORM",
+    "LOSS_SCALE",
     "LR_SCALE",
     "NONFINITE_GRADS",
+    "OVERFLOW_RATE",
+    "OVERFLOW_STEPS",
+    "OVERFLOW_STREAK",
     "PREFIX",
     "RESTORED_FROM_STEP",
     "ROLLBACKS",
@@ -35,3 +39,7 @@ EPS = key("eps")  # or + "/opt{i}_group{j}" when groups differ
 ROLLBACKS = key("rollbacks")
 RESTORED_FROM_STEP = key("restored_from_step")
 ROLLBACK_SKIPPED_BATCHES = key("rollback_skipped_batches")
+LOSS_SCALE = key("loss_scale")
+OVERFLOW_STEPS = key("overflow_steps")
+OVERFLOW_RATE = key("overflow_rate")
+OVERFLOW_STREAK = key("overflow_streak")

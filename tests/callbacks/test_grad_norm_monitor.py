@@ -252,3 +252,16 @@ def test_manual_optimization_skip(tmp_path: Any) -> None:
 def test_bad_arguments_fail_at_construction(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(NanGuardConfigError, match=match):
         GradNormMonitor(**kwargs)
+
+
+def test_clipped_norm_is_logged_again_after_a_skipped_step(tmp_path: Any) -> None:
+    # The skipped step has no clipped gradients; the healthy steps after it must not inherit its outcome.
+    trainer = make_trainer(
+        tmp_path,
+        logger=loggers(tmp_path),
+        gradient_clip_val=0.01,
+        callbacks=[FaultInjector("loss", steps=[2]), GradNormMonitor()],
+    )
+    trainer.fit(TinyModel())
+    scalars = tb_scalars(os.path.join(tmp_path, "tb", "version_0"))
+    assert [s for s, _ in scalars["nanguard/grad_norm_clipped"]] == [0, 1, 3, 4, 5]

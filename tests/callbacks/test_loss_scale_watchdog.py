@@ -1,0 +1,395 @@
+"""LossScaleWatchdog on real Trainer.fit runs under 16-mixed (the CPU GradScaler) with deterministic faults."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+
+from lightning_nanguard import (
+    GradNormMonitor,
+    LossScaleWatchdog,
+    NanGuardConfigError,
+    NonFiniteTrainingError,
+    RecoveryBudgetExhausted,
+    UnsupportedSetupError,
+    _lightning_compat,
+)
+from lightning_nanguard.context import get_context
+from lightning_nanguard.testing import FaultInjector
+from tests.helpers import TinyModel, csv_metrics, make_trainer, params_of
+
+OVERFLOW = list(range(2, 60))  # steps 0 and 1 are healthy, then every step overflows
+
+
+def amp(init_scale: float = 1024.0, **scaler_kw: Any) -> dict[str, Any]:
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, **scaler_kw)
+    return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
+
+
+class ScaleProbe(Callback):
+    """The GradScaler's real scale after every batch (installed after the watchdog, so after its clamp)."""
+
+    def __init__(self) -> None:
+        self.after: list[tuple[int, float]] = []
+        self.first: float | None = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if self.first is None:
+            self.first = trainer.precision_plugin.scaler.get_scale()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.after.append((trainer.global_step, trainer.precision_plugin.scaler.get_scale()))
+
+
+def _trainer(tmp_path: Any, callbacks: list[Callback], init_scale: float = 1024.0, **kw: Any) -> pl.Trainer:
+    return make_trainer(tmp_path, "16-mixed", callbacks=callbacks, **{**amp(init_scale), **kw})
+
+
+@pytest.mark.parametrize("target", ["grad", "loss"])
+def test_forced_overflow_stops_at_the_floor_and_explains(tmp_path: Any, target: str) -> None:
+    probe = ScaleProbe()
+    watchdog = LossScaleWatchdog(min_scale=64.0, floor_patience=3, max_overflow_streak=None, on_collapse="stop")
+    trainer = _trainer(tmp_path, [FaultInjector(target, steps=OVERFLOW, value="inf"), watchdog, probe], max_steps=30)
+    with pytest.raises(NonFiniteTrainingError, match=r"global_step=8") as err:
+        trainer.fit(TinyModel())
+    # 1024 -> 64 in four overflows (steps 2-5); steps 6, 7, 8 overflow at the floor: the third is the collapse.
+    assert probe.after == [(1, 1024.0), (2, 1024.0), (3, 512.0), (4, 256.0), (5, 128.0), (6, 64.0), (7, 64.0),
+                           (8, 64.0), (9, 64.0)]  # fmt: skip
+    assert trainer.global_step == 9  # stopped after the collapse step
+    text = str(err.value)
+    assert "3 overflowing steps with the scale already at its floor min_scale=64" in text
+    assert "the loss is exploding (the overflows started after 2 finite steps)" in text
+    assert "lowering the learning rate, using gradient clipping or increasing the batch size" in text
+    assert "0: 1024, 3: 512, 4: 256, 5: 128, 6: 64" in text  # the scale history
+    [incident] = get_context(trainer).incidents.records
+    assert (incident.step, incident.action, incident.trigger) == (8, "stop", "loss_scale_collapse")
+    assert incident.values["diagnosis"] == "loss_exploding"
+    assert incident.values["weights_finite"] is True
+    assert incident.values["scale_history"][-1] == [6, 64.0]
+
+
+def test_without_the_watchdog_the_scale_falls_below_any_floor(tmp_path: Any) -> None:
+    # The control for the test above: the same run, no watchdog, no floor.
+    probe = ScaleProbe()
+    _trainer(tmp_path, [FaultInjector("grad", steps=OVERFLOW, value="inf"), probe], max_steps=9).fit(TinyModel())
+    assert probe.after[-1] == (9, 1024.0 / 2**7)
+
+
+def test_scale_never_reaches_zero(tmp_path: Any) -> None:
+    # Start near float32's smallest subnormal so that a few overflows are enough: GradScaler alone reaches 0.0.
+    init, floor = 2.0**-145, 2.0**-147
+    bare, guarded = ScaleProbe(), ScaleProbe()
+    _trainer(tmp_path / "bare", [FaultInjector("grad", steps=range(8), value="inf"), bare], init, max_steps=8).fit(
+        TinyModel()
+    )
+    assert bare.after[-1][1] == 0.0
+    watchdog = LossScaleWatchdog(min_scale=floor, floor_patience=None, max_overflow_streak=None)
+    trainer = _trainer(
+        tmp_path / "guarded", [FaultInjector("grad", steps=range(8), value="inf"), watchdog, guarded], init, max_steps=8
+    )
+    trainer.fit(TinyModel())
+    assert [s for _, s in guarded.after] == [2.0**-146, floor, floor, floor, floor, floor, floor, floor]
+    assert watchdog.state_dict()["overflow_steps"] == 8
+    assert len(get_context(trainer).incidents) == 0  # both collapse rules off: the floor alone, no incident
+
+
+def test_streak_rule_warns_within_budget_then_stops(tmp_path: Any) -> None:
+    watchdog = LossScaleWatchdog(
+        min_scale=1e-3, floor_patience=None, max_overflow_streak=4, on_collapse="warn", max_collapses=1
+    )
+    trainer = _trainer(tmp_path, [FaultInjector("grad", steps=range(50), value="inf"), watchdog], max_steps=30)
+    with (
+        pytest.warns(UserWarning, match=r"global_step=3.*4 overflowing steps in a row.*on_collapse='warn'"),
+        pytest.raises(RecoveryBudgetExhausted, match=r"global_step=7.*collapse 2 is more than max_collapses=1"),
+    ):
+        trainer.fit(TinyModel())
+    records = get_context(trainer).incidents.records
+    assert [(r.step, r.action, r.budget_left) for r in records] == [(3, "warn", 0), (7, "stop", 0)]
+    assert records[0].values["diagnosis"] == "overflow_from_start"  # no finite step at all, and no resume
+
+
+def test_healthy_run_grows_per_schedule_and_is_bit_identical(tmp_path: Any) -> None:
+    def run(sub: str, callbacks: list[Callback]) -> tuple[TinyModel, pl.Trainer]:
+        model = TinyModel()
+        logger = CSVLogger(str(tmp_path / sub), name="csv", version=0)
+        trainer = make_trainer(tmp_path / sub, "16-mixed", callbacks=callbacks, logger=logger, **amp(growth_interval=2))
+        trainer.fit(model)
+        return model, trainer
+
+    plain, _ = run("plain", [])
+    pl.seed_everything(1234, verbose=False)
+    watched, trainer = run("watched", [LossScaleWatchdog()])
+    a, b = params_of(plain), params_of(watched)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert trainer.precision_plugin.scaler.get_scale() == 8192.0
+    rows = [r for r in csv_metrics(str(tmp_path / "watched" / "csv" / "version_0")) if r.get("nanguard/loss_scale")]
+    assert [float(r["nanguard/loss_scale"]) for r in rows] == [1024.0, 2048.0, 2048.0, 4096.0, 4096.0, 8192.0]
+    assert {float(r["nanguard/overflow_steps"]) for r in rows} == {0.0}
+    assert {float(r["nanguard/overflow_rate"]) for r in rows} == {0.0}
+    assert {float(r["nanguard/overflow_streak"]) for r in rows} == {0.0}
+    assert len(get_context(trainer).incidents) == 0
+
+
+def test_max_scale_caps_growth_and_overflow_keys_are_logged(tmp_path: Any) -> None:
+    logger = CSVLogger(str(tmp_path), name="csv", version=0)
+    callbacks = [FaultInjector("grad", steps=[3, 4], value="inf"), LossScaleWatchdog(max_scale=2048.0, window=4)]
+    make_trainer(tmp_path, "16-mixed", callbacks=callbacks, logger=logger, **amp(growth_interval=1)).fit(TinyModel())
+    rows = [r for r in csv_metrics(str(tmp_path / "csv" / "version_0")) if r.get("nanguard/loss_scale")]
+    got = [(float(r["nanguard/loss_scale"]), float(r["nanguard/overflow_streak"])) for r in rows]
+    assert got == [(2048.0, 0), (2048.0, 0), (2048.0, 0), (1024.0, 1), (512.0, 2), (1024.0, 0)]
+    assert [float(r["nanguard/overflow_steps"]) for r in rows] == [0, 0, 0, 1, 2, 2]
+    assert [float(r["nanguard/overflow_rate"]) for r in rows] == [0, 0, 0, 0.25, 0.5, 0.5]
+
+
+def test_initial_scale_is_raised_to_the_floor_before_the_lazy_init(tmp_path: Any) -> None:
+    probe = ScaleProbe()
+    trainer = _trainer(tmp_path, [LossScaleWatchdog(min_scale=64.0), probe], init_scale=8.0, max_steps=2)
+    assert trainer.precision_plugin.scaler._scale is None  # GradScaler creates its scale tensor on the first step
+    trainer.fit(TinyModel())
+    assert probe.first == 64.0
+
+
+def test_gradient_accumulation_and_fused_optimizer(tmp_path: Any) -> None:
+    probe = ScaleProbe()
+    watchdog = LossScaleWatchdog(min_scale=256.0, floor_patience=2, max_overflow_streak=None)
+    trainer = _trainer(
+        tmp_path,
+        [FaultInjector("loss", steps=range(1, 20), value="inf"), watchdog, probe],
+        max_steps=10,
+        accumulate_grad_batches=2,
+    )
+    with pytest.raises(NonFiniteTrainingError, match=r"global_step=4.*floor min_scale=256"):
+        trainer.fit(TinyModel(optimizer="adamw", fused=True))
+    # One scaler.update() per optimizer step, not per micro-batch: 1024 -> 512 -> 256 (steps 1, 2), then the floor.
+    assert [s for step, s in probe.after[1::2]] == [1024.0, 512.0, 256.0, 256.0, 256.0]
+
+
+def _nan_checkpoint(tmp_path: Any) -> str:
+    """Fit 3 healthy steps, save, then write NaN into the saved weights (as a corrupted file would hold)."""
+    trainer = _trainer(tmp_path / "good", [], max_steps=3)
+    trainer.fit(TinyModel(n=24))  # 3 batches: the checkpoint is at an epoch end, resumable without a warning
+    path = str(tmp_path / "poisoned.ckpt")
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["state_dict"]["head.weight"][0, 0] = math.nan
+    torch.save(checkpoint, path)
+    return path
+
+
+def test_resume_from_nan_checkpoint_names_the_checkpoint(tmp_path: Any) -> None:
+    path = _nan_checkpoint(tmp_path)
+    watchdog = LossScaleWatchdog(min_scale=1.0, max_overflow_streak=3, on_collapse="stop")
+    trainer = _trainer(tmp_path / "resumed", [watchdog], max_steps=20)
+    with pytest.raises(NonFiniteTrainingError) as err:
+        trainer.fit(TinyModel(n=24), ckpt_path=path)
+    text = str(err.value)
+    assert "global_step=5" in text  # resumed at 3; steps 3, 4, 5 overflow
+    assert f"no step has been finite since resuming from '{path}'" in text
+    assert "that checkpoint most likely holds NaN/inf weights" in text
+    assert "lowering the learning rate" not in text
+    [incident] = get_context(trainer).incidents.records
+    assert incident.values["diagnosis"] == "nonfinite_weights_from_checkpoint"
+    assert incident.values["resumed_from"] == path
+    assert incident.values["weights_finite"] is False
+
+
+def test_state_round_trips_through_weights_only_checkpoint(tmp_path: Any) -> None:
+    def watchdog() -> LossScaleWatchdog:
+        return LossScaleWatchdog(min_scale=128.0, floor_patience=2, max_overflow_streak=None, on_collapse="warn")
+
+    first = watchdog()
+    trainer = _trainer(tmp_path, [FaultInjector("grad", steps=range(1, 6), value="inf"), first], max_steps=6)
+    with pytest.warns(UserWarning, match=r"Loss-scale collapse at global_step=5.*2 more collapses allowed"):
+        trainer.fit(TinyModel(n=48))  # 6 batches: the checkpoint below is at an epoch end
+    path = str(tmp_path / "state.ckpt")
+    trainer.save_checkpoint(path)
+    state = torch.load(path, weights_only=True)["callbacks"][first.state_key]
+    assert state["overflow_steps"] == 5
+    assert state["collapses"] == 1
+    assert state["recent"] == [0, 1, 1, 1, 1, 1]
+    assert state["history"] == [[0, 1024.0], [2, 512.0], [3, 256.0], [4, 128.0]]
+    fresh = watchdog()
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == first.state_dict()
+    fresh.load_state_dict({})  # tolerant of older/empty state
+    assert fresh.state_dict()["overflow_steps"] == 0
+
+    # Resuming carries the counters on: two more overflows at the floor make the second collapse.
+    resumed = watchdog()
+    trainer = _trainer(tmp_path / "r", [FaultInjector("grad", steps=[6, 7], value="inf"), resumed], max_steps=9)
+    with pytest.warns(UserWarning, match=r"global_step=7.*1 more collapses allowed"):
+        trainer.fit(TinyModel(n=48), ckpt_path=path)
+    assert resumed.state_dict()["overflow_steps"] == 7
+    assert resumed.state_dict()["collapses"] == 2
+
+
+class AutoRollback(Callback):
+    """Stands in for nanguard's AutoRollback (found by class name): records the requests handed to it."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, bool, list[dict[str, Any]]]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        out = get_context(trainer).last_outcome(trainer)
+        if out is not None and out.step == trainer.global_step - 1 and out.requests:
+            self.seen.append((out.step, out.skipped, list(out.requests)))
+            get_context(trainer).emit("restored", trainer, step=out.step)
+
+
+def test_rollback_is_handed_to_autorollback(tmp_path: Any) -> None:
+    rollback = AutoRollback()
+    watchdog = LossScaleWatchdog(min_scale=1.0, max_overflow_streak=3, on_collapse="rollback", max_collapses=None)
+    faults = FaultInjector("grad", steps=range(2, 8), value="inf")
+    trainer = _trainer(tmp_path, [watchdog, faults, rollback], max_steps=10)
+    trainer.fit(TinyModel())
+    request = {"what": "rollback", "trigger": "loss_scale_collapse", "source": "LossScaleWatchdog"}
+    assert rollback.seen == [(4, True, [request]), (7, True, [request])]  # streaks 2-4 and 5-7 (reset by "restored")
+    assert [(r.step, r.action) for r in get_context(trainer).incidents.records] == [(4, "rollback"), (7, "rollback")]
+
+
+def test_rollback_without_autorollback_says_so_at_setup_and_stops(tmp_path: Any) -> None:
+    watchdog = LossScaleWatchdog(max_overflow_streak=2, on_collapse="rollback")
+    trainer = _trainer(tmp_path, [FaultInjector("grad", steps=range(10), value="inf"), watchdog])
+    with (
+        pytest.warns(UserWarning, match=r"on_collapse='rollback'\) hands a collapse to AutoRollback, which is not"),
+        pytest.raises(NonFiniteTrainingError, match=r"global_step=1.*AutoRollback is not installed"),
+    ):
+        trainer.fit(TinyModel())
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-true"])
+def test_without_a_grad_scaler_it_says_so_once_and_does_nothing(
+    tmp_path: Any, precision: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    watchdog = LossScaleWatchdog()
+    trainer = make_trainer(tmp_path, precision, max_steps=3, callbacks=[watchdog])
+    rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # "lightning.pytorch" won't propagate
+    rank_zero_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger=rank_zero_logger.name):
+            trainer.fit(TinyModel())
+    finally:
+        rank_zero_logger.removeHandler(caplog.handler)
+    said = [r.getMessage() for r in caplog.records if "LossScaleWatchdog does nothing" in r.getMessage()]
+    assert len(said) == 1
+    assert f"precision {precision!r} uses no GradScaler" in said[0]
+    assert not any(k.startswith("nanguard/") for k in trainer.callback_metrics)
+    assert watchdog.state_dict()["recent"] == []
+
+
+def test_strategy_with_its_own_scaler_is_refused(tmp_path: Any) -> None:
+    deepspeed_like = type("DeepSpeedStrategy", (SingleDeviceStrategy,), {})  # named like it; DeepSpeed not installed
+    trainer = make_trainer(tmp_path, callbacks=[LossScaleWatchdog()], strategy=deepspeed_like(device="cpu"))
+    with pytest.raises(UnsupportedSetupError, match=r"does not support DeepSpeedStrategy.*min_loss_scale"):
+        trainer.fit(TinyModel())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"min_scale": 0.0}, r"LossScaleWatchdog\(min_scale=0.0\): must be a number in \(0.0"),
+        ({"min_scale": -1.0}, r"min_scale=-1.0\): must be a number in \(0.0"),
+        ({"min_scale": math.inf}, r"min_scale=inf\): must be a number"),
+        ({"min_scale": math.nan}, r"min_scale=nan\): must be a number"),
+        ({"max_scale": 0.5}, r"max_scale=0.5\): must be >= min_scale=1.0 or None"),
+        ({"floor_patience": 0}, r"floor_patience=0\): must be an int or None >= 1"),
+        ({"max_overflow_streak": 1.5}, r"max_overflow_streak=1.5\): must be an int or None >= 1"),
+        ({"on_collapse": "rollbak"}, r"on_collapse='rollbak'\): must be one of \['rollback', 'stop', 'warn'\]"),
+        ({"max_collapses": -1}, r"max_collapses=-1\): must be an int or None >= 0"),
+        ({"window": 0}, r"window=0\): must be an int >= 1"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(NanGuardConfigError, match=match):
+        LossScaleWatchdog(**kwargs)
+
+
+def test_incidents_reach_the_jsonl_log(tmp_path: Any) -> None:
+    watchdog = LossScaleWatchdog(max_overflow_streak=2, on_collapse="stop")
+    trainer = _trainer(tmp_path, [FaultInjector("grad", steps=[0, 1], value="nan"), watchdog])
+    with pytest.raises(NonFiniteTrainingError):
+        trainer.fit(TinyModel())
+    with open(os.path.join(tmp_path, "nanguard", "incidents.jsonl")) as f:
+        lines = f.readlines()
+    assert len(lines) == 1
+    assert '"trigger": "loss_scale_collapse"' in lines[0]
+
+
+@pytest.mark.parametrize("watchdog_first", [True, False])
+def test_composes_with_grad_norm_monitor_in_any_order(tmp_path: Any, watchdog_first: bool) -> None:
+    probe = ScaleProbe()
+    watchdog = LossScaleWatchdog(min_scale=256.0, floor_patience=2, max_overflow_streak=None, on_collapse="stop")
+    monitor = GradNormMonitor(max_consecutive_skips=50)
+    pair: list[Callback] = [watchdog, monitor] if watchdog_first else [monitor, watchdog]
+    trainer = _trainer(tmp_path, [FaultInjector("grad", steps=range(1, 20), value="inf"), *pair, probe], max_steps=20)
+    with pytest.raises(NonFiniteTrainingError, match=r"Loss-scale collapse at global_step=4"):
+        trainer.fit(TinyModel())
+    assert [s for _, s in probe.after] == [1024.0, 512.0, 256.0, 256.0, 256.0]
+    records = get_context(trainer).incidents.records
+    assert sorted((r.step, r.action, r.source) for r in records) == [
+        (1, "scaler_skip", "GradNormMonitor"),
+        (2, "scaler_skip", "GradNormMonitor"),
+        (3, "scaler_skip", "GradNormMonitor"),
+        (4, "scaler_skip", "GradNormMonitor"),
+        (4, "stop", "LossScaleWatchdog"),
+    ]
+    assert monitor.skipped_steps == 4  # the collapse step is counted once, whoever drops it
+
+
+class ManualModel(TinyModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x).float(), y.float())
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        return loss.detach()
+
+
+def test_manual_optimization_keeps_the_floor(tmp_path: Any) -> None:
+    probe = ScaleProbe()
+    watchdog = LossScaleWatchdog(min_scale=256.0, floor_patience=2, max_overflow_streak=None)
+    trainer = _trainer(tmp_path, [FaultInjector("grad", steps=range(1, 20), value="inf"), watchdog, probe], max_steps=9)
+    with pytest.raises(NonFiniteTrainingError, match=r"global_step=4.*floor min_scale=256"):
+        trainer.fit(ManualModel())
+    assert [s for _, s in probe.after] == [1024.0, 512.0, 256.0, 256.0, 256.0]
+
+
+@pytest.mark.parametrize(("log_every", "faults", "reads"), [(50, [], 1), (50, [2, 4], 3), (2, [], 4)])
+def test_scale_is_read_only_at_start_after_overflows_and_on_logging_steps(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, log_every: int, faults: list[int], reads: int
+) -> None:
+    # The healthy path replays the GradScaler's schedule on the host: no read of the scale per step.
+    calls: list[int] = []
+    real = _lightning_compat.scaler_state
+
+    def counted(scaler: Any) -> tuple[float, int]:
+        calls.append(1)
+        return real(scaler)
+
+    monkeypatch.setattr(_lightning_compat, "scaler_state", counted)
+    probe, watchdog = ScaleProbe(), LossScaleWatchdog()
+    callbacks = [FaultInjector("grad", steps=faults, value="inf"), watchdog, probe]
+    _trainer(tmp_path, callbacks, log_every_n_steps=log_every, **amp(growth_interval=2)).fit(TinyModel())
+    assert len(calls) == reads
+    changes = [(0, 1024.0)]
+    for step, scale in probe.after:
+        if scale != changes[-1][1]:
+            changes.append((step, scale))
+    assert watchdog.scale_history == changes  # the host mirror followed the real scale without reading it
+    assert len(changes) >= 3
