@@ -54,7 +54,7 @@ class OptimizerBackoff(Callback):
     Args:
         lr_factor: multiply the learning-rate scale by this at each backoff, in (0, 1).
         min_lr_scale: floor of the scale (relative to the configured schedule), in (0, 1].
-        on: comma list of incident kinds that cause a backoff: ``rollback`` (AutoRollback), ``skip`` (a dropped
+        triggers: comma list of incident kinds that cause a backoff: ``rollback`` (AutoRollback), ``skip`` (a dropped
             update, e.g. GradNormMonitor), ``scaler_skip`` (a GradScaler skip), ``loss_scale_collapse``
             (LossScaleWatchdog), ``warn``, ``stop``.
         skips_before_backoff: skip incidents needed within ``skip_window`` optimizer steps for one backoff.
@@ -90,7 +90,7 @@ class OptimizerBackoff(Callback):
         self,
         lr_factor: float = 0.5,
         min_lr_scale: float = 0.01,
-        on: str = "rollback,skip,loss_scale_collapse",
+        triggers: str = "rollback,skip,loss_scale_collapse",
         skips_before_backoff: int = 3,
         skip_window: int = 100,
         recover_after: int | None = None,
@@ -104,12 +104,14 @@ class OptimizerBackoff(Callback):
         owner = type(self).__name__
         check_float(owner, "lr_factor", lr_factor, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
         check_float(owner, "min_lr_scale", min_lr_scale, low=0.0, high=1.0, low_inclusive=False)
-        if not isinstance(on, str):
-            raise NanGuardConfigError(f"{owner}(on={on!r}): must be a comma-separated string of trigger names.")
+        if not isinstance(triggers, str):
+            raise NanGuardConfigError(
+                f"{owner}(triggers={triggers!r}): must be a comma-separated string of trigger names."
+            )
         try:
-            triggers = parse_triggers(on)
+            trigger_set = parse_triggers(triggers)
         except ValueError as err:
-            raise NanGuardConfigError(f"{owner}(on={on!r}): {err}.") from None
+            raise NanGuardConfigError(f"{owner}(triggers={triggers!r}): {err}.") from None
         check_int(owner, "skips_before_backoff", skips_before_backoff, minimum=1)
         check_int(owner, "skip_window", skip_window, minimum=1)
         check_int(owner, "recover_after", recover_after, minimum=1, allow_none=True)
@@ -119,7 +121,7 @@ class OptimizerBackoff(Callback):
         check_float(owner, "max_eps", max_eps, low=0.0, high=1.0, low_inclusive=False)
         check_choice(owner, "on_hazard", on_hazard, ("fix", "warn", "raise", "off"))
         check_float(owner, "safe_eps", safe_eps, low=0.0, high=1.0, low_inclusive=False)
-        self.lr_factor, self.min_lr_scale, self.on = float(lr_factor), float(min_lr_scale), on
+        self.lr_factor, self.min_lr_scale, self.triggers = float(lr_factor), float(min_lr_scale), triggers
         self.skips_before_backoff, self.skip_window = skips_before_backoff, skip_window
         self.recover_after, self.recover_steps = recover_after, recover_steps
         self.eps_backoff, self.eps_factor, self.max_eps = eps_backoff, float(eps_factor), float(max_eps)
@@ -127,7 +129,7 @@ class OptimizerBackoff(Callback):
         self._policy = BackoffPolicy(
             lr_factor=self.lr_factor,
             min_lr_scale=self.min_lr_scale,
-            on=triggers,
+            on=trigger_set,
             skips_before_backoff=skips_before_backoff,
             skip_window=skip_window,
             recover_after=recover_after,
@@ -144,7 +146,7 @@ class OptimizerBackoff(Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(lr_factor=self.lr_factor, on=self.on)
+        return self._generate_state_key(lr_factor=self.lr_factor, triggers=self.triggers)
 
     @property
     def lr_scale(self) -> float:
