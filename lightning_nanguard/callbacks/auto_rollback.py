@@ -7,14 +7,13 @@ import os
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
-from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_nanguard import _lightning_compat
 from lightning_nanguard._validation import check_choice, check_int
-from lightning_nanguard.callbacks._common import check_strategy_supported, make_incident
+from lightning_nanguard.callbacks._base import NanGuardCallback
+from lightning_nanguard.callbacks._common import make_incident
 from lightning_nanguard.callbacks._rollback_support import (
     Pending,
     exhausted_message,
@@ -22,7 +21,7 @@ from lightning_nanguard.callbacks._rollback_support import (
     pending_from_request,
     rollback_message,
 )
-from lightning_nanguard.context import get_context
+from lightning_nanguard.context import NanGuardContext, get_context
 from lightning_nanguard.exceptions import NanGuardConfigError, RecoveryBudgetExhausted, UnsupportedSetupError
 from lightning_nanguard.policies.rollback import RollbackPolicy, snapshot_due
 from lightning_nanguard.policies.verdict import Action
@@ -35,7 +34,7 @@ from lightning_nanguard.reporting.tb_purge import write_session_start
 __all__ = ["AutoRollback"]
 
 
-class AutoRollback(Callback):
+class AutoRollback(NanGuardCallback):
     """Keep verified-finite snapshots of the training state in memory; on a bad step, drop the update and restore.
 
     **Snapshots** are taken in ``on_train_batch_start`` (the state before that step's update; under DDP every rank
@@ -157,13 +156,8 @@ class AutoRollback(Callback):
 
     # ------------------------------------------------------------------ lifecycle
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        check_strategy_supported(trainer, type(self).__name__)
+    def _setup_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: NanGuardContext) -> None:
         self._reset_fit_state()
-        ctx = get_context(trainer)
-        ctx.setup(trainer, type(self).__name__)
         ctx.subscribe("incident", self._on_incident)
 
     @override
@@ -198,10 +192,6 @@ class AutoRollback(Callback):
         self.ring.take(
             pl_module, trainer.optimizers, step=step, log_step=_lightning_compat.log_step(trainer), scale=scale
         )
-
-    @override
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        get_context(trainer).observe_loss(loss)
 
     @override
     def on_before_optimizer_step(
@@ -252,18 +242,8 @@ class AutoRollback(Callback):
                 pl_module.log(keys.ROLLBACK_SKIPPED_BATCHES, float(self.skipped_batches), on_step=True, on_epoch=False)
 
     @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        get_context(trainer).finish(trainer, raise_pending=True)
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        get_context(trainer).finish(trainer, raise_pending=False)
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self.ring.clear()  # free the buffers; snapshots never outlive the fit
-            get_context(trainer).teardown()
+    def _teardown_fit(self, trainer: pl.Trainer) -> None:
+        self.ring.clear()  # free the buffers; snapshots never outlive the fit
 
     # ------------------------------------------------------------------ state (counters only, no snapshots)
     @override

@@ -6,7 +6,6 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
@@ -14,8 +13,9 @@ from typing_extensions import override
 
 from lightning_nanguard import _lightning_compat
 from lightning_nanguard._validation import check_choice, check_int
-from lightning_nanguard.callbacks._common import check_strategy_supported, incident_from_health
-from lightning_nanguard.context import get_context
+from lightning_nanguard.callbacks._base import NanGuardCallback
+from lightning_nanguard.callbacks._common import incident_from_health
+from lightning_nanguard.context import NanGuardContext, get_context
 from lightning_nanguard.exceptions import NonFiniteTrainingError
 from lightning_nanguard.policies.skip import SkipBudget
 from lightning_nanguard.policies.verdict import Action
@@ -25,7 +25,7 @@ from lightning_nanguard.signals.gradients import grad_reading, layer_norms
 __all__ = ["GradNormMonitor"]
 
 
-class GradNormMonitor(Callback):
+class GradNormMonitor(NanGuardCallback):
     """Log the gradient norm every logged step and drop any update whose loss or gradients are non-finite.
 
     The check runs in ``on_before_optimizer_step``, where the gradients are final: accumulated, all-reduced,
@@ -102,19 +102,10 @@ class GradNormMonitor(Callback):
 
     # ------------------------------------------------------------------ lifecycle
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        check_strategy_supported(trainer, type(self).__name__)
+    def _setup_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: NanGuardContext) -> None:
         self._trainer = trainer
-        ctx = get_context(trainer)
-        ctx.setup(trainer, type(self).__name__)
         if self.layer_depth is not None:
             ctx.set_layer_depth(type(self).__name__, self.layer_depth)
-
-    @override
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        get_context(trainer).observe_loss(loss)
 
     @override
     def on_before_optimizer_step(
@@ -151,19 +142,9 @@ class GradNormMonitor(Callback):
             emit.log_event(trainer, {keys.GRAD_NORM_CLIPPED: float(clipped.item())})
 
     @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        get_context(trainer).finish(trainer, raise_pending=True)
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        get_context(trainer).finish(trainer, raise_pending=False)
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self._restored_skips = self.skipped_steps
-            get_context(trainer).teardown()
-            self._trainer = None  # type: ignore[assignment]
+    def _teardown_fit(self, trainer: pl.Trainer) -> None:
+        self._restored_skips = self.skipped_steps
+        self._trainer = None  # type: ignore[assignment]
 
     # ------------------------------------------------------------------ state
     @override

@@ -7,16 +7,15 @@ from collections import deque
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_nanguard import _distributed, _lightning_compat
 from lightning_nanguard._validation import check_choice, check_float, check_int
-from lightning_nanguard.callbacks._common import check_strategy_supported, make_incident
-from lightning_nanguard.context import StepHealth, get_context
+from lightning_nanguard.callbacks._base import NanGuardCallback
+from lightning_nanguard.callbacks._common import make_incident
+from lightning_nanguard.context import NanGuardContext, StepHealth, get_context
 from lightning_nanguard.exceptions import (
     NanGuardConfigError,
     NonFiniteTrainingError,
@@ -35,7 +34,7 @@ _log = logging.getLogger(__name__)
 _HISTORY = 16  # (step, scale) pairs kept for the report: the last changes of the scale
 
 
-class LossScaleWatchdog(Callback):
+class LossScaleWatchdog(NanGuardCallback):
     """Watch the GradScaler (``16-mixed``): log its scale and overflows, keep it above a floor, explain a collapse.
 
     ``torch.amp.GradScaler`` has no floor: a run whose steps keep overflowing halves the scale every step down to
@@ -130,19 +129,18 @@ class LossScaleWatchdog(Callback):
 
     # ------------------------------------------------------------------ lifecycle
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        owner = type(self).__name__
+    def _check_environment(self, trainer: pl.Trainer) -> None:
         if "DeepSpeedStrategy" in _lightning_compat.strategy_class_names(trainer):
             raise UnsupportedSetupError(
-                f"{owner} does not support DeepSpeedStrategy: DeepSpeed keeps its own loss scaler inside its engine "
-                "and exposes none to Lightning's precision plugin. Configure DeepSpeed's scaler instead (fp16: "
-                "'min_loss_scale', 'loss_scale_window', 'hysteresis'), or remove the callback."
+                f"{type(self).__name__} does not support DeepSpeedStrategy: DeepSpeed keeps its own loss scaler "
+                "inside its engine and exposes none to Lightning's precision plugin. Configure DeepSpeed's scaler "
+                "instead (fp16: 'min_loss_scale', 'loss_scale_window', 'hysteresis'), or remove the callback."
             )
-        check_strategy_supported(trainer, owner)
-        ctx = get_context(trainer)
-        ctx.setup(trainer, owner)
+        super()._check_environment(trainer)
+
+    @override
+    def _setup_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: NanGuardContext) -> None:
+        owner = type(self).__name__
         scaler = _lightning_compat.get_scaler(trainer)
         self._active = scaler is not None and bool(scaler.is_enabled())
         if not self._active:
@@ -177,11 +175,6 @@ class LossScaleWatchdog(Callback):
         self._finite_steps = 0
         self._resumed_from = None if trainer.ckpt_path is None else str(trainer.ckpt_path)
         self._note_scale(trainer.global_step)
-
-    @override
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        if self._active:
-            get_context(trainer).observe_loss(loss)
 
     @override
     def on_before_optimizer_step(
@@ -234,20 +227,10 @@ class LossScaleWatchdog(Callback):
                 pl_module.log(name, value, on_step=True, on_epoch=False)
 
     @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        get_context(trainer).finish(trainer, raise_pending=True)
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        get_context(trainer).finish(trainer, raise_pending=False)
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            get_context(trainer).teardown()
-            self._mirror = None
-            self._pending.clear()
-            self._active = False
+    def _teardown_fit(self, trainer: pl.Trainer) -> None:
+        self._mirror = None
+        self._pending.clear()
+        self._active = False
 
     # ------------------------------------------------------------------ state
     @override

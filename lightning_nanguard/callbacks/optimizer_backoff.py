@@ -6,14 +6,14 @@ import dataclasses
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_nanguard import _lightning_compat
 from lightning_nanguard._validation import check_choice, check_float, check_int
-from lightning_nanguard.callbacks._common import check_strategy_supported, make_incident
+from lightning_nanguard.callbacks._base import NanGuardCallback
+from lightning_nanguard.callbacks._common import make_incident
 from lightning_nanguard.callbacks._preflight import OnHazard, run_preflight
-from lightning_nanguard.context import get_context
+from lightning_nanguard.context import NanGuardContext, get_context
 from lightning_nanguard.exceptions import NanGuardConfigError
 from lightning_nanguard.policies.backoff import BackoffPolicy, ScaleChange, parse_triggers
 from lightning_nanguard.recovery.backoff import (
@@ -31,7 +31,7 @@ from lightning_nanguard.reporting.incidents import Incident
 __all__ = ["OptimizerBackoff"]
 
 
-class OptimizerBackoff(Callback):
+class OptimizerBackoff(NanGuardCallback):
     """Back off the learning rate (and Adam eps under fp16) after incidents, so that the lowered rate persists.
 
     The learning rate is multiplied by ``lr_factor`` together with every anchor the schedulers recompute it from
@@ -160,12 +160,7 @@ class OptimizerBackoff(Callback):
 
     # ------------------------------------------------------------------ lifecycle
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
-        check_strategy_supported(trainer, type(self).__name__)
-        ctx = get_context(trainer)
-        ctx.setup(trainer, type(self).__name__)
+    def _setup_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: NanGuardContext) -> None:
         ctx.subscribe("incident", self._on_incident)
         ctx.subscribe("restored", self._on_restored)
 
@@ -217,18 +212,8 @@ class OptimizerBackoff(Callback):
             emit.log_event(trainer, {keys.LR_SCALE: self._policy.scale, **eps_metrics(trainer.optimizers, keys.EPS)})
 
     @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        get_context(trainer).finish(trainer, raise_pending=True)
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        get_context(trainer).finish(trainer, raise_pending=False)
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            self._in_batch, self._pending, self._restored = False, [], False
-            get_context(trainer).teardown()
+    def _teardown_fit(self, trainer: pl.Trainer) -> None:
+        self._in_batch, self._pending, self._restored = False, [], False
 
     # ------------------------------------------------------------------ state
     @override
