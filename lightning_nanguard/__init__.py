@@ -1,6 +1,6 @@
 """lightning_nanguard: composable PyTorch Lightning callbacks that keep training numerically healthy."""
 
-from lightning_nanguard.callbacks import GradNormMonitor
+from lightning_nanguard.callbacks import FP32Evaluation, GradNormMonitor
 from lightning_nanguard.exceptions import (
     CheckpointVerificationError,
     NanGuardConfigError,
@@ -17,6 +17,7 @@ __version__ = "0.1.0.dev0"
 __all__ = [
     "Action",
     "CheckpointVerificationError",
+    "FP32Evaluation",
     "GradNormMonitor",
     "Incident",
     "NanGuardConfigError",

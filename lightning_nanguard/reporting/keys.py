@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "EVAL_FP32_RERUNS",
     "GRAD_NORM",
     "GRAD_NORM_CLIPPED",
     "LAYER_GRAD_NORM",
@@ -25,3 +26,4 @@ GRAD_NORM_CLIPPED = key("grad_norm_clipped")
 NONFINITE_GRADS = key("nonfinite_grads")
 SKIPPED_STEPS = key("skipped_steps")
 LAYER_GRAD_NORM = key("layer_grad_norm")  # + "/<module path>"
+EVAL_FP32_RERUNS = key("eval", "fp32_reruns")
