@@ -23,11 +23,20 @@ GOOD_SCALE = 0.5
 class HalfOverflowModel(pl.LightningModule):
     """Regression with a cancellation-prone penalty. Records the dtype and loss of every evaluation step call."""
 
-    def __init__(self, bad_batches: Sequence[int] = (0, 1, 2, 3), n_val: int = 32, batch_size: int = 8) -> None:
+    def __init__(
+        self,
+        bad_batches: Sequence[int] = (0, 1, 2, 3),
+        n_val: int = 32,
+        batch_size: int = 8,
+        bad_samples: Sequence[int] | None = None,
+        sync_dist: bool = False,
+    ) -> None:
         super().__init__()
         self.body = nn.Linear(8, 16)
         self.head = nn.Linear(16, 1)
         self.bad_batches = tuple(bad_batches)
+        self.bad_samples = None if bad_samples is None else tuple(bad_samples)  # overrides bad_batches (DDP tests)
+        self.sync_dist = sync_dist
         self.n_val, self.batch_size = n_val, batch_size
         self.eval_calls: list[tuple[int, torch.dtype, float]] = []  # (batch_idx, output dtype, loss)
         self.train_losses: list[float] = []
@@ -55,7 +64,7 @@ class HalfOverflowModel(pl.LightningModule):
         out = self(x)
         loss = nn.functional.mse_loss(out, y.to(out.dtype)) + 0.01 * self.penalty(out, scale).mean()
         self.eval_calls.append((batch_idx, out.dtype, float(loss.detach())))
-        self.log(name, loss)
+        self.log(name, loss, sync_dist=self.sync_dist)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
@@ -68,21 +77,25 @@ class HalfOverflowModel(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
     def train_dataloader(self) -> DataLoader:
-        return self._data(0, 64, bad=range(64))
+        return self._data(0, 64, bad=range(8))
 
     def val_dataloader(self) -> DataLoader:
+        if self.bad_samples is not None:
+            return self._data(1, self.n_val, bad=(), bad_samples=self.bad_samples)
         return self._data(1, self.n_val, bad=self.bad_batches)
 
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()
 
-    def _data(self, seed: int, n: int, bad: Any) -> DataLoader:
+    def _data(self, seed: int, n: int, bad: Any, bad_samples: Sequence[int] = ()) -> DataLoader:
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(n, 8, generator=g)
         y = x[:, :1] * 0.5 - x[:, 1:2] * 0.25
         scale = torch.full((n, 1), GOOD_SCALE)
         for b in bad:
             scale[b * self.batch_size : (b + 1) * self.batch_size] = BAD_SCALE
+        for i in bad_samples:
+            scale[i] = BAD_SCALE
         return DataLoader(TensorDataset(x, y, scale), batch_size=self.batch_size, shuffle=False)
 
     def last_eval_losses(self) -> dict[int, float]:

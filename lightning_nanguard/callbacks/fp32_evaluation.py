@@ -45,9 +45,10 @@ class FP32Evaluation(Callback):
 
     * ``16-mixed``/``bf16-mixed``: autocast is disabled for the step (the precision plugin's ``val_step_context``/
       ``test_step_context`` is patched between ``on_{validation,test}_start`` and ``*_end``). Weights are float32.
-    * ``16-true``/``bf16-true``: the step runs on temporary float32 copies of the weights (``torch.func.functional_call``)
-      with float32 inputs; the real parameters are never cast, which keeps DDP's gradient all-reduce intact. The copies
-      cost one float32 copy of the model in memory during evaluation (built lazily, once per evaluation).
+    * ``16-true``/``bf16-true``: the step runs on temporary float32 copies of the weights
+      (``torch.func.functional_call``) with float32 inputs; the real parameters are never cast, which keeps DDP's
+      gradient all-reduce intact. The copies cost one float32 copy of the model in memory during evaluation (built
+      lazily, once per evaluation).
     * ``32-true``/``64-true``: nothing to do; a warning says so once.
 
     ``mode="on_nonfinite"`` evaluates in the training precision and re-runs in float32 only the batches whose returned
@@ -84,7 +85,6 @@ class FP32Evaluation(Callback):
         check_choice(type(self).__name__, "mode", mode, ("always", "on_nonfinite"))
         self.mode = mode
         self.fp32_reruns = 0  # batches re-run in float32, over the callback's lifetime (and across resumes)
-        self.fp32_steps = 0  # step calls that ran in float32 (every step under "always"; the re-runs otherwise)
         self._kind: Literal["mixed", "true", "none"] = "none"
         self._half: torch.dtype = torch.float16
         self._stage = ""
@@ -177,6 +177,7 @@ class FP32Evaluation(Callback):
                 "consumed by the step. Evaluation runs unchanged; use mode='always' instead."
             )
             return
+        convert = plugin.convert_input  # the half-precision cast, for the first attempt under "on_nonfinite"
         if self._kind == "true":
             self._weights = Fp32Weights(pl_module)
             # The batch stays float32; the half-precision attempt ("on_nonfinite") casts it itself.
@@ -190,7 +191,6 @@ class FP32Evaluation(Callback):
         deferred = DeferredLog(pl_module.log) if self.mode == "on_nonfinite" else None
         if deferred is not None:
             self._patches.set(pl_module, "log", deferred)
-        convert = getattr(type(plugin), "convert_input").__get__(plugin)  # noqa: B009 (the unpatched method)
         self._patches.set(pl_module, step_name, self._wrap(trainer, plugin, step, step_name, deferred, convert))
 
     def _end(self) -> None:
@@ -231,7 +231,6 @@ class FP32Evaluation(Callback):
         return fp32_step
 
     def _fp32_call(self, plugin: Any, step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        self.fp32_steps += 1
         if self._kind == "mixed":
             with autocast_disabled(str(getattr(plugin, "device", "cpu"))):
                 return step(*args, **kwargs)
