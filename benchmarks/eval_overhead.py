@@ -11,6 +11,7 @@ Variants, per precision:
   always                FP32Evaluation("always")
   on_nonfinite healthy  FP32Evaluation("on_nonfinite"), no batch overflows: one host read per batch, no fp32 work
   on_nonfinite all bad  FP32Evaluation("on_nonfinite"), every batch overflows and is re-run in float32
+  fp32 reference        no callback, Trainer(precision="32-true"): "always" should cost what this costs
 
 Run: ``PYTHONPATH=. python benchmarks/eval_overhead.py`` (about 1-2 minutes on 2 CPUs; ``--precisions
 bf16-mixed,bf16-true`` doubles that). On a CPU without native bf16/fp16 (no AVX-512-BF16/AMX) half precision is
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 import warnings
 from typing import Any
@@ -106,19 +108,21 @@ VARIANTS: dict[str, tuple[str | None, bool]] = {
     "always": ("always", False),
     "on_nonfinite healthy": ("on_nonfinite", False),
     "on_nonfinite all bad": ("on_nonfinite", True),
+    "fp32 reference": (None, False),  # the same evaluation under 32-true: what "always" should cost
 }
 
 
-def run(precision: str, variant: str, batches: int, state: dict[str, torch.Tensor]) -> float:
+def run(precision: str, variant: str, batches: int, state: dict[str, torch.Tensor], root: str) -> float:
     mode, overflow = VARIANTS[variant]
     model = GPT(overflow=overflow)
     model.load_state_dict(state)
     timer = BatchTimer()
     callbacks: list[Callback] = [timer] + ([FP32Evaluation(mode)] if mode else [])  # type: ignore[arg-type]
     trainer = pl.Trainer(
+        default_root_dir=root,  # nanguard writes its incident log under the log dir
         accelerator="cpu",
         devices=1,
-        precision=precision,  # type: ignore[arg-type]
+        precision="32-true" if variant == "fp32 reference" else precision,  # type: ignore[arg-type]
         callbacks=callbacks,
         logger=False,
         enable_checkpointing=False,
@@ -131,13 +135,13 @@ def run(precision: str, variant: str, batches: int, state: dict[str, torch.Tenso
 
 
 def main() -> None:
+    global BATCH
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", type=int, default=2, help="timed evaluation batches per run (after 1 warm-up)")
     parser.add_argument("--batch-size", type=int, default=BATCH)
     parser.add_argument("--precisions", default="bf16-mixed", help="comma-separated, e.g. bf16-mixed,bf16-true")
     args = parser.parse_args()
-    global BATCH
     BATCH = args.batch_size
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -154,7 +158,8 @@ def main() -> None:
         ratios: dict[str, list[float]] = {n: [] for n in names}
         for r in range(args.rounds):
             order = names[r % len(names) :] + names[: r % len(names)]
-            times = {n: run(precision, n, args.batches, state) for n in order}
+            with tempfile.TemporaryDirectory() as root:
+                times = {n: run(precision, n, args.batches, state, root) for n in order}
             for n in names:
                 per_round[n].append(times[n])
                 ratios[n].append(times[n] / times["plain"])

@@ -57,7 +57,9 @@ def test_test_stage_runs_in_fp32(tmp_path: Any, precision: str) -> None:
     assert {dtype for _, dtype, _ in model.eval_calls} == {torch.float32}
 
 
-@pytest.mark.parametrize(("precision", "mode"), [("16-mixed", "always"), ("16-true", "on_nonfinite")])
+@pytest.mark.parametrize(
+    ("precision", "mode"), [("16-mixed", "always"), ("16-true", "always"), ("16-true", "on_nonfinite")]
+)
 def test_training_trajectory_is_bit_identical(tmp_path: Any, precision: str, mode: str) -> None:
     def run(callbacks: list[Any], name: str) -> tuple[HalfOverflowModel, Any]:
         torch.manual_seed(0)
