@@ -3,6 +3,7 @@
 from lightning_nanguard.callbacks import (
     AutoRollback,
     CheckpointGuard,
+    FP32Evaluation,
     GradNormMonitor,
     LossScaleWatchdog,
     OptimizerBackoff,
@@ -26,6 +27,7 @@ __all__ = [
     "AutoRollback",
     "CheckpointGuard",
     "CheckpointVerificationError",
+    "FP32Evaluation",
     "GradNormMonitor",
     "Incident",
     "LossScaleWatchdog",

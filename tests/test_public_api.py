@@ -9,6 +9,7 @@ EXPECTED = {
     "AutoRollback",
     "CheckpointGuard",
     "CheckpointVerificationError",
+    "FP32Evaluation",
     "GradNormMonitor",
     "Incident",
     "LossScaleWatchdog",

@@ -2,8 +2,16 @@
 
 from lightning_nanguard.callbacks.auto_rollback import AutoRollback
 from lightning_nanguard.callbacks.checkpoint_guard import CheckpointGuard
+from lightning_nanguard.callbacks.fp32_evaluation import FP32Evaluation
 from lightning_nanguard.callbacks.grad_norm_monitor import GradNormMonitor
 from lightning_nanguard.callbacks.loss_scale_watchdog import LossScaleWatchdog
 from lightning_nanguard.callbacks.optimizer_backoff import OptimizerBackoff
 
-__all__ = ["AutoRollback", "CheckpointGuard", "GradNormMonitor", "LossScaleWatchdog", "OptimizerBackoff"]
+__all__ = [
+    "AutoRollback",
+    "CheckpointGuard",
+    "FP32Evaluation",
+    "GradNormMonitor",
+    "LossScaleWatchdog",
+    "OptimizerBackoff",
+]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "EPS",
+    "EVAL_FP32_RERUNS",
     "GRAD_NORM",
     "GRAD_NORM_CLIPPED",
     "LAYER_GRAD_NORM",
@@ -43,3 +44,4 @@ LOSS_SCALE = key("loss_scale")
 OVERFLOW_STEPS = key("overflow_steps")
 OVERFLOW_RATE = key("overflow_rate")
 OVERFLOW_STREAK = key("overflow_streak")
+EVAL_FP32_RERUNS = key("eval", "fp32_reruns")

@@ -1,0 +1,175 @@
+"""What FP32Evaluation costs: evaluation time with mode="always" and mode="on_nonfinite" vs plain half-precision eval.
+
+A small GPT (4 layers, d256, 4 heads, seq 128, batch 16, ~4.2M params) is validated with ``trainer.validate`` in each
+variant, side by side in one run, rotating the order each round. Time is **process CPU time** with torch pinned to one
+thread (wall time on a shared box is meaningless), per evaluation batch between ``on_validation_batch_start`` and
+``on_validation_batch_end`` (the step and everything the callback adds around it), median over the timed batches.
+Ratio = median over rounds of (variant median / the same round's plain median), with [min-max] over rounds.
+
+Variants, per precision:
+  plain                 no callback (evaluation in the half dtype)
+  always                FP32Evaluation("always")
+  on_nonfinite healthy  FP32Evaluation("on_nonfinite"), no batch overflows: one host read per batch, no fp32 work
+  on_nonfinite all bad  FP32Evaluation("on_nonfinite"), every batch overflows and is re-run in float32
+  fp32 reference        no callback, Trainer(precision="32-true"): "always" should cost what this costs
+
+Run: ``PYTHONPATH=. python benchmarks/eval_overhead.py`` (about 1-2 minutes on 2 CPUs; ``--precisions
+bf16-mixed,bf16-true`` doubles that). On a CPU without native bf16/fp16 (no AVX-512-BF16/AMX) half precision is
+emulated and several times slower than float32, so "always" comes out *faster* than plain there; on a GPU or a
+bf16-capable CPU expect "always" to cost roughly the float32/half speed ratio. The "on_nonfinite healthy" ratio is
+the number that carries over: one host read per batch and nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_nanguard import FP32Evaluation
+
+LAYERS, D, HEADS, SEQ, VOCAB = 4, 256, 4, 128, 4096
+BATCH = 8  # evaluation batch; --batch-size changes it
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.fc1, self.fc2 = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, HEADS, d // HEADS).transpose(1, 2) for z in (q, k, v))
+        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+class GPT(pl.LightningModule):
+    """A tied-head GPT. ``overflow=True`` makes every half-precision evaluation step non-finite (float32 is fine)."""
+
+    def __init__(self, overflow: bool = False) -> None:
+        super().__init__()
+        self.overflow = overflow
+        self.tok = nn.Embedding(VOCAB, D)
+        self.pos = nn.Parameter(torch.zeros(1, SEQ, D))
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.ln_f = nn.LayerNorm(D)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[:, : idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x) @ self.tok.weight.t()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), y.reshape(-1))
+        if self.overflow and logits.dtype != torch.float32:
+            loss = loss * float("inf")  # stands in for an fp16/bf16 overflow in the model
+        self.log("val_loss", loss)
+        return loss
+
+    def val_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        data = torch.randint(0, VOCAB, (64 * BATCH, SEQ + 1), generator=g)
+        return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=BATCH)
+
+
+class BatchTimer(Callback):
+    """Process CPU time from on_validation_batch_start to on_validation_batch_end (first in the callback list)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_validation_batch_start(self, *args: Any, **kwargs: Any) -> None:
+        self._start = time.process_time()
+
+    def on_validation_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        self.times.append(time.process_time() - self._start)
+
+
+VARIANTS: dict[str, tuple[str | None, bool]] = {
+    "plain": (None, False),
+    "always": ("always", False),
+    "on_nonfinite healthy": ("on_nonfinite", False),
+    "on_nonfinite all bad": ("on_nonfinite", True),
+    "fp32 reference": (None, False),  # the same evaluation under 32-true: what "always" should cost
+}
+
+
+def run(precision: str, variant: str, batches: int, state: dict[str, torch.Tensor], root: str) -> float:
+    mode, overflow = VARIANTS[variant]
+    model = GPT(overflow=overflow)
+    model.load_state_dict(state)
+    timer = BatchTimer()
+    callbacks: list[Callback] = [timer] + ([FP32Evaluation(mode)] if mode else [])  # type: ignore[arg-type]
+    trainer = pl.Trainer(
+        default_root_dir=root,  # nanguard writes its incident log under the log dir
+        accelerator="cpu",
+        devices=1,
+        precision="32-true" if variant == "fp32 reference" else precision,  # type: ignore[arg-type]
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=batches + 1,
+    )
+    trainer.validate(model, verbose=False)
+    return statistics.median(timer.times[1:])  # the first batch warms up allocators and caches
+
+
+def main() -> None:
+    global BATCH
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batches", type=int, default=2, help="timed evaluation batches per run (after 1 warm-up)")
+    parser.add_argument("--batch-size", type=int, default=BATCH)
+    parser.add_argument("--precisions", default="bf16-mixed", help="comma-separated, e.g. bf16-mixed,bf16-true")
+    args = parser.parse_args()
+    BATCH = args.batch_size
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    torch.manual_seed(0)
+    state = GPT().state_dict()
+    n_params = sum(t.numel() for t in GPT().parameters())
+    print(f"GPT {LAYERS} layers, d{D}, seq {SEQ}, batch {BATCH}: {n_params / 1e6:.2f}M params; CPU time, 1 thread")
+    names = list(VARIANTS)
+    for precision in args.precisions.split(","):
+        per_round: dict[str, list[float]] = {n: [] for n in names}
+        ratios: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(args.rounds):
+            order = names[r % len(names) :] + names[: r % len(names)]
+            with tempfile.TemporaryDirectory() as root:
+                times = {n: run(precision, n, args.batches, state, root) for n in order}
+            for n in names:
+                per_round[n].append(times[n])
+                ratios[n].append(times[n] / times["plain"])
+        print(f"\n{precision}")
+        print(f"{'variant':<22} {'ms/batch':>9} {'ratio':>7}  [min-max]")
+        for n in names:
+            ms = statistics.median(per_round[n]) * 1e3
+            rs = ratios[n]
+            print(f"{n:<22} {ms:9.1f} {statistics.median(rs):7.3f}  [{min(rs):.3f}-{max(rs):.3f}]")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,307 @@
+"""FP32Evaluation: validation and test that do not overflow in half precision."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from typing_extensions import override
+
+from lightning_nanguard import _distributed
+from lightning_nanguard._validation import check_choice
+from lightning_nanguard.callbacks._common import check_strategy_supported, make_incident
+from lightning_nanguard.context import get_context
+from lightning_nanguard.policies.verdict import Action
+from lightning_nanguard.recovery.eval_precision import (
+    AttributePatches,
+    DeferredLog,
+    Fp32Weights,
+    autocast_disabled,
+    default_dtype,
+    nonfinite_flag,
+)
+from lightning_nanguard.reporting import keys
+
+__all__ = ["FP32Evaluation"]
+
+_STAGES = {"validation_step": ("validation", "val_step_context"), "test_step": ("test", "test_step_context")}
+
+
+class FP32Evaluation(Callback):
+    """Run validation and test in float32 (always, or only for the batches that come out non-finite in half precision).
+
+    Lightning evaluates under the training precision. A model that forces float32 only where training needs it
+    (VMamba's selective scan, a softmax, a ``log`` of a small difference) then evaluates that part in float16/bfloat16,
+    and a validation loss of NaN poisons ``EarlyStopping`` and ``ModelCheckpoint`` while training is fine.
+
+    How, per precision (training is never touched; every patch is put back at the end of each evaluation, restoring
+    what was there before, so ``torch.compile``-d steps stay compiled):
+
+    * ``16-mixed``/``bf16-mixed``: autocast is disabled for the step (the precision plugin's ``val_step_context``/
+      ``test_step_context`` is patched between ``on_{validation,test}_start`` and ``*_end``). Weights are float32.
+    * ``16-true``/``bf16-true``: the step runs on temporary float32 copies of the weights
+      (``torch.func.functional_call``) with float32 inputs; the real parameters are never cast, which keeps DDP's
+      gradient all-reduce intact. The copies cost one float32 copy of the model in memory during evaluation (built
+      lazily, once per evaluation).
+    * ``32-true``/``64-true``: nothing to do; a warning says so once.
+
+    ``mode="on_nonfinite"`` evaluates in the training precision and re-runs in float32 only the batches whose returned
+    outputs or ``self.log``-ged values are non-finite; the float32 results replace the half-precision ones (what the
+    step logged in the bad call is dropped, the re-run's values are logged instead), and each re-run is an incident
+    (``"validation batch 3 overflowed in float16; finite in float32"``). A healthy evaluation costs one host read per
+    batch and no float32 work. Under DDP the re-run decision is reduced across ranks per batch (one all-reduce), so
+    every rank re-runs together and a step that logs with ``sync_dist=True`` cannot deadlock. Under ``16-true``/
+    ``bf16-true`` the batch reaches ``on_{validation,test}_batch_start`` in float32 (it is cast to the half dtype just
+    for the first attempt). Limits: ``torchmetrics`` objects updated inside the step see both calls of a re-run batch
+    (use ``mode="always"`` for such modules); a ``dataloader_iter`` step cannot be re-run (warned, left as is).
+
+    Args:
+        mode: ``"always"`` runs every validation and test step in float32; ``"on_nonfinite"`` re-runs only the
+            non-finite batches in float32.
+
+    Logged keys:
+        ``nanguard/eval/fp32_reruns``      batches re-run in float32 in this evaluation epoch (``"on_nonfinite"``)
+        ``nanguard/incident/rerun``        1.0 at each re-run incident (``"on_nonfinite"``)
+
+    ``mode="always"`` logs nothing and leaves the user's metric names as they are.
+
+    Raises:
+        NanGuardConfigError: at construction, for a ``mode`` outside its choices.
+        UnsupportedSetupError: at setup, under FSDP/DeepSpeed (sharded weights).
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> trainer = Trainer(precision="bf16-mixed", callbacks=[FP32Evaluation(mode="on_nonfinite")])
+    """
+
+    def __init__(self, mode: Literal["always", "on_nonfinite"] = "always") -> None:
+        check_choice(type(self).__name__, "mode", mode, ("always", "on_nonfinite"))
+        self.mode = mode
+        self.fp32_reruns = 0  # batches re-run in float32, over the callback's lifetime (and across resumes)
+        self._kind: Literal["mixed", "true", "none"] = "none"
+        self._half: torch.dtype = torch.float16
+        self._stage = ""
+        self._warned = False
+        self._patches = AttributePatches()
+        self._weights: Fp32Weights | None = None
+        self._epoch_reruns = 0
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(mode=self.mode)
+
+    # ------------------------------------------------------------------ lifecycle
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        check_strategy_supported(trainer, type(self).__name__)
+        self._stage = stage
+        self._kind, self._half = _precision_kind(trainer.precision_plugin)
+        if self._kind == "none":
+            self._warn_once(
+                f"FP32Evaluation has nothing to do: the Trainer evaluates in {trainer.precision!r}, not half precision "
+                "(16-mixed, bf16-mixed, 16-true or bf16-true). Evaluation runs unchanged; remove the callback or "
+                "train in half precision."
+            )
+        get_context(trainer).setup(trainer, type(self).__name__)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._begin(trainer, pl_module, "validation_step")
+
+    @override
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._epoch_end(trainer, pl_module)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end()
+        if self._stage == "validate":
+            get_context(trainer).finish(trainer, raise_pending=False)
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._begin(trainer, pl_module, "test_step")
+
+    @override
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._epoch_end(trainer, pl_module)
+
+    @override
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end()
+        get_context(trainer).finish(trainer, raise_pending=False)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        get_context(trainer).finish(trainer, raise_pending=True)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._end()
+        get_context(trainer).finish(trainer, raise_pending=False)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._end()
+        get_context(trainer).teardown()
+
+    # ------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1, "fp32_reruns": self.fp32_reruns}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.fp32_reruns = int(state_dict.get("fp32_reruns", 0))
+
+    # ------------------------------------------------------------------ patching
+    def _begin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step_name: str) -> None:
+        self._end()  # a previous evaluation that ended abnormally
+        self._epoch_reruns = 0
+        if self._kind == "none":
+            return
+        plugin = trainer.precision_plugin
+        context_name = _STAGES[step_name][1]
+        step = getattr(pl_module, step_name)
+        if self.mode == "on_nonfinite" and is_param_in_hook_signature(step, "dataloader_iter", explicit=True):
+            self._warn_once(
+                f"FP32Evaluation(mode='on_nonfinite') cannot re-run a `{step_name}(dataloader_iter)`: the batch is "
+                "consumed by the step. Evaluation runs unchanged; use mode='always' instead."
+            )
+            return
+        convert = plugin.convert_input  # the half-precision cast, for the first attempt under "on_nonfinite"
+        if self._kind == "true":
+            self._weights = Fp32Weights(pl_module)
+            # The batch stays float32; the half-precision attempt ("on_nonfinite") casts it itself.
+            self._patches.set(plugin, "convert_input", _identity)
+        if self.mode == "always":
+            if self._kind == "mixed":
+                device = str(getattr(plugin, "device", "cpu"))
+                self._patches.set(plugin, context_name, lambda: autocast_disabled(device))
+                return  # the step itself is untouched: weights and inputs are already float32
+            self._patches.set(plugin, context_name, lambda: default_dtype(torch.float32))
+        deferred = DeferredLog(pl_module.log) if self.mode == "on_nonfinite" else None
+        if deferred is not None:
+            self._patches.set(pl_module, "log", deferred)
+        self._patches.set(pl_module, step_name, self._wrap(trainer, plugin, step, step_name, deferred, convert))
+
+    def _end(self) -> None:
+        self._patches.restore()
+        if self._weights is not None:
+            self._weights.release()
+            self._weights = None
+
+    def _wrap(
+        self,
+        trainer: pl.Trainer,
+        plugin: Any,
+        step: Any,
+        step_name: str,
+        deferred: DeferredLog | None,
+        convert: Any,
+    ) -> Any:
+        @functools.wraps(step)
+        def fp32_step(*args: Any, **kwargs: Any) -> Any:
+            if deferred is None:  # mode="always", true half precision
+                return self._fp32_call(plugin, step, args, kwargs)
+            first_args = (convert(args[0]), *args[1:]) if self._kind == "true" and args else args
+            deferred.begin()
+            try:
+                output = step(*first_args, **kwargs)
+            except BaseException:
+                deferred.discard()
+                raise
+            local_bad = nonfinite_flag(output, deferred.values())
+            if not _distributed.any_rank(trainer, local_bad):  # the one host read (and all-reduce) per batch
+                deferred.replay()
+                return output
+            deferred.discard()  # the bad call's logged values must not reach Lightning's epoch accumulation
+            output = self._fp32_call(plugin, step, args, kwargs)
+            self._record_rerun(trainer, step_name, args, kwargs, local_bad, output)
+            return output
+
+        return fp32_step
+
+    def _fp32_call(self, plugin: Any, step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._kind == "mixed":
+            with autocast_disabled(str(getattr(plugin, "device", "cpu"))):
+                return step(*args, **kwargs)
+        assert self._weights is not None
+        with default_dtype(torch.float32):
+            return self._weights.call(step, *args, **kwargs)
+
+    # ------------------------------------------------------------------ reporting
+    def _record_rerun(
+        self,
+        trainer: pl.Trainer,
+        step_name: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        local_bad: Any,
+        output: Any,
+    ) -> None:
+        # Incident path only: every rank re-ran this batch (the decision was reduced), so these collectives match.
+        self.fp32_reruns += 1
+        self._epoch_reruns += 1
+        stage = _STAGES[step_name][0]
+        batch_idx = int(args[1]) if len(args) > 1 and isinstance(args[1], int) else int(kwargs.get("batch_idx", -1))
+        still_bad = _distributed.any_rank(trainer, nonfinite_flag(output))
+        ranks = _distributed.bad_ranks(trainer, local_bad)
+        half = str(self._half).replace("torch.", "")
+        if still_bad:
+            message = (
+                f"{stage} batch {batch_idx} is non-finite in {half} and in float32 too: not a precision overflow. "
+                "Check this batch's data and the model's weights."
+            )
+        else:
+            message = f"{stage} batch {batch_idx} overflowed in {half}; finite in float32"
+        incident = make_incident(
+            trainer,
+            trigger="nonfinite_eval_output",
+            action=Action.RERUN,
+            source=type(self).__name__,
+            ranks=ranks,
+            values={"stage": stage, "eval_batch_idx": batch_idx, "fp32_finite": not still_bad},
+            message=message,
+            batch_idx=batch_idx,
+        )
+        get_context(trainer).record(trainer, incident)
+
+    def _epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.mode != "on_nonfinite" or self._kind == "none" or trainer.sanity_checking:
+            return
+        # Identical on every rank (the decisions were reduced); sync_dist with "max" keeps Lightning's DDP advice quiet.
+        pl_module.log(keys.EVAL_FP32_RERUNS, float(self._epoch_reruns), reduce_fx="max", sync_dist=True)
+        if self._epoch_reruns:
+            stage = "test" if trainer.testing else "validation"
+            rank_zero_info(
+                f"FP32Evaluation re-ran {self._epoch_reruns} {stage} batch(es) in float32 because they were non-finite "
+                f"in {str(self._half).replace('torch.', '')}; see the nanguard incidents. mode='always' avoids the "
+                "double work if this happens often."
+            )
+
+    def _warn_once(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            rank_zero_warn(message)
+
+
+def _identity(data: Any) -> Any:
+    return data
+
+
+def _precision_kind(plugin: Any) -> tuple[Literal["mixed", "true", "none"], torch.dtype]:
+    """How the Trainer evaluates: under autocast ("mixed"), on half weights ("true"), or already in full precision."""
+    if isinstance(plugin, MixedPrecision):
+        return "mixed", torch.bfloat16 if plugin.precision == "bf16-mixed" else torch.float16
+    if isinstance(plugin, HalfPrecision):
+        return "true", torch.bfloat16 if plugin.precision == "bf16-true" else torch.float16
+    return "none", torch.float32
