@@ -23,10 +23,13 @@ the number that carries over: one host read per batch and nothing else.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
+import sys
 import tempfile
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -35,49 +38,26 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _models import GPT as SmallGPT
+from _models import SMALL
+
 from lightning_nanguard import FP32Evaluation
 
-LAYERS, D, HEADS, SEQ, VOCAB = 4, 256, 4, 128, 4096
 BATCH = 8  # evaluation batch; --batch-size changes it
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
-        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
-        self.fc1, self.fc2 = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, HEADS, d // HEADS).transpose(1, 2) for z in (q, k, v))
-        att = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
-
-
-class GPT(pl.LightningModule):
-    """A tied-head GPT. ``overflow=True`` makes every half-precision evaluation step non-finite (float32 is fine)."""
+class GPT(SmallGPT):
+    """The benchmarks' small GPT. ``overflow=True`` makes every half-precision evaluation step non-finite."""
 
     def __init__(self, overflow: bool = False) -> None:
-        super().__init__()
+        super().__init__(dataclasses.replace(SMALL, batch=BATCH))
         self.overflow = overflow
-        self.tok = nn.Embedding(VOCAB, D)
-        self.pos = nn.Parameter(torch.zeros(1, SEQ, D))
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.ln_f = nn.LayerNorm(D)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos[:, : idx.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        return self.ln_f(x) @ self.tok.weight.t()
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         logits = self(x)
-        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), y.reshape(-1))
+        loss = nn.functional.cross_entropy(logits.reshape(-1, self.cfg.vocab).float(), y.reshape(-1))
         if self.overflow and logits.dtype != torch.float32:
             loss = loss * float("inf")  # stands in for an fp16/bf16 overflow in the model
         self.log("val_loss", loss)
@@ -85,7 +65,7 @@ class GPT(pl.LightningModule):
 
     def val_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(0)
-        data = torch.randint(0, VOCAB, (64 * BATCH, SEQ + 1), generator=g)
+        data = torch.randint(0, self.cfg.vocab, (64 * BATCH, self.cfg.seq + 1), generator=g)
         return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=BATCH)
 
 
@@ -151,7 +131,9 @@ def main() -> None:
     torch.manual_seed(0)
     state = GPT().state_dict()
     n_params = sum(t.numel() for t in GPT().parameters())
-    print(f"GPT {LAYERS} layers, d{D}, seq {SEQ}, batch {BATCH}: {n_params / 1e6:.2f}M params; CPU time, 1 thread")
+    print(
+        f"GPT {SMALL.layers} layers, d{SMALL.d}, seq {SMALL.seq}, batch {BATCH}: {n_params / 1e6:.2f}M params; CPU time, 1 thread"
+    )
     names = list(VARIANTS)
     for precision in args.precisions.split(","):
         per_round: dict[str, list[float]] = {n: [] for n in names}
