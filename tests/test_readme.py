@@ -1,0 +1,52 @@
+"""The README tells the truth: every default it shows for a callback is the constructor's real default."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import re
+
+import pytest
+
+import lightning_nanguard
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as _f:
+    README = _f.read()
+BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+
+
+def _calls() -> list[tuple[str, ast.Call]]:
+    calls = []
+    for block in BLOCKS:
+        stripped = block.strip()
+        if not re.match(r"^[A-Z]\w+\(", stripped):
+            continue  # only the signature blocks, e.g. "GradNormMonitor(\n    on_nonfinite=...,\n)"
+        node = ast.parse(stripped).body[0]
+        assert isinstance(node, ast.Expr)
+        assert isinstance(node.value, ast.Call)
+        assert isinstance(node.value.func, ast.Name)
+        calls.append((node.value.func.id, node.value))
+    return calls
+
+
+CALLS = _calls()
+
+
+def test_every_callback_has_a_signature_block() -> None:
+    documented = {name for name, _ in CALLS}
+    exported = {
+        n
+        for n in lightning_nanguard.__all__
+        if n[0].isupper() and hasattr(getattr(lightning_nanguard, n), "on_fit_start")
+    }
+    assert exported <= documented
+
+
+@pytest.mark.parametrize(("name", "call"), CALLS, ids=[n for n, _ in CALLS])
+def test_documented_defaults_are_real(name: str, call: ast.Call) -> None:
+    params = inspect.signature(getattr(lightning_nanguard, name)).parameters
+    for kw in call.keywords:
+        assert kw.arg in params, f"README shows {name}({kw.arg}=...), which does not exist"
+        assert ast.literal_eval(kw.value) == params[kw.arg].default, f"README default of {name}({kw.arg}) is stale"
