@@ -6,7 +6,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-__all__ = ["any_rank", "bad_ranks", "broadcast_object"]
+__all__ = ["any_rank", "any_rank_each", "bad_ranks", "broadcast_object"]
 
 
 def any_rank(trainer: pl.Trainer, flag: Tensor | bool) -> bool:
@@ -16,6 +16,27 @@ def any_rank(trainer: pl.Trainer, flag: Tensor | bool) -> bool:
     local = flag.detach().float().reshape(()) if isinstance(flag, Tensor) else torch.tensor(float(flag))
     total = trainer.strategy.reduce(local.to(trainer.strategy.root_device), reduce_op="sum")
     return bool(total.item() > 0)
+
+
+def any_rank_each(trainer: pl.Trainer, flags: list[Tensor | bool]) -> list[bool]:
+    """``any_rank`` for several flags at once: one all-reduce of a small vector and one host read for all of them."""
+    if not flags:
+        return []
+    device = next((f.device for f in flags if isinstance(f, Tensor)), torch.device("cpu"))
+    local = torch.stack(
+        [
+            f.detach().float().reshape(()).to(device)
+            if isinstance(f, Tensor)
+            else torch.tensor(float(f), device=device)
+            for f in flags
+        ]
+    )
+    if trainer.world_size > 1:
+        local = trainer.strategy.reduce(local.to(trainer.strategy.root_device), reduce_op="sum")
+    # Packed into one integer so that the single host read is one plain ``.item()``.
+    bits = (local > 0).to(torch.int64) * (2 ** torch.arange(len(flags), device=local.device))
+    packed = int(bits.sum().item())
+    return [bool(packed >> i & 1) for i in range(len(flags))]
 
 
 def bad_ranks(trainer: pl.Trainer, flag: Tensor | bool) -> list[int]:

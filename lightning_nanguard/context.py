@@ -54,6 +54,7 @@ class StepHealth:
     bad: bool  # True on every rank if any rank's step is non-finite
     scaler_active: bool
     fused_with_scaler: bool
+    flags: dict[str, bool] = field(default_factory=dict)  # registered detectors' verdicts, reduced like ``bad``
     _ranks: list[int] | None = None
 
     def bad_ranks(self, trainer: pl.Trainer) -> list[int]:
@@ -116,6 +117,7 @@ class NanGuardContext:
         self._pending_error: BaseException | None = None
         self._finished = False
         self._depths: dict[str, int] = {}
+        self._detectors: dict[str, Callable[[GradReading | None, Tensor | None], Tensor | bool]] = {}
         self.skipped_steps = 0  # updates dropped during this fit (by any nanguard callback or the GradScaler)
 
     # ------------------------------------------------------------------ lifecycle
@@ -137,10 +139,19 @@ class NanGuardContext:
     def teardown(self) -> None:
         """Forget per-fit state so that a later ``fit``/``validate`` on the same Trainer starts clean."""
         self._setup_done = False
+        self._detectors.clear()
         self._indexes.clear()
         self._health.clear()
         self._outcomes.clear()
         self._reset_loss()
+
+    def add_detector(self, name: str, fn: Callable[[GradReading | None, Tensor | None], Tensor | bool]) -> None:
+        """Register an on-device test evaluated with every step's health: ``fn(grads, loss) -> 0-d bool tensor``.
+
+        Its verdict is reduced across ranks together with the non-finite verdict (one all-reduce, one host read for
+        all of them) and read back as ``health.flags[name]``. It must not read the host itself.
+        """
+        self._detectors[name] = fn
 
     def subscribe(self, event: str, fn: Callable[..., None]) -> None:
         """Call ``fn(trainer, **payload)`` whenever ``event`` is emitted. Events: ``"incident"``, ``"restored"``."""
@@ -187,6 +198,11 @@ class NanGuardContext:
         if self._loss_finite is not None:
             loss_bad = ~self._loss_finite.to(grads.total_norm.device if grads is not None else "cpu")
             local_bad = loss_bad if isinstance(local_bad, bool) else (local_bad | loss_bad)
+        # Registered detectors (e.g. a spike test) return on-device flags that ride on the same reduction and the
+        # same single host read as the non-finite verdict.
+        names = list(self._detectors)
+        local_flags = [self._detectors[n](grads, self._loss_sum) for n in names]
+        verdicts = _distributed.any_rank_each(trainer, [local_bad, *local_flags])
         health = StepHealth(
             step=trainer.global_step,
             optimizer_idx=opt_idx,
@@ -194,9 +210,10 @@ class NanGuardContext:
             loss=self._loss_sum,
             loss_finite=self._loss_finite,
             local_bad=local_bad,
-            bad=_distributed.any_rank(trainer, local_bad),
+            bad=verdicts[0],
             scaler_active=scaler_active,
             fused_with_scaler=fused_with_scaler,
+            flags=dict(zip(names, verdicts[1:], strict=True)),
         )
         self._reset_loss()
         self._health[cache_key] = health

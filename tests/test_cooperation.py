@@ -101,3 +101,27 @@ def test_suite_recovers_a_run_that_dies_without_it(tmp_path: Any) -> None:
 
     assert not all_finite(fit([]))
     assert all_finite(fit(_suite()))
+
+
+class _StepThreeDetector(pl.Callback):
+    """Registers an on-device detector that fires at global_step 3 and records the reduced verdicts."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, bool] = {}
+
+    def setup(self, trainer: pl.Trainer, pl_module: Any, stage: str) -> None:
+        self.trainer = trainer
+        get_context(trainer).add_detector("step_three", lambda grads, loss: torch.tensor(trainer.global_step == 3))
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        self.seen[trainer.global_step] = (
+            get_context(trainer).step_health(trainer, pl_module, optimizer).flags["step_three"]
+        )
+
+
+def test_registered_detectors_share_the_single_host_read(tmp_path: Any) -> None:
+    detector = _StepThreeDetector()
+    plain = _counts(tmp_path / "plain", [])
+    guarded = _counts(tmp_path / "guarded", [ng.GradNormMonitor(), detector])
+    assert detector.seen == {0: False, 1: False, 2: False, 3: True, 4: False, 5: False}
+    assert [g[1] - p[1] for p, g in zip(plain, guarded, strict=True)] == [1] * len(plain)
