@@ -10,7 +10,7 @@ from lightning_nanguard.exceptions import UnsupportedSetupError
 from lightning_nanguard.policies.verdict import Action
 from lightning_nanguard.reporting.incidents import Incident
 
-__all__ = ["check_strategy_supported", "incident_from_health", "make_incident"]
+__all__ = ["check_strategy_supported", "has_callback", "incident_from_health", "make_incident"]
 
 _UNSUPPORTED = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAStrategy")
 
@@ -24,6 +24,11 @@ def check_strategy_supported(trainer: pl.Trainer, owner: str) -> None:
             f"{owner} does not support {hit[0]} yet: its gradients and optimizer state are sharded, so a local "
             "reading would be wrong. Use strategy='ddp' (or single device), or remove the callback."
         )
+
+
+def has_callback(trainer: pl.Trainer, name: str) -> bool:
+    """Whether a callback of class ``name`` is installed (by name: callbacks may cooperate without importing)."""
+    return any(type(cb).__name__ == name for cb in getattr(trainer, "callbacks", []))
 
 
 def make_incident(

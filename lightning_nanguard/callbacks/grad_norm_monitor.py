@@ -12,9 +12,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_nanguard import _lightning_compat
-from lightning_nanguard._validation import check_choice, check_int
+from lightning_nanguard._validation import check_choice, check_float, check_int
 from lightning_nanguard.callbacks._base import NanGuardCallback
-from lightning_nanguard.callbacks._common import incident_from_health
+from lightning_nanguard.callbacks._common import has_callback, incident_from_health, make_incident
+from lightning_nanguard.callbacks._spike import SpikeWatch
 from lightning_nanguard.context import NanGuardContext, get_context
 from lightning_nanguard.exceptions import NonFiniteTrainingError
 from lightning_nanguard.policies.skip import SkipBudget
@@ -47,6 +48,12 @@ class GradNormMonitor(NanGuardCallback):
         log_every_n_steps: how often per-layer norms (and the histogram) reach the loggers; ``None`` follows
             ``Trainer(log_every_n_steps)``.
         histogram: also write a TensorBoard histogram of the per-tensor gradient norms.
+        spike_zscore: flag a step whose loss or gradient norm is this many standard deviations above its running
+            mean (in log space, so a 10x jump is the same spike at any scale); ``None`` (default) turns spike
+            detection off. The test runs on the device and shares the step's one host read.
+        spike_warmup: finite steps observed before spikes are tested.
+        on_spike: ``"warn"`` records and warns; ``"skip"`` drops the update (counted against
+            ``max_consecutive_skips``); ``"rollback"`` drops it and asks ``AutoRollback`` to restore the last good state.
 
     Logged keys:
         ``nanguard/grad_norm``                   total 2-norm of the gradients (unscaled, pre-clip), logged steps
@@ -74,6 +81,9 @@ class GradNormMonitor(NanGuardCallback):
         layer_depth: int | None = 1,
         log_every_n_steps: int | None = None,
         histogram: bool = False,
+        spike_zscore: float | None = None,
+        spike_warmup: int = 50,
+        on_spike: Literal["warn", "skip", "rollback"] = "warn",
     ) -> None:
         owner = type(self).__name__
         check_choice(owner, "on_nonfinite", on_nonfinite, ("warn", "skip", "stop"))
@@ -81,11 +91,16 @@ class GradNormMonitor(NanGuardCallback):
         check_int(owner, "layer_depth", layer_depth, minimum=1, allow_none=True)
         check_int(owner, "log_every_n_steps", log_every_n_steps, minimum=1, allow_none=True)
         check_choice(owner, "histogram", histogram, (True, False))
+        check_float(owner, "spike_zscore", spike_zscore, low=0.0, low_inclusive=False, allow_none=True)
+        check_int(owner, "spike_warmup", spike_warmup, minimum=1)
+        check_choice(owner, "on_spike", on_spike, ("warn", "skip", "rollback"))
         self.on_nonfinite = on_nonfinite
         self.max_consecutive_skips = max_consecutive_skips
         self.layer_depth = layer_depth
         self.log_every_n_steps = log_every_n_steps
         self.histogram = histogram
+        self.spike_zscore, self.spike_warmup, self.on_spike = spike_zscore, spike_warmup, on_spike
+        self._spikes = None if spike_zscore is None else SpikeWatch(float(spike_zscore), spike_warmup)
         self._budget = SkipBudget(on_nonfinite, max_consecutive_skips)
         self._restored_skips = 0
 
@@ -106,6 +121,15 @@ class GradNormMonitor(NanGuardCallback):
         self._trainer = trainer
         if self.layer_depth is not None:
             ctx.set_layer_depth(type(self).__name__, self.layer_depth)
+        if self._spikes is not None:
+            self._spikes.attach(trainer)
+            ctx.add_detector("spike", self._spikes.detect)
+            if self.on_spike == "rollback" and not has_callback(trainer, "AutoRollback"):
+                rank_zero_warn(
+                    "GradNormMonitor(on_spike='rollback') asks AutoRollback to restore the last good state, but "
+                    "AutoRollback is not installed: spiking updates will only be dropped. Add AutoRollback() to "
+                    "Trainer(callbacks=...), or choose on_spike='skip' or 'warn'."
+                )
 
     @override
     def on_before_optimizer_step(
@@ -113,9 +137,16 @@ class GradNormMonitor(NanGuardCallback):
     ) -> None:
         ctx = get_context(trainer)
         health = ctx.step_health(trainer, pl_module, optimizer)
-        action = self._budget.decide(health.bad, scaler_skips=health.scaler_active)
-        if action is not Action.NONE:
-            self._act(trainer, pl_module, optimizer, health, action)
+        spike = not health.bad and health.flags.get("spike", False)
+        if spike and self.on_spike != "warn":
+            action = self._budget.decide(True, scaler_skips=False)
+            self._act(trainer, pl_module, optimizer, health, Action.SKIP if action is Action.WARN else action, True)
+        else:
+            action = self._budget.decide(health.bad, scaler_skips=health.scaler_active)
+            if action is not Action.NONE:
+                self._act(trainer, pl_module, optimizer, health, action)
+            elif spike:
+                self._act(trainer, pl_module, optimizer, health, Action.WARN, True)
         if health.grads is None:
             return
         if _lightning_compat.should_update_logs(trainer):
@@ -154,6 +185,7 @@ class GradNormMonitor(NanGuardCallback):
             "skipped_steps": self.skipped_steps,
             "streak": self._budget.streak,
             "total_bad": self._budget.total_bad,
+            **({"spike": self._spikes.state()} if self._spikes is not None else {}),
         }
 
     @override
@@ -161,27 +193,68 @@ class GradNormMonitor(NanGuardCallback):
         self._restored_skips = int(state_dict.get("skipped_steps", 0))
         self._budget.streak = int(state_dict.get("streak", 0))
         self._budget.total_bad = int(state_dict.get("total_bad", 0))
+        if self._spikes is not None and "spike" in state_dict:
+            self._spikes.load(state_dict["spike"])
 
     # ------------------------------------------------------------------ internals
     def _act(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer, health: Any, action: Action
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        optimizer: Optimizer,
+        health: Any,
+        action: Action,
+        spike: bool = False,
     ) -> None:
         ctx = get_context(trainer)
+        name = type(self).__name__
         if action in (Action.SKIP, Action.SCALER_SKIP, Action.STOP):
-            ctx.skip_step(trainer, optimizer, health, type(self).__name__)
-        incident = incident_from_health(
-            trainer,
-            health,
-            action,
-            type(self).__name__,
-            budget_left=self._budget.budget_left,
-            message=self._message(trainer, health, action),
-        )
+            ctx.skip_step(trainer, optimizer, health, name)
+        if spike and self._spikes is not None:
+            trigger, zscores = self._spikes.describe()
+            if action is Action.SKIP and self.on_spike == "rollback":
+                ctx.request(trainer, "rollback", trigger=trigger, source=name)
+            incident = make_incident(
+                trainer,
+                trigger=trigger,
+                action=action,
+                source=name,
+                ranks=list(range(trainer.world_size)),  # the verdict is reduced; per-rank attribution is not kept
+                values={**health.values(), **zscores},
+                budget_left=self._budget.budget_left,
+                message=self._spike_message(trainer, trigger, zscores, action),
+            )
+        else:
+            incident = incident_from_health(
+                trainer,
+                health,
+                action,
+                name,
+                budget_left=self._budget.budget_left,
+                message=self._message(trainer, health, action),
+            )
         ctx.record(trainer, incident)
         if action is Action.WARN:
             rank_zero_warn(incident.message)
         elif action is Action.STOP:
             ctx.request_stop(trainer, NonFiniteTrainingError(incident.message))
+
+    def _spike_message(self, trainer: pl.Trainer, trigger: str, zscores: dict[str, float], action: Action) -> str:
+        z = max(zscores["grad_norm_zscore"], zscores["loss_zscore"])
+        what = (
+            f"{trigger.replace('_', ' ')} at global_step={trainer.global_step} (epoch {trainer.current_epoch}): "
+            f"{z:.1f} standard deviations above the running mean (spike_zscore={self.spike_zscore})"
+        )
+        if action is Action.STOP:
+            return (
+                f"Training stopped: {what}, {self._budget.streak} dropped steps in a row, more than "
+                f"max_consecutive_skips={self.max_consecutive_skips}. Lower the learning rate, clip gradients, check "
+                "the data at these steps, or add AutoRollback + OptimizerBackoff."
+            )
+        if action is Action.SKIP:
+            then = "asked AutoRollback to restore the last good state" if self.on_spike == "rollback" else "dropped"
+            return f"{what}; the update was {then} ({self._budget.budget_left} more in a row allowed)."
+        return f"{what}; the update went through (on_spike='warn'). Use on_spike='skip' or 'rollback' to drop it."
 
     def _message(self, trainer: pl.Trainer, health: Any, action: Action) -> str:
         where = f"global_step={trainer.global_step} (epoch {trainer.current_epoch}, ranks {health.bad_ranks(trainer)})"

@@ -14,7 +14,7 @@ from typing_extensions import override
 from lightning_nanguard import _distributed, _lightning_compat
 from lightning_nanguard._validation import check_choice, check_float, check_int
 from lightning_nanguard.callbacks._base import NanGuardCallback
-from lightning_nanguard.callbacks._common import make_incident
+from lightning_nanguard.callbacks._common import has_callback, make_incident
 from lightning_nanguard.context import NanGuardContext, StepHealth, get_context
 from lightning_nanguard.exceptions import (
     NanGuardConfigError,
@@ -149,7 +149,7 @@ class LossScaleWatchdog(NanGuardCallback):
                 "'16-mixed' does; bf16 and 32-bit need no loss scaling)."
             )
             return
-        self._rollback_available = any(type(cb).__name__ == "AutoRollback" for cb in getattr(trainer, "callbacks", []))
+        self._rollback_available = has_callback(trainer, "AutoRollback")
         if self.on_collapse == "rollback" and not self._rollback_available:
             rank_zero_warn(
                 f"{owner}(on_collapse='rollback') hands a collapse to AutoRollback, which is not installed: a "

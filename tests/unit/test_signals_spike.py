@@ -1,0 +1,42 @@
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lightning_nanguard.signals.spike import RunningZScore
+
+
+def _feed(z: RunningZScore, values: list[float]) -> list[bool]:
+    return [bool(z.observe(torch.tensor(v))) for v in values]
+
+
+def test_no_spike_during_warmup_or_on_steady_values() -> None:
+    z = RunningZScore(threshold=6.0, warmup=5)
+    assert _feed(z, [1000.0] + [1.0] * 4) == [False] * 5  # warmup: nothing is tested yet
+    assert not any(_feed(z, [1.0 + 0.01 * (i % 3) for i in range(30)]))
+
+
+def test_tenfold_jump_after_warmup_is_a_spike_and_does_not_move_the_stats() -> None:
+    z = RunningZScore(threshold=6.0, warmup=10)
+    _feed(z, [2.0 * (1 + 0.02 * math.sin(i)) for i in range(20)])
+    mean, count = float(z.mean), int(z.count)
+    assert _feed(z, [20.0]) == [True]
+    assert float(z.last_z) > 6.0
+    assert (float(z.mean), int(z.count)) == (mean, count)
+
+
+def test_decreasing_values_and_nonfinite_values_are_not_spikes() -> None:
+    z = RunningZScore(threshold=6.0, warmup=3)
+    assert not any(_feed(z, [10.0 / (i + 1) for i in range(20)]))
+    count = int(z.count)
+    assert _feed(z, [math.nan, math.inf]) == [False, False]  # non-finite is the non-finite check's business
+    assert int(z.count) == count
+
+
+def test_state_round_trip() -> None:
+    a = RunningZScore(threshold=6.0, warmup=3)
+    _feed(a, [1.0, 2.0, 3.0])
+    b = RunningZScore(threshold=6.0, warmup=3)
+    b.load(a.state())
+    assert b.state() == a.state()
