@@ -142,17 +142,8 @@ def host_reads(cfg: GPTConfig, tmp: str, steps: int = 4) -> dict[str, float]:
     return out
 
 
-def _bandwidth_gbps() -> float:
-    buf = torch.ones(128 * 1024 * 1024)  # 512 MiB fp32
-    best = float("inf")
-    for _ in range(5):
-        t = time.process_time()
-        buf.sum()
-        best = min(best, time.process_time() - t)
-    return buf.numel() * 4 / best / 1e9
-
-
-def isolated(cfg: GPTConfig, reps: int = 15) -> dict[str, float]:
+def isolated(cfg: GPTConfig, reps: int = 25) -> dict[str, float]:
+    """Hook cost on real gradients vs the floor: one cold-cache read of the same bytes, interleaved rep by rep."""
     torch.manual_seed(0)
     model = GPT(cfg)
     x, y = next(iter(model.train_dataloader()))
@@ -160,8 +151,8 @@ def isolated(cfg: GPTConfig, reps: int = 15) -> dict[str, float]:
     torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab), y.reshape(-1)).backward()
     params = list(model.parameters())
     index = ParamIndex(params, [n for n, _ in model.named_parameters()], depth=1)
-    grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
-    scratch = torch.empty(16 * 1024 * 1024)  # 64 MiB written before each rep: the grads are not cache-hot
+    flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])  # the same bytes, one buffer
+    scratch = torch.empty(16 * 1024 * 1024)  # 64 MiB written before each rep: nothing is cache-hot
 
     def ours() -> None:  # exactly the healthy-path work of the shared step health
         reading = grad_reading(index)
@@ -171,17 +162,26 @@ def isolated(cfg: GPTConfig, reps: int = 15) -> dict[str, float]:
     def lightning_recipe() -> None:
         grad_norm(model, norm_type=2)
 
-    out: dict[str, float] = {}
-    for name, fn in (("GradNormMonitor()", ours), ("grad_norm+log_dict", lightning_recipe)):
-        times = []
-        for _ in range(reps):
+    def floor() -> None:
+        flat.sum()
+
+    grads = [p.grad for p in params if p.grad is not None]
+
+    def kernel() -> None:  # the fused norm kernel alone: what is left once our own Python is taken out
+        torch._foreach_norm(grads, 2)
+
+    fns = {"GradNormMonitor()": ours, "kernel": kernel, "grad_norm+log_dict": lightning_recipe, "floor": floor}
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
             scratch.fill_(1.0)
             t = time.process_time()
             fn()
-            times.append(time.process_time() - t)
-        out[name] = statistics.median(times) * 1e3
-    out["floor"] = grad_bytes / (_bandwidth_gbps() * 1e9) * 1e3
-    out["grad_mib"] = grad_bytes / 2**20
+            times[name].append(time.process_time() - t)
+    out = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    for name in ("GradNormMonitor()", "kernel"):
+        out[f"x_floor:{name}"] = statistics.median(o / f for o, f in zip(times[name], times["floor"], strict=True))
+    out["grad_mib"] = flat.numel() * flat.element_size() / 2**20
     out["tensors"] = float(len(params))
     return out
 
@@ -191,6 +191,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="2 rounds, 6 timed steps (noisier)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timed", type=int, default=10)
+    parser.add_argument("--isolated-only", action="store_true", help="only the isolated hook cost (about 1 minute)")
     args = parser.parse_args()
     rounds, timed = (2, 6) if args.quick else (args.rounds, args.timed)
     torch.set_num_threads(1)
@@ -204,15 +205,23 @@ def main() -> None:
         results = {}
         for cfg in (SMALL, DEEP):
             print(f"measuring {cfg.name} ...", file=sys.stderr, flush=True)
-            results[cfg.name] = (in_trainer(cfg, rounds, 2, timed, tmp), isolated(cfg), host_reads(cfg, tmp))
+            if args.isolated_only:
+                results[cfg.name] = ({}, isolated(cfg), {})
+            else:
+                results[cfg.name] = (in_trainer(cfg, rounds, 2, timed, tmp), isolated(cfg), host_reads(cfg, tmp))
+    small, deep = results[SMALL.name], results[DEEP.name]
+    if not args.isolated_only:
+        _print_in_trainer(small, deep, rounds, timed)
+    _print_isolated(results)
 
+
+def _print_in_trainer(small: Any, deep: Any, rounds: int, timed: int) -> None:
     print(f"\nCPU process time, 1 thread, {rounds} rounds x {timed} timed steps (ratio: median [min-max] vs baseline)")
     header = (
         f"| variant | {SMALL.name}: step ms | ratio | {DEEP.name}: step ms | ratio | host reads/step (small; deep) |"
     )
     print(header)
     print("|" + "---|" * 6)
-    small, deep = results[SMALL.name], results[DEEP.name]
     for name in VARIANTS:
         s, d = small[0][name], deep[0][name]
         hs = small[2][name] - small[2]["baseline"]
@@ -221,18 +230,26 @@ def main() -> None:
             f"| {name} | {s[0]:.1f} | {s[1]:.3f} [{s[2]:.3f}-{s[3]:.3f}] | {d[0]:.1f} | {d[1]:.3f} [{d[2]:.3f}-{d[3]:.3f}]"
             f" | +{hs:.0f}; +{hd:.0f} |"
         )
+
+
+def _print_isolated(results: dict[str, Any]) -> None:
     print(
-        "\nIsolated check on real gradients, cold cache (ms; x floor = / one read of all grads at measured bandwidth)"
+        "\nIsolated check on real gradients, cold cache, interleaved (ms, medians; x floor = median per-rep ratio to "
+        "one cold read of the same bytes)"
     )
-    print("| model | grads MiB | tensors | floor ms | GradNormMonitor ms (x floor, % of step) | grad_norm recipe ms |")
-    print("|" + "---|" * 6)
+    print(
+        "| model | grads MiB | tensors | floor ms | GradNormMonitor ms | x floor | % of step | _foreach_norm alone x floor "
+        "| grad_norm recipe ms |"
+    )
+    print("|" + "---|" * 9)
     for cfg in (SMALL, DEEP):
-        iso = results[cfg.name][1]
-        step = results[cfg.name][0]["baseline"][0]
+        in_tr, iso, _ = results[cfg.name]
         ours = iso["GradNormMonitor()"]
+        step = in_tr["baseline"][0] if in_tr else float("nan")
         print(
-            f"| {cfg.name} | {iso['grad_mib']:.1f} | {iso['tensors']:.0f} | {iso['floor']:.2f} | {ours:.2f} "
-            f"({ours / iso['floor']:.2f}x, {100 * ours / step:.2f}%) | {iso['grad_norm+log_dict']:.2f} |"
+            f"| {cfg.name} | {iso['grad_mib']:.1f} | {iso['tensors']:.0f} | {iso['floor']:.2f} | {ours:.2f} | "
+            f"{iso['x_floor:GradNormMonitor()']:.2f}x | {100 * ours / step:.2f}% | {iso['x_floor:kernel']:.2f}x | "
+            f"{iso['grad_norm+log_dict']:.2f} |"
         )
 
 

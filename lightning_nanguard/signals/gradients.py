@@ -95,7 +95,10 @@ def grad_reading(index: ParamIndex, scale: Tensor | None = None) -> GradReading 
         group = [grads[j] for j in positions]
         for j, n in zip(positions, _foreach_norm_fp32(group), strict=True):
             norms[j] = n
-    stacked = torch.stack([n.to(device) for n in norms if n is not None])
+    present_norms = [n for n in norms if n is not None]
+    if len(by_key) > 1:  # several devices/dtypes: gather the norms on the first gradient's device
+        present_norms = [n.to(device) for n in present_norms]
+    stacked = torch.stack(present_norms)
     if scale is not None:
         stacked = stacked / scale.to(device=device, dtype=stacked.dtype)
     total = torch.linalg.vector_norm(stacked, 2)
@@ -118,6 +121,9 @@ def layer_norms(index: ParamIndex, reading: GradReading) -> tuple[list[str], Ten
 
 
 def _foreach_norm_fp32(tensors: list[Tensor]) -> Iterable[Tensor]:
+    """Per-tensor 2-norms of one (device, dtype) group, accumulated in float32."""
+    if tensors[0].dtype in (torch.float32, torch.float64):
+        return torch._foreach_norm(tensors, 2)  # already accumulates in float32; dtype= would cost a conversion
     try:
         return torch._foreach_norm(tensors, 2, dtype=torch.float32)
     except (TypeError, RuntimeError):  # older torch without dtype=; correct but may overflow for huge fp16 grads
