@@ -25,7 +25,8 @@ from lightning_nanguard.exceptions import (
 from lightning_nanguard.policies.loss_scale import CollapsePolicy, ScaleMirror, diagnose
 from lightning_nanguard.policies.verdict import Action
 from lightning_nanguard.reporting import keys
-from lightning_nanguard.signals.loss_scale import params_finite, scaler_schedule
+from lightning_nanguard.signals.loss_scale import scaler_schedule
+from lightning_nanguard.signals.tensors import all_finite
 
 __all__ = ["LossScaleWatchdog"]
 
@@ -278,7 +279,7 @@ class LossScaleWatchdog(NanGuardCallback):
             action = Action.STOP
         if action is not Action.WARN:
             ctx.skip_step(trainer, optimizer, health, owner)  # it overflowed: the GradScaler drops it; counted once
-        weights_finite = not _distributed.any_rank(trainer, ~params_finite(pl_module.parameters()))
+        weights_finite = not _distributed.any_rank(trainer, ~all_finite(list(pl_module.parameters()), wide=True))
         diagnosis = diagnose(
             weights_finite=weights_finite, finite_steps=self._finite_steps, resumed_from=self._resumed_from
         )

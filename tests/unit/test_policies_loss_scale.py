@@ -10,7 +10,7 @@ import torch
 
 from lightning_nanguard.policies.loss_scale import CollapsePolicy, ScaleMirror, diagnose, to_float32
 from lightning_nanguard.policies.verdict import Action
-from lightning_nanguard.signals.loss_scale import params_finite
+from lightning_nanguard.signals.tensors import all_finite
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -102,9 +102,9 @@ def test_diagnosis(weights_finite: bool, finite_steps: int, resumed_from: str | 
     assert ("lowering the learning rate" in d.advice) == (kind == "loss_exploding")
 
 
-def test_params_finite_is_one_fused_verdict() -> None:
+def test_wide_all_finite_is_one_fused_verdict() -> None:
     big = torch.full((4,), 3.0e38)  # finite, though its float32 2-norm would overflow
-    assert bool(params_finite([big, torch.ones(3, dtype=torch.float16)]))
-    assert not bool(params_finite([torch.ones(2), torch.tensor([1.0, math.nan])]))
-    assert not bool(params_finite([torch.tensor([-math.inf], dtype=torch.bfloat16)]))
-    assert bool(params_finite([]))
+    assert bool(all_finite([big, torch.ones(3, dtype=torch.float16)], wide=True))
+    assert not bool(all_finite([torch.ones(2), torch.tensor([1.0, math.nan])], wide=True))
+    assert not bool(all_finite([torch.tensor([-math.inf], dtype=torch.bfloat16)], wide=True))
+    assert bool(all_finite([], wide=True))
