@@ -1,22 +1,7 @@
-"""What a policy can decide about a step."""
+"""What a policy can decide about a step (the enum lives in ``contract``; kept here for existing imports)."""
 
 from __future__ import annotations
 
-from enum import Enum
+from lightning_nanguard.contract import Action
 
 __all__ = ["Action"]
-
-
-class Action(str, Enum):
-    """The action taken about a step. A ``str`` so incident records and logs carry the plain value."""
-
-    NONE = "none"
-    WARN = "warn"
-    SKIP = "skip"  # the update was dropped by nanguard (grads set to None)
-    SCALER_SKIP = "scaler_skip"  # the GradScaler dropped the update itself; nanguard only counted it
-    ROLLBACK = "rollback"
-    BACKOFF = "backoff"
-    RERUN = "rerun"
-    REFUSE = "refuse"
-    FALLBACK = "fallback"
-    STOP = "stop"

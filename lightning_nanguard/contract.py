@@ -1,0 +1,212 @@
+"""The typed contract nanguard's parts cooperate through: enums and frozen dataclasses, never strings or class names.
+
+The five stages of one event (see ARCHITECTURE.md) pass these values along::
+
+    sense     -> Signal          what was seen (a non-finite loss, a spike, a collapse, non-finite state)
+    diagnose  -> Diagnosis       why and where: a ``Cause``, the ``Evidence`` that decided it, a hint
+    decide    -> Plan            the ``Action`` s the installed callbacks will take (policies.remedy)
+    act       -> Action          done: skip, quarantine, rollback, backoff, promote, stop
+    report    -> Incident        one record per event, with every action taken (reporting.incidents)
+
+Events other parts can subscribe to are frozen dataclasses too (``StateRestored``); requests one callback makes of
+the engine are ``RollbackRequest``. Every value here is plain data: safe to log, to compare in tests, and to build a
+policy decision from without a Trainer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+__all__ = [
+    "Action",
+    "Cause",
+    "Diagnosis",
+    "Evidence",
+    "EvidenceKind",
+    "Plan",
+    "RestoreSource",
+    "RollbackRequest",
+    "Signal",
+    "StateRestored",
+]
+
+
+class Action(str, Enum):
+    """What nanguard did about an event. A ``str`` so incident records and logs carry the plain value."""
+
+    NONE = "none"
+    WARN = "warn"
+    SKIP = "skip"  # the update was dropped by nanguard (grads set to None, or the device flag the optimizer reads)
+    SCALER_SKIP = "scaler_skip"  # the GradScaler dropped the update itself; nanguard only counted it
+    QUARANTINE = "quarantine"  # the data that caused it is skipped from now on
+    ROLLBACK = "rollback"  # parameters, buffers and optimizer state restored from a verified snapshot/checkpoint
+    BACKOFF = "backoff"  # learning-rate backoff (and eps, where the policy says so)
+    EPS_BACKOFF = "eps_backoff"  # eps raised alone (optimizer numerics)
+    PROMOTE = "promote"  # a module runs in float32 from now on
+    RERUN = "rerun"  # an evaluation batch was re-run in float32
+    REFUSE = "refuse"  # a checkpoint was refused (save or load)
+    FALLBACK = "fallback"  # a resume used another, verified checkpoint
+    FIX = "fix"  # a preflight hazard was fixed before step 1
+    PREFLIGHT = "preflight"  # a preflight finding reported (nothing changed)
+    STOP = "stop"  # training stopped with an error
+
+
+class Signal(str, Enum):
+    """What the sensing stage saw (an incident's ``trigger``)."""
+
+    NONFINITE_LOSS = "nonfinite_loss"
+    NONFINITE_GRADS = "nonfinite_grads"
+    NONFINITE_LOSS_AND_GRADS = "nonfinite_loss_and_grads"
+    NONFINITE_ON_OTHER_RANK = "nonfinite_on_other_rank"
+    NONFINITE_STATE = "nonfinite_state"  # parameters/buffers non-finite outside a step's gradients (snapshot, end)
+    LOSS_SPIKE = "loss_spike"
+    GRAD_NORM_SPIKE = "grad_norm_spike"
+    LOSS_AND_GRAD_NORM_SPIKE = "loss_and_grad_norm_spike"
+    LOSS_SCALE_COLLAPSE = "loss_scale_collapse"
+    SKIP_STREAK = "skip_streak"  # too many dropped updates in a row
+    ROLLBACK_BUDGET_EXHAUSTED = "rollback_budget_exhausted"
+
+
+class Cause(str, Enum):
+    """Why an event happened: a closed set, each decided by documented evidence (``policies.diagnosis``)."""
+
+    INPUT_DATA = "input_data"  # non-finite or far out-of-range values in the batch's inputs
+    TARGETS = (
+        "targets"  # non-finite targets, labels outside the model's output range, a head far larger than the labels
+    )
+    HALF_PRECISION_OVERFLOW = "half_precision_overflow"  # a module overflows in float16/bfloat16, finite in float32
+    LOSS_FUNCTION = "loss_function"  # every module output finite, the loss not
+    GRADIENT_EXPLOSION = "gradient_explosion"  # divergence: loss/grad norm rising, non-finite in float32 too
+    OPTIMIZER_NUMERICS = "optimizer_numerics"  # finite gradients, non-finite update (e.g. Adam eps underflow)
+    CORRUPT_STATE = "corrupt_state"  # parameters, buffers or optimizer state already non-finite
+    TRANSIENT = "transient"  # the replay did not reproduce it
+    UNKNOWN = "unknown"
+
+    @property
+    def data_caused(self) -> bool:
+        """The batch itself is to blame (quarantine it)."""
+        return self in (Cause.INPUT_DATA, Cause.TARGETS)
+
+
+class EvidenceKind(str, Enum):
+    """The kinds of evidence a diagnosis rests on, cheapest first."""
+
+    BATCH_NONFINITE = "batch_nonfinite"  # NaN/inf in an input tensor (rows named)
+    BATCH_MAGNITUDE = "batch_magnitude"  # inputs far beyond the magnitudes seen so far
+    TARGETS_NONFINITE = "targets_nonfinite"
+    TARGETS_OUT_OF_RANGE = "targets_out_of_range"  # class labels >= the model's output size (or < 0)
+    HEAD_OVERSIZED = "head_oversized"  # the output layer is far larger than the labels in use
+    STATE_NONFINITE = "state_nonfinite"  # named parameters / buffers / optimizer tensors
+    STATE_FROM_CHECKPOINT = "state_from_checkpoint"  # the state came non-finite from the resumed checkpoint
+    HISTORY_RISING = "history_rising"  # loss / grad norm rising before the step
+    GRADS_FINITE_UPDATE_NOT = "grads_finite_update_not"  # the last update made finite state non-finite
+    EPS_UNDERFLOW = "eps_underflow"  # an optimizer eps that is 0/subnormal in the parameter dtype
+    LOSS_SCALE = "loss_scale"  # GradScaler overflow facts (scale, streak)
+    REPLAY_FIRST_MODULE = "replay_first_module"  # the first module whose output (or gradient) is non-finite
+    REPLAY_FP32_FINITE = "replay_fp32_finite"  # the same batch is finite in float32
+    REPLAY_FP32_NONFINITE = "replay_fp32_nonfinite"  # ... and non-finite in float32 too
+    REPLAY_LOSS_ONLY = "replay_loss_only"  # every module output finite, the loss not
+    REPLAY_NOT_REPRODUCED = "replay_not_reproduced"  # the replay was finite
+    REPLAY_SKIPPED = "replay_skipped"  # why no replay (accumulation, manual optimization, budget, mode)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One finding. ``summary`` is a human sentence; ``values`` the plain numbers/names behind it."""
+
+    kind: EvidenceKind
+    summary: str
+    values: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """Why an event happened and where, with the evidence, identical on every rank.
+
+    Attributes:
+        cause: the cause class.
+        where: the location in one phrase: a module path (``"model.blocks.2.attn"``), tensor names, ``"batch rows
+            [5]"``, a checkpoint path; ``""`` when unknown.
+        evidence: the findings, cheapest first.
+        hint: what to try, for people.
+        ranks: the ranks whose local evidence pointed at the cause (all ranks when not rank-specific).
+        module: the first module whose output (or gradient) was non-finite in the replay, ``""`` if none.
+        rows: batch rows implicated (input data / targets), on the ranks in ``ranks``.
+        samples: dataset sample indices implicated, where the dataset exposes them (quarantine keys).
+        state_tensors: names of non-finite parameters, buffers and optimizer tensors.
+        state_damaged: parameters, buffers or optimizer state are non-finite now (a rollback is needed).
+        replayed: a replay ran; ``replay_ms`` its cost and ``replay_steps`` that cost as a multiple of one step.
+        note: anything a reader must know (e.g. "replay skipped: gradient accumulation").
+    """
+
+    cause: Cause
+    where: str = ""
+    evidence: tuple[Evidence, ...] = ()
+    hint: str = ""
+    ranks: tuple[int, ...] = ()
+    module: str = ""
+    rows: tuple[int, ...] = ()
+    samples: tuple[int, ...] = ()
+    state_tensors: tuple[str, ...] = ()
+    state_damaged: bool = False
+    replayed: bool = False
+    replay_ms: float | None = None
+    replay_steps: float | None = None
+    note: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready values (for incident records)."""
+        return {
+            "cause": self.cause.value,
+            "where": self.where,
+            "hint": self.hint,
+            "ranks": list(self.ranks),
+            "module": self.module,
+            "rows": list(self.rows),
+            "samples": list(self.samples),
+            "state_tensors": list(self.state_tensors),
+            "state_damaged": self.state_damaged,
+            "replayed": self.replayed,
+            "replay_ms": self.replay_ms,
+            "replay_steps": self.replay_steps,
+            "note": self.note,
+            "evidence": [{"kind": e.kind.value, "summary": e.summary, **dict(e.values)} for e in self.evidence],
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The remedy policy's decision for one event: the actions, in order, and why.
+
+    ``actions`` only holds actions whose callback is installed (an ablated callback's remedy is never planned).
+    ``stop`` is set when a budget ran out: the event ends training after the restorative actions ran.
+    """
+
+    actions: tuple[Action, ...]
+    reason: str = ""
+    stop: bool = False
+    promote_module: str = ""  # with Action.PROMOTE
+
+
+class RestoreSource(str, Enum):
+    MEMORY = "memory"
+    DISK = "disk"
+
+
+@dataclass(frozen=True)
+class StateRestored:
+    """Emitted after any restore of parameters/optimizer state (a rollback): re-apply what the restore undid."""
+
+    from_step: int
+    source: RestoreSource
+
+
+@dataclass(frozen=True)
+class RollbackRequest:
+    """A callback asks the engine to treat the current step as needing a rollback (it has dropped the update)."""
+
+    signal: Signal
+    source: str
