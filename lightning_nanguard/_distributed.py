@@ -6,7 +6,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-__all__ = ["any_rank", "any_rank_each", "bad_ranks", "broadcast_object"]
+__all__ = ["all_gather_objects", "any_rank", "any_rank_each", "bad_ranks", "broadcast_object", "sum_across_ranks"]
 
 
 def any_rank(trainer: pl.Trainer, flag: Tensor | bool) -> bool:
@@ -51,3 +51,23 @@ def bad_ranks(trainer: pl.Trainer, flag: Tensor | bool) -> list[int]:
 def broadcast_object(trainer: pl.Trainer, obj: object, src: int = 0) -> object:
     """Rank ``src``'s ``obj`` on every rank."""
     return trainer.strategy.broadcast(obj, src=src)
+
+
+def sum_across_ranks(trainer: pl.Trainer, vec: Tensor) -> Tensor:
+    """``vec`` summed over ranks (one all-reduce; no host read). A NaN/inf on any rank is non-finite on every rank."""
+    if trainer.world_size <= 1:
+        return vec
+    reduced = trainer.strategy.reduce(vec.to(trainer.strategy.root_device), reduce_op="sum")
+    assert isinstance(reduced, Tensor)
+    return reduced
+
+
+def all_gather_objects(trainer: pl.Trainer, obj: object) -> list[object]:
+    """Every rank's ``obj`` (picklable), in rank order. A collective: incident path only, on every rank."""
+    if trainer.world_size <= 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[object] = [None] * trainer.world_size
+    dist.all_gather_object(out, obj)
+    return out

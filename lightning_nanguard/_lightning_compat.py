@@ -10,15 +10,23 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 __all__ = [
+    "accepts_found_inf",
     "batch_counter",
     "clamp_scale",
+    "clear_found_inf",
+    "clear_found_inf_of",
     "get_scaler",
+    "guard_clipping",
     "log_step",
     "optimizer_handles_unscaling",
+    "or_into_found_inf",
     "scale_tensor",
     "scaler_state",
+    "set_found_inf",
     "should_update_logs",
     "strategy_class_names",
+    "train_batch_samplers",
+    "true_flag",
 ]
 
 
@@ -99,3 +107,89 @@ def clamp_scale(scaler: Any, low: float, high: float | None) -> None:
 def strategy_class_names(trainer: pl.Trainer) -> set[str]:
     """Names of the strategy's classes (its MRO), to recognize strategies whose packages may not be installed."""
     return {cls.__name__ for cls in type(trainer.strategy).__mro__}
+
+
+def accepts_found_inf(optimizer: Optimizer) -> bool:
+    """A fused optimizer whose kernel skips the update when its ``found_inf`` attribute is set (torch Adam, AdamW,
+    SGD, Adagrad with ``fused=True``): the verdict can stay on the device."""
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    return all(bool(group.get("fused")) for group in optimizer.param_groups)
+
+
+def set_found_inf(optimizer: Optimizer, flag: Tensor) -> None:
+    """Hand a 0-d bool verdict to a fused optimizer: its kernel skips params, moments and step counts on 1.0."""
+    optimizer.found_inf = flag.to(torch.float32)  # type: ignore[attr-defined]
+
+
+def clear_found_inf(optimizer: Optimizer) -> None:
+    """Remove what ``set_found_inf`` left (a later step outside nanguard must not read a stale verdict)."""
+    if "found_inf" in vars(optimizer):
+        del optimizer.found_inf  # type: ignore[attr-defined]
+
+
+def or_into_found_inf(scaler: Any, optimizer: Optimizer, flag: Tensor) -> None:
+    """Make the GradScaler drop this optimizer's update (and back off its scale) when ``flag`` is true, on the device.
+
+    Non-fused optimizers: ``unscale_`` has filled ``found_inf_per_device`` before ``on_before_optimizer_step``; the
+    flag is OR-ed into it, so the scaler's own read in ``step`` decides (no extra host read), and every rank's scaler
+    backs off together when the verdict was reduced across ranks. Fused optimizers (not unscaled yet): the first
+    gradient element becomes inf where ``flag`` is true, so the scaler's own check finds it.
+    """
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
+    found = state.get("found_inf_per_device") if isinstance(state, dict) else None
+    if found:
+        for t in found.values():
+            torch.maximum(t, flag.to(device=t.device, dtype=t.dtype), out=t)
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                head = p.grad.view(-1)[:1]
+                head.copy_(torch.where(flag.to(head.device), torch.full_like(head, torch.inf), head))
+                return
+
+
+def clear_found_inf_of(trainer: pl.Trainer, opt_idx: int) -> None:
+    if opt_idx < len(trainer.optimizers):
+        clear_found_inf(trainer.optimizers[opt_idx])
+
+
+def true_flag(optimizer: Optimizer) -> Tensor:
+    """A 0-d ``True`` on the optimizer's device."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            return torch.ones((), dtype=torch.bool, device=p.device)
+    return torch.ones((), dtype=torch.bool)
+
+
+def guard_clipping(trainer: pl.Trainer, allowed: Any) -> None:
+    """Skip Lightning's gradient clipping for a step whose update nanguard dropped (``allowed()`` is False).
+
+    Lightning clips after ``on_before_optimizer_step``; with every gradient set to None, ``clip_grad_value_`` raises
+    on the empty list (and clipping would be pointless anyway). The precision plugin's ``clip_gradients`` is wrapped
+    as an instance attribute (saved and re-assigned, never deleted); installing twice wraps once.
+    """
+    plugin = trainer.precision_plugin
+    current = plugin.clip_gradients
+    if getattr(current, "_nanguard_guarded", False):
+        current._nanguard_allowed = allowed  # type: ignore[attr-defined]
+        return
+
+    def clip_gradients(*args: Any, **kwargs: Any) -> Any:
+        if not clip_gradients._nanguard_allowed():  # type: ignore[attr-defined]
+            return None
+        return current(*args, **kwargs)
+
+    clip_gradients._nanguard_guarded = True  # type: ignore[attr-defined]
+    clip_gradients._nanguard_allowed = allowed  # type: ignore[attr-defined]
+    plugin.clip_gradients = clip_gradients  # type: ignore[method-assign]
+
+
+def train_batch_samplers(trainer: pl.Trainer) -> list[Any]:
+    """The batch samplers of the training DataLoaders of the running fit (empty before they exist)."""
+    from torch.utils.data import DataLoader
+
+    combined = getattr(trainer.fit_loop, "_combined_loader", None)
+    loaders = getattr(combined, "flattened", None) or []
+    return [dl.batch_sampler for dl in loaders if isinstance(dl, DataLoader) and dl.batch_sampler is not None]

@@ -48,3 +48,18 @@ def check_float(
         hi = "" if high is None else repr(high) + ("]" if high_inclusive else ")")
         span = f" in {lo or '(-inf'}, {hi or 'inf)'}" if (low is not None or high is not None) else ""
         raise _fail(owner, name, value, f"must be a number{span}" + (" or None" if allow_none else ""))
+
+
+def check_path(owner: str, name: str, value: Any, *, must_exist: bool = False, directory: bool = False) -> None:
+    """A path given as ``str`` or ``os.PathLike`` (``None`` allowed); optionally one that exists."""
+    import os
+
+    if value is None:
+        return
+    if not isinstance(value, (str, os.PathLike)) or not str(value):
+        raise _fail(owner, name, value, "must be a path (str or os.PathLike) or None")
+    if must_exist:
+        exists = os.path.isdir(value) if directory else os.path.exists(value)
+        if not exists:
+            kind = "an existing directory" if directory else "an existing file"
+            raise _fail(owner, name, value, f"must be {kind}")

@@ -197,7 +197,9 @@ def checkpoint_files(dirpath: str) -> list[str]:
     return [path for *_, path in sorted(found, reverse=True)]
 
 
-def last_good_checkpoint(dirpath: str, *, require_sidecar: bool = True) -> str | None:
+def last_good_checkpoint(
+    dirpath: str, *, require_sidecar: bool = True, at_or_before_step: int | None = None
+) -> str | None:
     """The newest (by modification time) ``*.ckpt`` in ``dirpath`` that verifies, or ``None``.
 
     Symlinks are skipped (their targets are regular files of the directory). Every rank that calls this on the same
@@ -209,8 +211,13 @@ def last_good_checkpoint(dirpath: str, *, require_sidecar: bool = True) -> str |
         >>> trainer.fit(model, ckpt_path=ckpt)
     """
     for path in checkpoint_files(str(dirpath)):
-        if verify_checkpoint(path, require_sidecar=require_sidecar).ok:
-            return path
+        result, checkpoint = verify_and_load(path, require_sidecar=require_sidecar)
+        if not result.ok:
+            continue
+        step = checkpoint.get("global_step") if isinstance(checkpoint, dict) else None
+        if at_or_before_step is not None and isinstance(step, int) and step > at_or_before_step:
+            continue
+        return path
     return None
 
 

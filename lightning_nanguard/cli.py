@@ -13,7 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from lightning_nanguard.checkpoints import SIDECAR_SUFFIX, checkpoint_files, verify_checkpoint, write_sidecar
-from lightning_nanguard.context import INCIDENTS_FILE
+from lightning_nanguard.engine.sink import INCIDENTS_FILE
 from lightning_nanguard.reporting.incidents import IncidentLog
 from lightning_nanguard.reporting.summary import format_summary
 

@@ -1,61 +1,114 @@
-"""The plumbing every fit-time nanguard callback shares, so each callback file holds only its own decisions."""
+"""The plumbing every nanguard callback shares: join the Trainer's engine, and drive it if first.
+
+Every nanguard callback joins the engine in ``setup`` and registers its capability (``_install``). The first one to
+join in a fit drives the engine: its hooks forward to the engine, every other member's hooks return at once. So the
+stages run exactly once per step, whatever the callbacks' order and number.
+"""
 
 from __future__ import annotations
+
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_nanguard.callbacks._common import check_strategy_supported
-from lightning_nanguard.context import NanGuardContext, get_context
+from lightning_nanguard.engine import Engine, get_engine
 
 __all__ = ["NanGuardCallback"]
 
 
 class NanGuardCallback(Callback):
-    """Joins the Trainer's shared nanguard context for each fit, forwards losses to it, and ends the fit through it.
+    """Base of the nanguard callbacks. Subclasses override ``_install`` (and their own non-engine hooks)."""
 
-    * ``setup`` (fit): checks the environment (``_check_environment``), joins the context, then ``_setup_fit``.
-    * ``on_before_backward``: the loss goes to the shared step health (idempotent across callbacks).
-    * ``on_train_end``: prints the summary once and raises a pending stop error once (whichever callback is first).
-    * ``on_exception``: prints the summary once.
-    * ``teardown`` (fit): ``_teardown_fit``, then the context forgets the fit.
-    """
+    _drives = False
+    _state_key_cache: str | None = None
+
+    @override
+    @property
+    def state_key(self) -> str:
+        # Lightning reads it for every hook of every callback (profiler names): build it once.
+        key = self._state_key_cache
+        if key is None:
+            key = self._state_key_cache = self._make_state_key()
+        return key
+
+    def _make_state_key(self) -> str:
+        return self.__class__.__qualname__
 
     def _check_environment(self, trainer: pl.Trainer) -> None:
         """Refuse a setup this callback cannot handle correctly (raise ``UnsupportedSetupError``)."""
         check_strategy_supported(trainer, type(self).__name__)
 
-    def _setup_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: NanGuardContext) -> None:
-        """Per-fit setup once the shared context is ready: subscribe to its events here."""
+    def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
+        """Register this callback's capability with the engine (every fit, on every rank)."""
 
-    def _teardown_fit(self, trainer: pl.Trainer) -> None:
-        """Per-fit cleanup, before the shared context forgets the fit."""
+    def _uninstall(self, trainer: pl.Trainer) -> None:
+        """Per-fit cleanup, before the engine forgets the fit."""
 
+    # ------------------------------------------------------------------ lifecycle
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         self._check_environment(trainer)
-        ctx = get_context(trainer)
-        ctx.setup(trainer, type(self).__name__)
-        self._setup_fit(trainer, pl_module, ctx)
-
-    @override
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        get_context(trainer).observe_loss(loss)
-
-    @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        get_context(trainer).finish(trainer, raise_pending=True)
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        get_context(trainer).finish(trainer, raise_pending=False)
+        engine = get_engine(trainer)
+        self._drives = engine.join(trainer, self)
+        self._install(trainer, pl_module, engine)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            self._teardown_fit(trainer)
-            get_context(trainer).teardown()
+            self._uninstall(trainer)
+            get_engine(trainer).close()
+            self._drives = False
+
+    # ------------------------------------------------------------------ the engine's hooks (driver only)
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._drives:
+            get_engine(trainer).train_start(trainer, pl_module)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._drives:
+            get_engine(trainer).train_epoch_start(trainer)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._drives:
+            get_engine(trainer).batch_start(trainer, pl_module, batch, batch_idx)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        if self._drives:
+            get_engine(trainer).observe_loss(loss)
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        if self._drives:
+            get_engine(trainer).before_optimizer_step(trainer, pl_module, optimizer)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._drives:
+            get_engine(trainer).batch_end(trainer, pl_module)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._drives:
+            get_engine(trainer).train_end(trainer, pl_module)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._drives:
+            get_engine(trainer).finish(trainer, raise_pending=False)

@@ -10,7 +10,7 @@ from lightning_nanguard.exceptions import UnsupportedSetupError
 from lightning_nanguard.policies.verdict import Action
 from lightning_nanguard.reporting.incidents import Incident
 
-__all__ = ["check_strategy_supported", "has_callback", "incident_from_health", "make_incident"]
+__all__ = ["check_strategy_supported", "make_incident"]
 
 _UNSUPPORTED = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAStrategy")
 
@@ -26,11 +26,6 @@ def check_strategy_supported(trainer: pl.Trainer, owner: str) -> None:
         )
 
 
-def has_callback(trainer: pl.Trainer, name: str) -> bool:
-    """Whether a callback of class ``name`` is installed (by name: callbacks may cooperate without importing)."""
-    return any(type(cb).__name__ == name for cb in getattr(trainer, "callbacks", []))
-
-
 def make_incident(
     trainer: pl.Trainer,
     *,
@@ -42,35 +37,22 @@ def make_incident(
     budget_left: int = -1,
     message: str = "",
     batch_idx: int | None = None,
+    step: int | None = None,
 ) -> Incident:
-    """An Incident stamped with the Trainer's current position."""
+    """An Incident for an event outside a training step (a checkpoint, a preflight finding, an evaluation re-run)."""
     if batch_idx is None:
         batch_idx = int(trainer.fit_loop.epoch_loop.batch_idx) if trainer.training else -1
+    name = action.value if isinstance(action, Action) else str(action)
     return Incident(
-        step=int(trainer.global_step),
+        step=int(trainer.global_step) if step is None else step,
         epoch=int(trainer.current_epoch),
         batch_idx=batch_idx,
         ranks=list(ranks) if ranks is not None else [int(trainer.global_rank)],
         trigger=trigger,
-        action=action.value if isinstance(action, Action) else str(action),
+        action=name,
         source=source,
         values=dict(values or {}),
         budget_left=budget_left,
         message=message,
-    )
-
-
-def incident_from_health(
-    trainer: pl.Trainer, health: Any, action: Action, source: str, *, budget_left: int, message: str
-) -> Incident:
-    """An Incident for a bad StepHealth (host reads and one all-gather: incident path only, on every rank)."""
-    return make_incident(
-        trainer,
-        trigger=health.trigger(),
-        action=action,
-        source=source,
-        ranks=health.bad_ranks(trainer),
-        values=health.values(),
-        budget_left=budget_left,
-        message=message,
+        actions=[name],
     )

@@ -10,7 +10,7 @@ from torch.optim import Optimizer
 
 from lightning_nanguard import _lightning_compat
 from lightning_nanguard.callbacks._common import make_incident
-from lightning_nanguard.context import get_context
+from lightning_nanguard.engine import get_engine
 from lightning_nanguard.exceptions import UnsupportedSetupError
 from lightning_nanguard.policies.preflight import Finding, GroupInfo, OptimizerInfo, preflight_findings
 
@@ -58,14 +58,15 @@ def run_preflight(trainer: pl.Trainer, on_hazard: OnHazard, safe_eps: float, sou
             + " ".join(f.message for f in hazards)
             + ' Or use on_hazard="fix" to let nanguard raise eps.'
         )
-    ctx = get_context(trainer)
+    sink = get_engine(trainer).sink
     for f in findings:
         message, action, values = f.message, "preflight", dict(f.values)
         if on_hazard == "fix" and f.fixable and f.fix_eps is not None:
             _set_eps(trainer.optimizers[f.opt_idx], f.group_idx, f.fix_eps)
             message = f"{message} Fixed: nanguard set eps {f.values['eps']:g} -> {f.fix_eps:g}."
             action = "fix"
-        ctx.record(
+        # Reported, never fed to a decision: a preflight finding is not a training event.
+        sink.record(
             trainer,
             make_incident(trainer, trigger=f.code, action=action, source=source, values=values, message=message),
         )

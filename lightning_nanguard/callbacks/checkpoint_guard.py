@@ -13,7 +13,7 @@ from typing_extensions import override
 from lightning_nanguard._validation import check_choice
 from lightning_nanguard.callbacks._common import check_strategy_supported, make_incident
 from lightning_nanguard.checkpoints import LAST_GOOD_NAME
-from lightning_nanguard.context import get_context
+from lightning_nanguard.engine import get_engine
 from lightning_nanguard.exceptions import UnsupportedSetupError
 from lightning_nanguard.policies.verdict import Action
 from lightning_nanguard.recovery.verifying_io import CheckpointEvent, VerifyingCheckpointIO
@@ -113,7 +113,7 @@ class CheckpointGuard(Callback):
         self._fit = stage == "fit"
         self._pending = []
         if self._fit:
-            get_context(trainer).setup(trainer, owner)
+            get_engine(trainer).join(trainer, self, fit=False)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -121,18 +121,18 @@ class CheckpointGuard(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        get_context(trainer).finish(trainer, raise_pending=True)
+        get_engine(trainer).finish(trainer, raise_pending=True)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self._fit:
             self._flush(trainer)
-            get_context(trainer).finish(trainer, raise_pending=False)
+            get_engine(trainer).finish(trainer, raise_pending=False)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            get_context(trainer).teardown()
+            get_engine(trainer).close()
         # The wrapper stays installed (a later trainer.save_checkpoint still gets its sidecar); events after this
         # point are warned about rather than recorded, as there is no fit to record them in.
         self._fit = False
@@ -187,7 +187,7 @@ class CheckpointGuard(Callback):
             values=values,
             message=message,
         )
-        get_context(trainer).record(trainer, incident)
+        get_engine(trainer).sink.record(trainer, incident)
 
     def _message(self, event: CheckpointEvent) -> str:
         if event.kind == "refused_save":

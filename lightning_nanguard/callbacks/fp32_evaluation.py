@@ -16,7 +16,7 @@ from typing_extensions import override
 from lightning_nanguard import _distributed
 from lightning_nanguard._validation import check_choice
 from lightning_nanguard.callbacks._common import check_strategy_supported, make_incident
-from lightning_nanguard.context import get_context
+from lightning_nanguard.engine import get_engine
 from lightning_nanguard.policies.verdict import Action
 from lightning_nanguard.recovery.eval_precision import (
     AttributePatches,
@@ -110,7 +110,7 @@ class FP32Evaluation(Callback):
                 "(16-mixed, bf16-mixed, 16-true or bf16-true). Evaluation runs unchanged; remove the callback or "
                 "train in half precision."
             )
-        get_context(trainer).setup(trainer, type(self).__name__)
+        get_engine(trainer).join(trainer, self, fit=False)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -124,7 +124,7 @@ class FP32Evaluation(Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end()
         if self._stage == "validate":
-            get_context(trainer).finish(trainer, raise_pending=False)
+            get_engine(trainer).finish(trainer, raise_pending=False)
 
     @override
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -137,21 +137,21 @@ class FP32Evaluation(Callback):
     @override
     def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end()
-        get_context(trainer).finish(trainer, raise_pending=False)
+        get_engine(trainer).finish(trainer, raise_pending=False)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        get_context(trainer).finish(trainer, raise_pending=True)
+        get_engine(trainer).finish(trainer, raise_pending=True)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._end()
-        get_context(trainer).finish(trainer, raise_pending=False)
+        get_engine(trainer).finish(trainer, raise_pending=False)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._end()
-        get_context(trainer).teardown()
+        get_engine(trainer).close()
 
     # ------------------------------------------------------------------ state
     @override
@@ -273,7 +273,7 @@ class FP32Evaluation(Callback):
             message=message,
             batch_idx=batch_idx,
         )
-        get_context(trainer).record(trainer, incident)
+        get_engine(trainer).sink.record(trainer, incident)
 
     def _epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.mode != "on_nonfinite" or self._kind == "none" or trainer.sanity_checking:

@@ -1,72 +1,90 @@
-"""GradNormMonitor: the gradient norm on the dashboard, and a non-finite update stopped before it lands."""
+"""GradNormMonitor: the gradient norm on the dashboard, a non-finite update stopped before it lands, its cause found."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_nanguard import _lightning_compat
-from lightning_nanguard._validation import check_choice, check_float, check_int
+from lightning_nanguard._validation import check_choice, check_float, check_int, check_path
 from lightning_nanguard.callbacks._base import NanGuardCallback
-from lightning_nanguard.callbacks._common import has_callback, incident_from_health, make_incident
-from lightning_nanguard.callbacks._spike import SpikeWatch
-from lightning_nanguard.context import NanGuardContext, get_context
-from lightning_nanguard.exceptions import NonFiniteTrainingError
-from lightning_nanguard.policies.skip import SkipBudget
-from lightning_nanguard.policies.verdict import Action
+from lightning_nanguard.engine import Engine
+from lightning_nanguard.engine.capabilities import GuardSettings
+from lightning_nanguard.exceptions import NanGuardConfigError
+from lightning_nanguard.recovery.quarantine import Quarantine
 from lightning_nanguard.reporting import emit, keys
-from lightning_nanguard.signals.gradients import grad_reading, layer_norms
+from lightning_nanguard.signals.gradients import grad_norms, layer_norms
 
 __all__ = ["GradNormMonitor"]
 
 
 class GradNormMonitor(NanGuardCallback):
-    """Log the gradient norm every logged step and drop any update whose loss or gradients are non-finite.
+    """Log the gradient norm, drop any update whose loss or gradients are non-finite, find out why, and keep the
+    data that caused it away.
 
     The check runs in ``on_before_optimizer_step``, where the gradients are final: accumulated, all-reduced,
-    unscaled, not yet clipped. It is one fused pass and one host read per step (shared with every other nanguard
-    callback), and its verdict is reduced across ranks, so every rank skips or stops together.
+    unscaled, not yet clipped. It is one fused pass and one host read per step (none where the optimizer can act on
+    a device flag: a GradScaler, or a fused optimizer), shared with every other nanguard callback, and its verdict is
+    reduced across ranks, so every rank skips or stops together.
 
     A skip is ``optimizer.zero_grad(set_to_none=True)``: parameters and optimizer state (Adam's step count and
     moments) stay exactly as they were. Under ``16-mixed`` the GradScaler already drops non-finite updates; the
     monitor then only counts them (``scaler_skip``). Skipped steps still advance ``global_step`` and the LR schedule,
     as GradScaler skips do in Lightning.
 
+    On each incident the cause is diagnosed (``forensics``): the batch (non-finite or out-of-range inputs and
+    targets), the state (named non-finite parameters, buffers, optimizer tensors), the recent history, and, when that
+    does not settle it, a replay of the batch with hooks on every module and in float32. When the data is to blame
+    (``input_data``, ``targets``), it is quarantined (``quarantine=True``): the dataset samples are replaced when they
+    come back (or the batch's update is dropped, for datasets without sample indices), with no new incident.
+
     Args:
         on_nonfinite: ``"skip"`` drops the update; ``"warn"`` lets it through and warns (the weights will be
             poisoned: for diagnosis only); ``"stop"`` drops it and stops training at once.
-        max_consecutive_skips: bad steps in a row tolerated; one more stops training with
-            ``NonFiniteTrainingError``. Counts GradScaler skips too.
+        max_consecutive_skips: non-finite steps in a row tolerated; one more escalates to a rollback and a learning-
+            rate backoff where AutoRollback is installed, and otherwise stops with ``NonFiniteTrainingError``.
+            Under ``16-mixed`` with a LossScaleWatchdog installed, overflow streaks are the watchdog's to judge.
         layer_depth: module depth at which per-layer gradient norms are grouped (``1``: top-level children,
-            ``2``: their children, ...); ``None`` turns per-layer norms off.
+            ``2``: their children, ...), counted below single-child wrappers such as ``self.model``; ``None`` turns
+            per-layer norms off.
         log_every_n_steps: how often per-layer norms (and the histogram) reach the loggers; ``None`` follows
             ``Trainer(log_every_n_steps)``.
         histogram: also write a TensorBoard histogram of the per-tensor gradient norms.
         spike_zscore: flag a step whose loss or gradient norm is this many standard deviations above its running
             mean (in log space, so a 10x jump is the same spike at any scale); ``None`` (default) turns spike
-            detection off. The test runs on the device and shares the step's one host read.
+            detection off. The test runs on the host floats the step's one read brings back.
         spike_warmup: finite steps observed before spikes are tested.
-        on_spike: ``"warn"`` records and warns; ``"skip"`` drops the update (counted against
-            ``max_consecutive_skips``); ``"rollback"`` drops it and asks ``AutoRollback`` to restore the last good state.
+        on_spike: ``"warn"`` records and warns; ``"skip"`` drops the update; ``"rollback"`` drops it and has
+            ``AutoRollback`` restore the last good state (and ``OptimizerBackoff`` lower the learning rate).
+            Requires ``spike_zscore``.
+        quarantine: quarantine the data that caused an incident (``input_data``/``targets`` causes).
+        quarantine_file: a JSON file of sample indices to quarantine from the start (``[12, 507]`` or
+            ``{"samples": [...]}``); ``nanguard report`` and ``<log_dir>/nanguard/quarantine.json`` list what a run
+            quarantined, in the same format.
+        forensics: ``"first"`` replays the first incident of each kind of evidence and reuses that verdict for
+            later ones; ``"every"`` replays each incident; ``"off"`` uses the cheap evidence only.
+        max_replay_steps: replays stop once they have cost this many training steps' worth of time in this fit.
 
-    Logged keys:
-        ``nanguard/grad_norm``                   total 2-norm of the gradients (unscaled, pre-clip), logged steps
-        ``nanguard/grad_norm_clipped``           the same after the Trainer's clipping, when it clips
-        ``nanguard/nonfinite_grads``             number of gradient tensors holding a NaN/inf
+    Logged keys (every logging step, one batched logger call):
+        ``nanguard/grad_norm``                   total 2-norm of the gradients (unscaled, pre-clip), last step
+        ``nanguard/grad_norm_max``               the largest total norm since the last logging step (inf if any
+                                                 step was non-finite), so a bad step is never hidden by the sampling
+        ``nanguard/nonfinite_steps``             non-finite steps since the last logging step
+        ``nanguard/grad_norm_clipped``           the total norm after the Trainer's clipping, when it clips
+        ``nanguard/loss``                        the step's loss as the optimizer saw it (unscaled), last step
         ``nanguard/skipped_steps``               cumulative updates dropped (by nanguard or the GradScaler)
-        ``nanguard/layer_grad_norm/<module>``    per-layer norms, every ``log_every_n_steps`` in one batch
+        ``nanguard/quarantined``                 samples (and batches) quarantined so far
+        ``nanguard/layer_grad_norm/<module>``    per-layer norms, every ``log_every_n_steps``
         ``nanguard/grad_norm_hist``              histogram of per-tensor norms (``histogram=True``)
-        ``nanguard/incident/<action>``           1.0 at each step an incident happened
+        ``nanguard/incident/<action>``           1.0 at each step an incident took that action
 
     Raises:
         NanGuardConfigError: at construction, for an argument outside its rule.
-        NonFiniteTrainingError: at the end of training, when the skip budget ran out or ``on_nonfinite="stop"``.
+        NonFiniteTrainingError: at the end of training, when nothing could recover (see the message).
 
     Example::
 
@@ -84,217 +102,150 @@ class GradNormMonitor(NanGuardCallback):
         spike_zscore: float | None = None,
         spike_warmup: int = 50,
         on_spike: Literal["warn", "skip", "rollback"] = "warn",
+        quarantine: bool = True,
+        quarantine_file: str | None = None,
+        forensics: Literal["first", "every", "off"] = "first",
+        max_replay_steps: float = 20.0,
     ) -> None:
         owner = type(self).__name__
         check_choice(owner, "on_nonfinite", on_nonfinite, ("warn", "skip", "stop"))
-        check_int(owner, "max_consecutive_skips", max_consecutive_skips, minimum=0)
+        check_int(owner, "max_consecutive_skips", max_consecutive_skips, minimum=1)
         check_int(owner, "layer_depth", layer_depth, minimum=1, allow_none=True)
         check_int(owner, "log_every_n_steps", log_every_n_steps, minimum=1, allow_none=True)
         check_choice(owner, "histogram", histogram, (True, False))
         check_float(owner, "spike_zscore", spike_zscore, low=0.0, low_inclusive=False, allow_none=True)
         check_int(owner, "spike_warmup", spike_warmup, minimum=1)
         check_choice(owner, "on_spike", on_spike, ("warn", "skip", "rollback"))
+        if on_spike != "warn" and spike_zscore is None:
+            raise NanGuardConfigError(
+                f"{owner}(on_spike={on_spike!r}): needs spike_zscore (e.g. 6.0); without it no spike is ever detected."
+            )
+        check_choice(owner, "quarantine", quarantine, (True, False))
+        check_path(owner, "quarantine_file", quarantine_file, must_exist=True)
+        check_choice(owner, "forensics", forensics, ("first", "every", "off"))
+        check_float(owner, "max_replay_steps", max_replay_steps, low=0.0)
         self.on_nonfinite = on_nonfinite
         self.max_consecutive_skips = max_consecutive_skips
         self.layer_depth = layer_depth
         self.log_every_n_steps = log_every_n_steps
         self.histogram = histogram
         self.spike_zscore, self.spike_warmup, self.on_spike = spike_zscore, spike_warmup, on_spike
-        self._spikes = None if spike_zscore is None else SpikeWatch(float(spike_zscore), spike_warmup)
-        self._budget = SkipBudget(on_nonfinite, max_consecutive_skips)
+        self.quarantine, self.quarantine_file = quarantine, None if quarantine_file is None else str(quarantine_file)
+        self.forensics, self.max_replay_steps = forensics, float(max_replay_steps)
+        self._quarantine = Quarantine(self.quarantine_file) if quarantine else None
         self._restored_skips = 0
+        self._spike_state: dict[str, Any] = {}
+        self._engine: Engine | None = None
 
-    @property
     @override
-    def state_key(self) -> str:
+    def _make_state_key(self) -> str:
         return self._generate_state_key(on_nonfinite=self.on_nonfinite, layer_depth=self.layer_depth)
 
     @property
     def skipped_steps(self) -> int:
         """Updates dropped so far (by nanguard or the GradScaler), across resumes."""
-        trainer = getattr(self, "_trainer", None)
-        return self._restored_skips + (get_context(trainer).skipped_steps if trainer is not None else 0)
+        return self._restored_skips + (self._engine.skipped_steps if self._engine is not None else 0)
+
+    @property
+    def quarantined_samples(self) -> list[int]:
+        """Dataset sample indices quarantined so far (across resumes)."""
+        return sorted(self._quarantine.samples) if self._quarantine is not None else []
 
     # ------------------------------------------------------------------ lifecycle
     @override
-    def _setup_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ctx: NanGuardContext) -> None:
-        self._trainer = trainer
+    def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
+        self._engine = engine
+        settings = GuardSettings(
+            owner=type(self).__name__,
+            on_nonfinite=self.on_nonfinite,
+            max_consecutive_skips=self.max_consecutive_skips,
+            on_spike=self.on_spike,
+            spike_zscore=self.spike_zscore,
+            spike_warmup=self.spike_warmup,
+            quarantine=self.quarantine,
+            forensics=self.forensics,
+            max_replay_steps=self.max_replay_steps,
+        )
+        if self._quarantine is not None:
+            self._quarantine.install()
+        engine.set_guard(settings, self._quarantine)
+        if engine.spikes is not None and self._spike_state:
+            engine.spikes[0].load(self._spike_state.get("grad", {}))
+            engine.spikes[1].load(self._spike_state.get("loss", {}))
         if self.layer_depth is not None:
-            ctx.set_layer_depth(type(self).__name__, self.layer_depth)
-        if self._spikes is not None:
-            self._spikes.attach(trainer)
-            ctx.add_detector("spike", self._spikes.detect)
-            if self.on_spike == "rollback" and not has_callback(trainer, "AutoRollback"):
-                rank_zero_warn(
-                    "GradNormMonitor(on_spike='rollback') asks AutoRollback to restore the last good state, but "
-                    "AutoRollback is not installed: spiking updates will only be dropped. Add AutoRollback() to "
-                    "Trainer(callbacks=...), or choose on_spike='skip' or 'warn'."
-                )
+            engine.sensor.layer_depth = max(engine.sensor.layer_depth, self.layer_depth)
+        engine.add_metrics(self._metrics)
 
     @override
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
-    ) -> None:
-        ctx = get_context(trainer)
-        health = ctx.step_health(trainer, pl_module, optimizer)
-        spike = not health.bad and health.flags.get("spike", False)
-        if spike and self.on_spike != "warn":
-            action = self._budget.decide(True, scaler_skips=False)
-            self._act(trainer, pl_module, optimizer, health, Action.SKIP if action is Action.WARN else action, True)
-        else:
-            action = self._budget.decide(health.bad, scaler_skips=health.scaler_active)
-            if action is not Action.NONE:
-                self._act(trainer, pl_module, optimizer, health, action)
-            elif spike:
-                self._act(trainer, pl_module, optimizer, health, Action.WARN, True)
-        if health.grads is None:
-            return
-        if _lightning_compat.should_update_logs(trainer):
-            pl_module.log(keys.GRAD_NORM, health.grads.total_norm, on_step=True, on_epoch=False)
-            pl_module.log(keys.NONFINITE_GRADS, health.grads.nonfinite.float(), on_step=True, on_epoch=False)
-        if self._layers_due(trainer):
-            index = ctx.param_index(pl_module, optimizer, health.optimizer_idx)
-            names, values = layer_norms(index, health.grads)
-            metrics = {f"{keys.LAYER_GRAD_NORM}/{n}": v for n, v in zip(names, values.tolist(), strict=True)}
-            emit.log_event(trainer, metrics)
-            if self.histogram:
-                emit.log_histogram(trainer, keys.key("grad_norm_hist"), health.grads.tensor_norms)
-
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if not _lightning_compat.should_update_logs(trainer):
-            return
-        pl_module.log(keys.SKIPPED_STEPS, float(self.skipped_steps), on_step=True, on_epoch=False)
-        clipped = self._clipped_norm(trainer, pl_module)
-        if clipped is not None:
-            # Straight to the loggers: through self.log, Lightning would re-emit the last value on a skipped step.
-            emit.log_event(trainer, {keys.GRAD_NORM_CLIPPED: float(clipped.item())})
-
-    @override
-    def _teardown_fit(self, trainer: pl.Trainer) -> None:
+    def _uninstall(self, trainer: pl.Trainer) -> None:
         self._restored_skips = self.skipped_steps
-        self._trainer = None  # type: ignore[assignment]
+        engine = self._engine
+        if engine is not None and engine.spikes is not None:
+            self._spike_state = {"grad": engine.spikes[0].state(), "loss": engine.spikes[1].state()}
+        self._engine = None
 
     # ------------------------------------------------------------------ state
     @override
     def state_dict(self) -> dict[str, Any]:
+        engine = self._engine
+        spikes = engine.spikes if engine is not None else None
+        spike_state = {"grad": spikes[0].state(), "loss": spikes[1].state()} if spikes else self._spike_state
         return {
-            "version": 1,
+            "version": 2,
             "skipped_steps": self.skipped_steps,
-            "streak": self._budget.streak,
-            "total_bad": self._budget.total_bad,
-            **({"spike": self._spikes.state()} if self._spikes is not None else {}),
+            **({"spike": spike_state} if spike_state else {}),
+            **({"quarantine": self._quarantine.state_dict()} if self._quarantine is not None else {}),
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored_skips = int(state_dict.get("skipped_steps", 0))
-        self._budget.streak = int(state_dict.get("streak", 0))
-        self._budget.total_bad = int(state_dict.get("total_bad", 0))
-        if self._spikes is not None and "spike" in state_dict:
-            self._spikes.load(state_dict["spike"])
+        self._spike_state = dict(state_dict.get("spike", {}))
+        if self._quarantine is not None and "quarantine" in state_dict:
+            self._quarantine.load_state_dict(state_dict["quarantine"])
 
-    # ------------------------------------------------------------------ internals
-    def _act(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        optimizer: Optimizer,
-        health: Any,
-        action: Action,
-        spike: bool = False,
-    ) -> None:
-        ctx = get_context(trainer)
-        name = type(self).__name__
-        if action in (Action.SKIP, Action.SCALER_SKIP, Action.STOP):
-            ctx.skip_step(trainer, optimizer, health, name)
-        if spike and self._spikes is not None:
-            trigger, zscores = self._spikes.describe()
-            if action is Action.SKIP and self.on_spike == "rollback":
-                ctx.request(trainer, "rollback", trigger=trigger, source=name)
-            incident = make_incident(
-                trainer,
-                trigger=trigger,
-                action=action,
-                source=name,
-                ranks=list(range(trainer.world_size)),  # the verdict is reduced; per-rank attribution is not kept
-                values={**health.values(), **zscores},
-                budget_left=self._budget.budget_left,
-                message=self._spike_message(trainer, trigger, zscores, action),
-            )
-        else:
-            incident = incident_from_health(
-                trainer,
-                health,
-                action,
-                name,
-                budget_left=self._budget.budget_left,
-                message=self._message(trainer, health, action),
-            )
-        ctx.record(trainer, incident)
-        if action is Action.WARN:
-            rank_zero_warn(incident.message)
-        elif action is Action.STOP:
-            ctx.request_stop(trainer, NonFiniteTrainingError(incident.message))
-
-    def _spike_message(self, trainer: pl.Trainer, trigger: str, zscores: dict[str, float], action: Action) -> str:
-        z = max(zscores["grad_norm_zscore"], zscores["loss_zscore"])
-        what = (
-            f"{trigger.replace('_', ' ')} at global_step={trainer.global_step} (epoch {trainer.current_epoch}): "
-            f"{z:.1f} standard deviations above the running mean (spike_zscore={self.spike_zscore})"
-        )
-        if action is Action.STOP:
-            return (
-                f"Training stopped: {what}, {self._budget.streak} dropped steps in a row, more than "
-                f"max_consecutive_skips={self.max_consecutive_skips}. Lower the learning rate, clip gradients, check "
-                "the data at these steps, or add AutoRollback + OptimizerBackoff."
-            )
-        if action is Action.SKIP:
-            then = "asked AutoRollback to restore the last good state" if self.on_spike == "rollback" else "dropped"
-            return f"{what}; the update was {then} ({self._budget.budget_left} more in a row allowed)."
-        return f"{what}; the update went through (on_spike='warn'). Use on_spike='skip' or 'rollback' to drop it."
-
-    def _message(self, trainer: pl.Trainer, health: Any, action: Action) -> str:
-        where = f"global_step={trainer.global_step} (epoch {trainer.current_epoch}, ranks {health.bad_ranks(trainer)})"
-        what = health.trigger().replace("_", " ")
-        if action is Action.STOP:
-            if self.on_nonfinite == "stop":
-                why = 'GradNormMonitor(on_nonfinite="stop") stops at the first one'
-            else:
-                why = (
-                    f"{self._budget.streak} non-finite steps in a row, more than "
-                    f"max_consecutive_skips={self.max_consecutive_skips}"
-                )
-            return (
-                f"Training stopped: {what} at {where}; {why}. The update was dropped, so the weights are finite. "
-                "Try a lower learning rate or gradient clipping, check the data at this step, run "
-                "nanguard's FP32Evaluation/LossScaleWatchdog if in half precision, or raise max_consecutive_skips."
-            )
-        if action is Action.WARN:
-            return (
-                f"{what} at {where}; on_nonfinite='warn' lets this update through, so the weights are now "
-                "likely non-finite. Use on_nonfinite='skip' to drop such updates."
-            )
-        if action is Action.SCALER_SKIP:
-            return f"{what} at {where}; the GradScaler dropped the update and lowered its scale."
-        return f"{what} at {where}; the update was dropped ({self._budget.budget_left} more in a row allowed)."
+    # ------------------------------------------------------------------ metrics (one batched logger call)
+    def _metrics(self, trainer: pl.Trainer) -> dict[str, float]:
+        engine = self._engine
+        if engine is None:
+            return {}
+        interval = engine.interval
+        out: dict[str, float] = {
+            keys.SKIPPED_STEPS: float(self.skipped_steps),
+            keys.NONFINITE_STEPS: float(interval.nonfinite_steps),
+        }
+        if not math.isnan(interval.grad_norm):
+            out[keys.GRAD_NORM] = interval.grad_norm
+            out[keys.GRAD_NORM_MAX] = interval.grad_norm_max
+        if not math.isnan(interval.loss):
+            out[keys.LOSS] = interval.loss
+        if self._quarantine is not None:
+            out[keys.QUARANTINED] = float(len(self._quarantine.samples) + len(self._quarantine.fingerprints))
+        reading = engine.last_reading
+        clipped = self._clipped_norm(trainer, reading)
+        if clipped is not None:
+            out[keys.GRAD_NORM_CLIPPED] = clipped
+        if reading is not None and reading.norms is not None and self._layers_due(trainer):
+            names, values = layer_norms(reading.index, reading.norms)
+            out.update({f"{keys.LAYER_GRAD_NORM}/{n}": v for n, v in zip(names, values.tolist(), strict=True)})
+            if self.histogram:
+                emit.log_histogram(trainer, keys.GRAD_NORM_HIST, reading.norms.tensor_norms)
+        return out
 
     def _layers_due(self, trainer: pl.Trainer) -> bool:
         if self.layer_depth is None and not self.histogram:
             return False
         if self.log_every_n_steps is None:
-            return _lightning_compat.should_update_logs(trainer)
+            return True  # called on Lightning's logging steps
         return (_lightning_compat.log_step(trainer) + 1) % self.log_every_n_steps == 0
 
-    def _clipped_norm(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Tensor | None:
-        # After the step the clipped gradients are still on the parameters (zero_grad runs in the next closure).
-        if not trainer.gradient_clip_val or not pl_module.automatic_optimization or not trainer.optimizers:
+    def _clipped_norm(self, trainer: pl.Trainer, reading: Any) -> float | None:
+        clip = trainer.gradient_clip_val
+        if not clip or reading is None or reading.dropped or not reading.has_grads:
             return None
-        ctx = get_context(trainer)
-        out = ctx.last_outcome(trainer)
-        if out is not None and out.skipped:
-            return None
-        reading = grad_reading(ctx.param_index(pl_module, trainer.optimizers[0], 0))
-        return None if reading is None else reading.total_norm.to(torch.float32)
+        if trainer.gradient_clip_algorithm in (None, "norm"):
+            # torch's clip_grad_norm_: coef = clip / (norm + 1e-6), clamped to 1: the post-clip norm, no pass needed.
+            return reading.grad_norm * min(1.0, float(clip) / (reading.grad_norm + 1e-6))
+        # Value clipping: the clipped gradients are still on the parameters (zero_grad runs in the next closure).
+        norms = grad_norms(reading.index)
+        return None if norms is None else float(norms.total.to(torch.float32).item())

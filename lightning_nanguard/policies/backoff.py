@@ -1,35 +1,29 @@
-"""When to back off the learning rate (and eps), how far, and when to recover: the policy behind OptimizerBackoff.
+"""How far to back off the learning rate and when to recover it: the arithmetic behind OptimizerBackoff.
 
-Pure: incidents (as plain action/trigger/step values) in, scale changes out. The callback applies the scales.
+Pure: step numbers in, scale changes out. *When* to back off is the remedy policy's decision (``policies.remedy``);
+the callback applies the scales.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = ["TRIGGERS", "BackoffPolicy", "ScaleChange", "parse_triggers"]
 
-# What an incident must look like to count, by trigger name in ``OptimizerBackoff(on=...)``.
-TRIGGERS = ("rollback", "skip", "scaler_skip", "loss_scale_collapse", "warn", "stop")
+# The event kinds that may lower the learning rate, by name in ``OptimizerBackoff(triggers=...)``.
+TRIGGERS = ("rollback", "skip", "loss_scale_collapse")
 
 
 def parse_triggers(on: str) -> frozenset[str]:
-    """``"rollback, skip"`` -> ``{"rollback", "skip"}``. Raises ValueError naming the unknown ones."""
+    """``"rollback, skip"`` -> ``{"rollback", "skip"}``. Raises ValueError naming the unknown ones, or when empty."""
     names = frozenset(part.strip() for part in on.split(",") if part.strip())
+    if not names:
+        raise ValueError(f"names no trigger, so the learning rate would never back off; choose from {list(TRIGGERS)}")
     unknown = sorted(names.difference(TRIGGERS))
     if unknown:
         raise ValueError(f"unknown trigger(s) {unknown}; choose from {list(TRIGGERS)}")
     return names
-
-
-def incident_trigger(action: str, trigger: str) -> str | None:
-    """Which ``on=`` name an incident with this ``action``/``trigger`` answers to (None: not a backoff cause)."""
-    if trigger == "loss_scale_collapse":
-        return "loss_scale_collapse"
-    if action in TRIGGERS:
-        return action
-    return None
 
 
 @dataclass(frozen=True)
@@ -49,9 +43,8 @@ class BackoffPolicy:
     Args:
         lr_factor: multiply the scale by this on each backoff, in (0, 1).
         min_lr_scale: the floor of the scale; a backoff at the floor changes nothing.
-        on: the incident kinds that cause a backoff (see ``TRIGGERS``).
-        skips_before_backoff: ``"skip"``/``"scaler_skip"`` incidents needed within ``skip_window`` steps for one
-            backoff (the count starts again after each backoff).
+        on: the event kinds that may cause a backoff (see ``TRIGGERS``).
+        skips_before_backoff: dropped updates needed within ``skip_window`` steps for one backoff.
         skip_window: the window, in optimizer steps, those skips are counted over.
         recover_after: healthy optimizer steps (no incident at all) before the scale is raised one notch;
             ``None``: never recover.
@@ -69,20 +62,6 @@ class BackoffPolicy:
     scale: float = 1.0
     backoffs: int = 0
     last_event_step: int = -1
-    skip_steps: list[int] = field(default_factory=list)
-
-    def observe(self, action: str, trigger: str, step: int) -> ScaleChange | None:
-        """An incident happened at ``step``. Returns the backoff it causes, if any."""
-        self.last_event_step = max(self.last_event_step, step)
-        kind = incident_trigger(action, trigger)
-        if kind is None or kind not in self.on:
-            return None
-        if kind in ("skip", "scaler_skip"):
-            self.skip_steps = [s for s in self.skip_steps if s > step - self.skip_window] + [step]
-            if len(self.skip_steps) < self.skips_before_backoff:
-                return None
-            self.skip_steps = []
-        return self.back_off(kind)
 
     def back_off(self, cause: str) -> ScaleChange:
         """Lower the scale one step (not below the floor). ``before == after`` at the floor."""

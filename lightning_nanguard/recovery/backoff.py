@@ -86,6 +86,12 @@ def _scale_groups(optimizer: Optimizer, factor: float) -> None:
 
 
 def _scale_scheduler(scheduler: Any, factor: float) -> None:
+    if _is_swalr(scheduler):
+        # SWALR (StochasticWeightAveraging's scheduler) keeps its target rate in the param groups as ``swa_lr``,
+        # written when it is built: it belongs to the scheduler, so it is scaled by the scheduler's own record.
+        for group in scheduler.optimizer.param_groups:
+            if "swa_lr" in group:
+                group["swa_lr"] = _mul(group["swa_lr"], factor)
     for name in _SCHEDULER_LISTS:
         values = getattr(scheduler, name, None)
         if isinstance(values, list):
@@ -94,6 +100,12 @@ def _scale_scheduler(scheduler: Any, factor: float) -> None:
         value = getattr(scheduler, name, None)
         if value is not None:
             setattr(scheduler, name, _mul(value, factor))
+
+
+def _is_swalr(scheduler: Any) -> bool:
+    from torch.optim.swa_utils import SWALR
+
+    return isinstance(scheduler, SWALR)
 
 
 def scale_schedule(optimizer: Optimizer, schedulers: Sequence[Any], factor: float) -> None:

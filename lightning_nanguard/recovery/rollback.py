@@ -33,12 +33,19 @@ def restore_state(
     ring: SnapshotRing,
     decision: RollbackDecision,
     dirpath: str | None,
+    *,
+    at_or_before_step: int | None = None,
 ) -> Restored | None:
     """Memory first (the snapshot the policy picks), then disk; on a recurrence with nothing older anywhere, the
-    newest snapshot again (still better than the bad state). ``None`` when there is nothing to restore."""
+    newest snapshot again (still better than the bad state). ``None`` when there is nothing to restore.
+
+    Args:
+        at_or_before_step: a checkpoint from disk must be of this step or earlier (never "restore" a step from an
+            abandoned run's future).
+    """
     restored = _from_ring(trainer, pl_module, ring, decision)
     if restored is None:
-        restored = _from_disk(trainer, dirpath)
+        restored = _from_disk(trainer, dirpath, at_or_before_step)
     if restored is None and decision.older_than is not None:
         restored = _from_ring(trainer, pl_module, ring, replace(decision, older_than=None))
     return restored
@@ -69,8 +76,12 @@ def _from_ring(
     return Restored(snap.step, snap.log_step, "memory")
 
 
-def _from_disk(trainer: pl.Trainer, dirpath: str | None) -> Restored | None:
-    local = last_good_checkpoint(dirpath) if dirpath is not None and trainer.is_global_zero else None
+def _from_disk(trainer: pl.Trainer, dirpath: str | None, at_or_before_step: int | None) -> Restored | None:
+    local = (
+        last_good_checkpoint(dirpath, at_or_before_step=at_or_before_step)
+        if dirpath is not None and trainer.is_global_zero
+        else None
+    )
     path = _distributed.broadcast_object(trainer, local)  # every rank loads the same file
     if not isinstance(path, str):
         return None

@@ -21,12 +21,18 @@ class Incident:
         epoch: ``trainer.current_epoch``.
         batch_idx: batch index within the epoch (``-1`` when not tied to a batch).
         ranks: the ranks whose local reading was bad (``[0]`` on one device).
-        trigger: what was seen, e.g. ``"nonfinite_grads"``, ``"nonfinite_loss"``, ``"loss_scale_collapse"``.
-        action: what was done, an ``Action`` value (``"skip"``, ``"rollback"``, ...).
-        source: the callback that acted, e.g. ``"GradNormMonitor"``.
+        trigger: what was seen, a ``Signal`` value (``"nonfinite_grads"``, ``"loss_scale_collapse"``, ...) or, for
+            events outside a training step, what was checked (``"nonfinite_checkpoint"``, ``"eps_underflow"``).
+        action: the main thing done, an ``Action`` value (``"skip"``, ``"rollback"``, ...): the last of ``actions``
+            that changed state, so one record reads "rollback" when a skip and a rollback were both taken.
+        source: the callbacks whose remedies acted, e.g. ``"GradNormMonitor, AutoRollback"``.
         values: the readings behind the decision (finite floats, ``"nan"``/``"inf"`` strings otherwise).
         budget_left: how many more such actions the budget allows (``-1`` when unbounded).
-        message: one human sentence: what happened and what to try.
+        message: what happened, where, why, what was done and what to try.
+        actions: every action taken for this event, in order.
+        cause: the diagnosed ``Cause`` value (``""`` for events that are not about a training step).
+        where: the location the diagnosis names (module, tensors, batch rows, checkpoint).
+        diagnosis: the full diagnosis as plain values (``Diagnosis.to_dict()``), ``{}`` when none.
     """
 
     step: int
@@ -39,10 +45,15 @@ class Incident:
     values: dict[str, Any] = field(default_factory=dict)
     budget_left: int = -1
     message: str = ""
+    actions: list[str] = field(default_factory=list)
+    cause: str = ""
+    where: str = ""
+    diagnosis: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["values"] = {k: _json_safe(v) for k, v in self.values.items()}
+        data["diagnosis"] = _json_safe(self.diagnosis)
         return data
 
     @classmethod
@@ -74,11 +85,18 @@ class IncidentLog:
         return len(self.records)
 
     def counts(self) -> dict[str, int]:
-        """Number of incidents per action."""
+        """Number of incidents per main action."""
         out: dict[str, int] = {}
         for r in self.records:
             out[r.action] = out.get(r.action, 0) + 1
         return out
+
+    def touch(self) -> None:
+        """Create the (empty) file, so a clean run's log exists where the summary says it is."""
+        if self.path is not None:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            with open(self.path, "a", encoding="utf-8"):
+                pass
 
     @staticmethod
     def read(path: str) -> list[Incident]:

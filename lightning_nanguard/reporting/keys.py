@@ -7,15 +7,18 @@ __all__ = [
     "EVAL_FP32_RERUNS",
     "GRAD_NORM",
     "GRAD_NORM_CLIPPED",
+    "GRAD_NORM_HIST",
+    "GRAD_NORM_MAX",
     "LAYER_GRAD_NORM",
+    "LOSS",
     "LOSS_SCALE",
     "LR_SCALE",
-    "NONFINITE_GRADS",
+    "NONFINITE_STEPS",
     "OVERFLOW_RATE",
     "OVERFLOW_STEPS",
     "OVERFLOW_STREAK",
     "PREFIX",
-    "RESTORED_FROM_STEP",
+    "QUARANTINED",
     "ROLLBACKS",
     "ROLLBACK_SKIPPED_BATCHES",
     "SKIPPED_STEPS",
@@ -31,14 +34,17 @@ def key(*parts: str) -> str:
 
 
 GRAD_NORM = key("grad_norm")
+GRAD_NORM_MAX = key("grad_norm_max")
 GRAD_NORM_CLIPPED = key("grad_norm_clipped")
-NONFINITE_GRADS = key("nonfinite_grads")
+GRAD_NORM_HIST = key("grad_norm_hist")
+NONFINITE_STEPS = key("nonfinite_steps")
+LOSS = key("loss")
 SKIPPED_STEPS = key("skipped_steps")
+QUARANTINED = key("quarantined")
 LAYER_GRAD_NORM = key("layer_grad_norm")  # + "/<module path>"
 LR_SCALE = key("lr_scale")
 EPS = key("eps")  # or + "/opt{i}_group{j}" when groups differ
 ROLLBACKS = key("rollbacks")
-RESTORED_FROM_STEP = key("restored_from_step")
 ROLLBACK_SKIPPED_BATCHES = key("rollback_skipped_batches")
 LOSS_SCALE = key("loss_scale")
 OVERFLOW_STEPS = key("overflow_steps")

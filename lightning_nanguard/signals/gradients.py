@@ -1,9 +1,12 @@
-"""One fused pass over the gradients: total norm, per-tensor norms, non-finite count. No host read.
+"""One fused pass over the gradients: per-tensor norms and the total norm, on the device. No host read.
 
-The per-tensor 2-norms come from a single ``torch._foreach_norm`` per (device, dtype) group, accumulated in
-float32 so that a large but finite fp16/bf16 gradient does not overflow to inf and read as non-finite. A 2-norm
-propagates NaN and inf, so a tensor holding either has a non-finite norm: the non-finite count and the total norm
-fall out of the same pass (PERFORMANCE.md, variant e/g: 1.3-1.7x one read of the gradients).
+The per-tensor 2-norms come from a single ``torch._foreach_norm`` per (device, dtype) group, accumulated in float32
+so that a large but finite fp16/bf16 gradient does not overflow to inf and read as non-finite. A 2-norm propagates
+NaN and inf, so a tensor holding either has a non-finite norm: finiteness and the total norm fall out of the same
+pass (PERFORMANCE.md, variant e/g: 1.3-1.7x one read of the gradients).
+
+``ParamIndex`` is built once per optimizer and reused every step, so the per-step work is one list of ``p.grad``
+and the kernels: the grouping by device and dtype, the names and the layer groups are computed once.
 """
 
 from __future__ import annotations
@@ -15,108 +18,150 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-__all__ = ["GradReading", "ParamIndex", "grad_reading", "layer_norms"]
+__all__ = ["GradNorms", "ParamIndex", "grad_norms", "layer_norms", "layer_of"]
 
 
 @dataclass(frozen=True)
-class GradReading:
-    """The gradient health of one optimizer step. Every field is a tensor on the gradients' device."""
+class GradNorms:
+    """The gradient norms of one optimizer step, on the gradients' device.
 
-    total_norm: Tensor  # 0-d float32, unscaled 2-norm of all gradients (NaN/inf if any element is)
-    nonfinite: Tensor  # 0-d int64, number of gradient tensors holding a NaN or inf
-    tensor_norms: Tensor  # 1-d float32, one norm per gradient tensor, in ``ParamIndex.present`` order
-    present: tuple[int, ...]  # indices (into ParamIndex.params) of the parameters that had a gradient
+    Attributes:
+        total: 0-d float32, the 2-norm of all gradients (NaN/inf if any element is); divided by ``scale`` if given.
+        tensor_norms: 1-d float32, one norm per gradient tensor, in ``present`` order.
+        present: indices (into ``ParamIndex.params``) of the parameters that had a gradient; ``None`` means all.
+    """
+
+    total: Tensor
+    tensor_norms: Tensor
+    present: tuple[int, ...] | None
 
 
 class ParamIndex:
-    """The parameters of one optimizer, their names and their layer groups, built once and reused every step.
+    """The parameters of one optimizer, their names, layer groups and (device, dtype) groups, built once.
 
     Args:
         params: the optimizer's parameters, in param-group order.
         names: parameter name for each parameter (``""`` when unknown).
         depth: module depth at which parameters are grouped into layers (``1``: top-level children).
+        skip_wrappers: module prefixes that wrap the whole model (``"model"`` for ``self.model = nn.Sequential``):
+            layers are grouped below them, so ``layer_grad_norm/model`` never just repeats the total.
     """
 
-    def __init__(self, params: Sequence[nn.Parameter], names: Sequence[str], depth: int) -> None:
+    def __init__(
+        self, params: Sequence[nn.Parameter], names: Sequence[str], depth: int, skip_wrappers: Sequence[str] = ()
+    ) -> None:
         self.params = list(params)
         self.names = list(names)
-        self.groups = [layer_of(name, depth) for name in self.names]
+        self.count = len(self.params)
+        self.groups = [layer_of(_strip(name, skip_wrappers), depth, _prefix(name, skip_wrappers)) for name in names]
         self.layer_names = sorted(set(self.groups))
         position = {name: i for i, name in enumerate(self.layer_names)}
         self.layer_ids = [position[g] for g in self.groups]
-        self._index_cache: dict[tuple[int, ...], Tensor] = {}
+        self._index_cache: dict[tuple[int, ...] | None, Tensor] = {}
+        by_key: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
+        for i, p in enumerate(self.params):
+            by_key[(p.device, p.dtype)].append(i)
+        # One group (the common case) is read with a single foreach call and no reordering.
+        self.uniform = len(by_key) == 1
+        self.key_groups = list(by_key.values())
+        self.accumulate_fp32 = any(p.dtype not in (torch.float32, torch.float64) for p in self.params)
 
-    def layer_index(self, present: tuple[int, ...], device: torch.device) -> Tensor:
+    def layer_index(self, present: tuple[int, ...] | None, device: torch.device) -> Tensor:
         """The layer id of each present gradient, as a tensor cached per set of present parameters."""
-        key = present
-        cached = self._index_cache.get(key)
+        cached = self._index_cache.get(present)
         if cached is None or cached.device != device:
-            cached = torch.tensor([self.layer_ids[i] for i in present], dtype=torch.long, device=device)
+            ids = self.layer_ids if present is None else [self.layer_ids[i] for i in present]
+            cached = torch.tensor(ids, dtype=torch.long, device=device)
             if len(self._index_cache) > 8:  # the set of present grads is almost always stable; bound the cache
                 self._index_cache.clear()
-            self._index_cache[key] = cached
+            self._index_cache[present] = cached
         return cached
 
+    def matches(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Cheap staleness check: the optimizer still holds the same number of parameters, first one unchanged."""
+        groups = optimizer.param_groups
+        n = sum(len(g["params"]) for g in groups)
+        return n == self.count and (n == 0 or groups[0]["params"][0] is self.params[0])
 
-def layer_of(name: str, depth: int) -> str:
+
+def _prefix(name: str, wrappers: Sequence[str]) -> str:
+    for w in wrappers:
+        if name.startswith(w + "."):
+            return w + "."
+    return ""
+
+
+def _strip(name: str, wrappers: Sequence[str]) -> str:
+    prefix = _prefix(name, wrappers)
+    return name[len(prefix) :] if prefix else name
+
+
+def layer_of(name: str, depth: int, prefix: str = "") -> str:
     """The module path of parameter ``name`` cut at ``depth`` (``"encoder.layers.0.w"``, 2 -> ``"encoder.layers"``)."""
     if not name:
         return "<unnamed>"
     module_path = name.split(".")[:-1]
     if not module_path:
-        return "<root>"
-    return ".".join(module_path[:depth])
+        return prefix.rstrip(".") or "<root>"
+    return prefix + ".".join(module_path[:depth])
 
 
-def grad_reading(index: ParamIndex, scale: Tensor | None = None) -> GradReading | None:
+def grad_norms(index: ParamIndex, scale: Tensor | None = None) -> GradNorms | None:
     """Read the current gradients of ``index.params`` in one fused pass. ``None`` when no parameter has a gradient.
 
     Args:
         index: the parameters to read.
         scale: divide the norms by this (0-d tensor), for gradients that are still loss-scaled.
     """
-    present: list[int] = []
+    grads = [p.grad for p in index.params]
+    if index.uniform and None not in grads:
+        if not grads:
+            return None
+        norms = _foreach_norm_fp32(grads)  # type: ignore[arg-type]
+        present: tuple[int, ...] | None = None
+    else:
+        present_list = [i for i, g in enumerate(grads) if g is not None]
+        if not present_list:
+            return None
+        norms = _grouped_norms(index, grads, present_list)
+        present = tuple(present_list)
+    stacked = torch.stack(norms)  # type: ignore[arg-type]
+    if scale is not None:
+        stacked = stacked / scale.to(device=stacked.device, dtype=stacked.dtype)
+    return GradNorms(total=torch.linalg.vector_norm(stacked), tensor_norms=stacked, present=present)
+
+
+def _grouped_norms(index: ParamIndex, grads: list[Tensor | None], present: list[int]) -> list[Tensor]:
+    """Norms of the present gradients, in ``present`` order, one foreach call per (device, dtype) group."""
     by_key: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
-    grads: list[Tensor] = []
-    for i, p in enumerate(index.params):
-        g = p.grad
-        if g is None:
-            continue
+    dense: dict[int, Tensor] = {}
+    for i in present:
+        g = grads[i]
+        assert g is not None
         if g.is_sparse:
             g = g.coalesce()._values()
-        by_key[(g.device, g.dtype)].append(len(grads))
-        grads.append(g)
-        present.append(i)
-    if not grads:
-        return None
-    device = grads[0].device
-    norms: list[Tensor | None] = [None] * len(grads)
+        dense[i] = g
+        by_key[(g.device, g.dtype)].append(i)
+    out: dict[int, Tensor] = {}
+    device = dense[present[0]].device
     for positions in by_key.values():
-        group = [grads[j] for j in positions]
-        for j, n in zip(positions, _foreach_norm_fp32(group), strict=True):
-            norms[j] = n
-    present_norms = [n for n in norms if n is not None]
-    if len(by_key) > 1:  # several devices/dtypes: gather the norms on the first gradient's device
-        present_norms = [n.to(device) for n in present_norms]
-    stacked = torch.stack(present_norms)
-    if scale is not None:
-        stacked = stacked / scale.to(device=device, dtype=stacked.dtype)
-    total = torch.linalg.vector_norm(stacked, 2)
-    nonfinite = (~torch.isfinite(stacked)).sum()
-    return GradReading(total_norm=total, nonfinite=nonfinite, tensor_norms=stacked, present=tuple(present))
+        for i, n in zip(positions, _foreach_norm_fp32([dense[i] for i in positions]), strict=True):
+            out[i] = n if n.device == device else n.to(device)
+    return [out[i] for i in present]
 
 
-def layer_norms(index: ParamIndex, reading: GradReading) -> tuple[list[str], Tensor]:
-    """Per-layer 2-norms from a reading's per-tensor norms: one ``index_add_`` on the device, no host read.
+def layer_norms(index: ParamIndex, norms: GradNorms) -> tuple[list[str], Tensor]:
+    """Per-layer 2-norms from the per-tensor norms: one ``index_add_`` on the device, no host read.
 
     Returns the names of the layers that had a gradient and a 1-d tensor of their norms, in the same order, so the
     caller ships all of them to the host with a single ``.tolist()``.
     """
-    device = reading.tensor_norms.device
-    ids = index.layer_index(reading.present, device)
-    squares = torch.zeros(len(index.layer_names), dtype=reading.tensor_norms.dtype, device=device)
-    squares.index_add_(0, ids, reading.tensor_norms.square())
-    seen = sorted({index.layer_ids[i] for i in reading.present})
+    device = norms.tensor_norms.device
+    ids = index.layer_index(norms.present, device)
+    squares = torch.zeros(len(index.layer_names), dtype=norms.tensor_norms.dtype, device=device)
+    squares.index_add_(0, ids, norms.tensor_norms.square())
+    present = range(index.count) if norms.present is None else norms.present
+    seen = sorted({index.layer_ids[i] for i in present})
     return [index.layer_names[k] for k in seen], squares[seen].sqrt()
 
 

@@ -1,15 +1,15 @@
-"""A running z-score on the device: is this step's value a spike against the recent ones? No host read.
+"""A running z-score on host floats: is this step's value a spike against the recent ones?
 
-Values are compared in log space, so the test is scale-free (a 10x jump is the same spike at loss 3.0 or 0.003) and
-a loss or gradient norm that drifts down over training does not look like a spike. Statistics are an exponential
-moving mean and variance; they are updated only with finite, non-spiking values, so a spike does not teach the
-detector that spikes are normal.
+The step's gradient norm and loss reach the host with the step's one read anyway, so the test costs a few float
+operations and no tensor op. Values are compared in log space, so the test is scale-free (a 10x jump is the same
+spike at loss 3.0 or 0.003) and a loss or gradient norm that drifts down over training does not look like a spike.
+Statistics are an exponential moving mean and variance, updated only with finite, non-spiking values, so a spike does
+not teach the detector that spikes are normal.
 """
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+import math
 
 __all__ = ["RunningZScore"]
 
@@ -27,40 +27,35 @@ class RunningZScore:
 
     def __init__(self, threshold: float, warmup: int, beta: float = 0.98) -> None:
         self.threshold, self.warmup, self.beta = float(threshold), int(warmup), float(beta)
-        self.mean = torch.zeros(())
-        self.var = torch.zeros(())
-        self.count = torch.zeros((), dtype=torch.long)
-        self.last_z = torch.zeros(())
+        self.mean = 0.0
+        self.var = 0.0
+        self.count = 0
+        self.last_z = 0.0
 
-    def observe(self, value: Tensor) -> Tensor:
-        """Test ``value`` (0-d, positive) and fold it into the statistics unless it spiked. Returns a 0-d bool."""
-        if self.mean.device != value.device:
-            self.to(value.device)
-        x = torch.log(value.detach().float().clamp_min(1e-30))
-        finite = torch.isfinite(x)
-        std = torch.sqrt(self.var).clamp_min(_MIN_STD)
-        z = torch.where(finite, (x - self.mean) / std, torch.zeros_like(x))
-        spike = finite & (self.count >= self.warmup) & (z > self.threshold)
-        update = finite & ~spike
-        first = self.count == 0
-        delta = torch.where(finite, x - self.mean, torch.zeros_like(x))
-        new_mean = torch.where(first, x, self.mean + (1 - self.beta) * delta)
-        new_var = torch.where(first, torch.zeros_like(x), self.beta * (self.var + (1 - self.beta) * delta * delta))
-        self.mean = torch.where(update, new_mean, self.mean)
-        self.var = torch.where(update, new_var, self.var)
-        self.count = self.count + update.long()
+    def observe(self, value: float) -> bool:
+        """Test ``value`` (positive) and fold it into the statistics unless it spiked."""
+        if not math.isfinite(value):
+            self.last_z = 0.0
+            return False
+        x = math.log(max(abs(value), 1e-30))
+        std = max(math.sqrt(self.var), _MIN_STD)
+        z = (x - self.mean) / std
         self.last_z = z
-        return spike
-
-    def to(self, device: torch.device) -> None:
-        self.mean, self.var = self.mean.to(device), self.var.to(device)
-        self.count, self.last_z = self.count.to(device), self.last_z.to(device)
+        if self.count >= self.warmup and z > self.threshold:
+            return True
+        if self.count == 0:
+            self.mean, self.var = x, 0.0
+        else:
+            delta = x - self.mean
+            self.mean += (1 - self.beta) * delta
+            self.var = self.beta * (self.var + (1 - self.beta) * delta * delta)
+        self.count += 1
+        return False
 
     def state(self) -> dict[str, float]:
-        """Host values for a checkpoint (host reads: call only when saving)."""
-        return {"mean": float(self.mean), "var": float(self.var), "count": float(self.count)}
+        return {"mean": self.mean, "var": self.var, "count": float(self.count)}
 
     def load(self, state: dict[str, float]) -> None:
-        self.mean = torch.tensor(float(state.get("mean", 0.0)))
-        self.var = torch.tensor(float(state.get("var", 0.0)))
-        self.count = torch.tensor(int(state.get("count", 0)), dtype=torch.long)
+        self.mean = float(state.get("mean", 0.0))
+        self.var = float(state.get("var", 0.0))
+        self.count = int(state.get("count", 0))

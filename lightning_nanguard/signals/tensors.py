@@ -19,10 +19,13 @@ def all_finite(tensors: Sequence[Tensor], *, wide: bool = False) -> Tensor:
     One ``torch._foreach_norm`` per (device, dtype) group; a 2-norm propagates NaN and inf. Norms accumulate in
     float32, so a large finite fp16 value does not overflow and read as non-finite; ``wide=True`` accumulates in
     float64 (where the device has it), so no finite value however large (3e38 in float32) reads as overflow: for
-    incident paths, where that certainty is worth the slower pass. Non-float tensors are ignored.
+    incident paths, where that certainty is worth the slower pass. Complex tensors are checked through their real
+    view; integer and boolean tensors cannot hold NaN and are ignored.
     """
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
     for t in tensors:
+        if t.is_complex():  # a complex NaN is a NaN in its real or imaginary part
+            t = torch.view_as_real(t)
         if t.is_floating_point() and t.numel() > 0:
             groups[(t.device, t.dtype)].append(t.detach())
     if not groups:

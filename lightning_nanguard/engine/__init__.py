@@ -1,0 +1,5 @@
+"""The per-Trainer engine: sense, diagnose, decide, act, report (see ARCHITECTURE.md)."""
+
+from lightning_nanguard.engine.engine import Engine, get_engine
+
+__all__ = ["Engine", "get_engine"]

@@ -1,0 +1,131 @@
+"""What each callback brings to the engine: typed settings and remedy executors, registered at setup.
+
+The engine runs the five stages; callbacks hold configuration and carry out their own remedy when the policy plans
+it. A capability that is not registered is not planned (ablation = which capabilities are registered).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import lightning.pytorch as pl
+
+from lightning_nanguard.contract import Signal
+from lightning_nanguard.engine.sensing import Reading
+
+__all__ = [
+    "Backoff",
+    "CollapseFacts",
+    "GuardSettings",
+    "MetricSource",
+    "Promoter",
+    "Restored",
+    "Restorer",
+    "ScaleWatch",
+]
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    """GradNormMonitor's choices: how a non-finite or spiking step is met, and how incidents are investigated."""
+
+    owner: str
+    on_nonfinite: str = "skip"  # "skip" | "warn" | "stop"
+    max_consecutive_skips: int = 20
+    on_spike: str = "warn"  # "warn" | "skip" | "rollback"
+    spike_zscore: float | None = None
+    spike_warmup: int = 50
+    quarantine: bool = True
+    forensics: str = "first"  # "first" | "every" | "off"
+    max_replay_steps: float = 20.0
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What a rollback restored."""
+
+    step: int  # global_step of the restored state
+    source: str  # "memory" | "disk"
+    path: str = ""  # the checkpoint, for "disk"
+    recurrence: bool = False
+    in_window: int = 1
+
+
+@dataclass(frozen=True)
+class CollapseFacts:
+    """A loss-scale collapse, as LossScaleWatchdog saw it."""
+
+    reason: str
+    values: dict[str, Any]
+    budget_left: int
+
+
+class Restorer(Protocol):
+    """AutoRollback."""
+
+    owner: str
+
+    def can_restore(self, trainer: pl.Trainer) -> bool: ...
+
+    def budget_left(self, step: int) -> int: ...
+
+    def before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> bool:
+        """Snapshot when due; False when the state was found non-finite (the engine then handles that event)."""
+        ...
+
+    def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Restored | None: ...
+
+    def skip_batch(self) -> bool:
+        """True while batches after a rollback are to be skipped (counts one)."""
+        ...
+
+
+class Backoff(Protocol):
+    """OptimizerBackoff."""
+
+    owner: str
+    triggers: frozenset[str]
+    skips_before_backoff: int
+    skip_window: int
+
+    def eps_applies(self, trainer: pl.Trainer) -> bool: ...
+
+    def back_off(self, trainer: pl.Trainer, *, lr: bool, eps: bool, cause: str) -> dict[str, Any]:
+        """Apply now (after the scheduler step); returns the before/after values for the incident."""
+        ...
+
+
+class ScaleWatch(Protocol):
+    """LossScaleWatchdog."""
+
+    owner: str
+
+    @property
+    def on_collapse(self) -> str: ...
+
+    def observe(self, trainer: pl.Trainer, reading: Reading) -> CollapseFacts | None: ...
+
+    def after_step(self, trainer: pl.Trainer) -> None: ...
+
+
+class Promoter(Protocol):
+    """FP32Evaluation(promote_after=...): a training module that keeps overflowing runs in float32."""
+
+    owner: str
+    promote_after: int | None
+
+    def promote(self, trainer: pl.Trainer, pl_module: pl.LightningModule, module: str) -> str: ...
+
+
+class MetricSource(Protocol):
+    """Contributes host floats to the one batched logger call of each logging step."""
+
+    def __call__(self, trainer: pl.Trainer) -> dict[str, float]: ...
+
+
+SIGNAL_OF_SPIKE = {
+    (True, False): Signal.LOSS_SPIKE,
+    (False, True): Signal.GRAD_NORM_SPIKE,
+    (True, True): Signal.LOSS_AND_GRAD_NORM_SPIKE,
+}

@@ -1,0 +1,411 @@
+"""The per-Trainer engine: sense, diagnose, decide, act and report, once per optimizer step.
+
+Every nanguard callback joins the engine in ``setup`` and registers what it brings (``capabilities``). The first
+callback to join in a fit *drives*: its hooks forward to the engine, the others' hooks return at once, so the
+stages run once per step whatever the callbacks' order and number. A healthy step costs the sensor's one fused pass
+and one host read (zero on the device-flag paths) plus a few attribute checks here; everything else happens on the
+incident path (``incidents.handle``), which runs on every rank with rank-reduced inputs.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections import deque
+from typing import Any
+
+import lightning.pytorch as pl
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_nanguard import _lightning_compat
+from lightning_nanguard.contract import Signal
+from lightning_nanguard.engine.bus import EventBus
+from lightning_nanguard.engine.capabilities import (
+    SIGNAL_OF_SPIKE,
+    Backoff,
+    CollapseFacts,
+    GuardSettings,
+    MetricSource,
+    Promoter,
+    Restorer,
+    ScaleWatch,
+)
+from lightning_nanguard.engine.sensing import Reading, Sensor
+from lightning_nanguard.engine.sink import IncidentSink
+from lightning_nanguard.exceptions import NanGuardConfigError
+from lightning_nanguard.recovery.quarantine import Quarantine
+from lightning_nanguard.recovery.step_skip import drop_update
+from lightning_nanguard.reporting import emit
+from lightning_nanguard.signals.spike import RunningZScore
+
+__all__ = ["Engine", "PendingEvent", "get_engine"]
+
+
+class PendingEvent:
+    """One event of the current batch, collected during the step and handled at the batch end."""
+
+    __slots__ = ("collapse", "readings", "signal")
+
+    def __init__(self, signal: Signal, readings: list[Reading], collapse: CollapseFacts | None = None) -> None:
+        self.signal = signal
+        self.readings = readings
+        self.collapse = collapse
+
+
+class Engine:
+    """Shared, per-Trainer nanguard state. Get it with ``get_engine(trainer)``; never construct it directly."""
+
+    def __init__(self) -> None:
+        self.sensor = Sensor()
+        self.sink = IncidentSink()
+        self.bus = EventBus()
+        self.members: list[Any] = []
+        self._fit_open = False
+        self._reset_registry()
+        self._reset_fit()
+
+    # ------------------------------------------------------------------ registry (set in the callbacks' setup)
+    def _reset_registry(self) -> None:
+        self.guard: GuardSettings | None = None
+        self.restorer: Restorer | None = None
+        self.backoff: Backoff | None = None
+        self.scale_watch: ScaleWatch | None = None
+        self.promoter: Promoter | None = None
+        self.metric_sources: list[MetricSource] = []
+        self.monitors_steps = False  # some member watches training steps (sensing runs)
+        self.quarantine: Quarantine | None = None
+        self.driver: Any = None
+        self._spikes: tuple[RunningZScore, RunningZScore] | None = None
+
+    def _reset_fit(self) -> None:
+        self._losses: list[Tensor] = []
+        self._readings: list[Reading] = []
+        self._events: list[PendingEvent] = []
+        self._batch: Any = None
+        self._batch_idx = -1
+        self._drop_reason = ""  # set at batch start: this batch's update is dropped without an incident
+        self.skipped_steps = 0  # updates dropped by nanguard or the GradScaler in this fit
+        self.skip_streak = 0
+        self.recent_skips: deque[int] = deque(maxlen=256)  # steps of non-data drops (OptimizerBackoff's skip rule)
+        self.history: deque[tuple[int, float, float | None]] = deque(maxlen=64)  # (step, grad_norm, loss)
+        self.interval = _Interval()
+        self.last_reading: Reading | None = None
+        self.finite_steps = 0  # steps of this fit whose reading was finite
+        self.resumed_from: str | None = None
+        self.pending_error: BaseException | None = None
+        self.finished = False
+        self.final_state = ""
+        self.module_overflows: dict[str, int] = {}
+        self.diagnoses: dict[tuple[Any, ...], Any] = {}  # forensics "first": verdict per evidence signature
+        self.replay_ms = 0.0
+        self.step_seconds = math.nan
+        self._host_only = False
+
+    # ------------------------------------------------------------------ membership
+    def join(self, trainer: pl.Trainer, member: Any, *, fit: bool = True) -> bool:
+        """A callback's ``setup``. Returns True for the member whose hooks drive the engine this fit."""
+        if not self._fit_open:
+            self._fit_open = True
+            self.members = []
+            self._reset_registry()
+            self._reset_fit()
+            self.sensor.reset()
+            self.bus.clear()
+            self.sink.start(trainer)
+        if member not in self.members:
+            self.members.append(member)
+        if fit and self.driver is None:
+            self.driver = member
+        return self.driver is member
+
+    def close(self) -> None:
+        """A callback's ``teardown``: the next ``setup`` starts a new fit."""
+        if self.quarantine is not None:
+            self.quarantine.detach()
+        self._fit_open = False
+        self.driver = None
+        self._readings.clear()
+        self._losses.clear()
+        self._batch = None
+
+    @property
+    def member_names(self) -> list[str]:
+        return sorted({type(m).__name__ for m in self.members})
+
+    # ------------------------------------------------------------------ registration (typed, one of each kind)
+    def set_guard(self, settings: GuardSettings, quarantine: Quarantine | None) -> None:
+        if self.guard is not None and self.guard != settings:
+            raise NanGuardConfigError(
+                f"Two GradNormMonitors with different settings are installed ({self.guard} and {settings}): one "
+                "guard decides every step. Remove one of them."
+            )
+        self.guard = settings
+        self.quarantine = quarantine
+        self.monitors_steps = True
+        if settings.spike_zscore is not None:
+            self._spikes = (
+                RunningZScore(settings.spike_zscore, settings.spike_warmup),
+                RunningZScore(settings.spike_zscore, settings.spike_warmup),
+            )
+        # A spike that must be dropped has to be judged on the host before the update: no device path then.
+        self._host_only = (settings.spike_zscore is not None and settings.on_spike != "warn") or (
+            settings.on_nonfinite == "warn"
+        )
+
+    def set_restorer(self, restorer: Restorer) -> None:
+        self._register("restorer", restorer)
+        self.monitors_steps = True
+
+    def set_backoff(self, backoff: Backoff) -> None:
+        self._register("backoff", backoff)
+
+    def set_scale_watch(self, watch: ScaleWatch) -> None:
+        self._register("scale_watch", watch)
+        self.monitors_steps = True
+
+    def set_promoter(self, promoter: Promoter) -> None:
+        self._register("promoter", promoter)
+
+    def add_metrics(self, source: MetricSource) -> None:
+        if source not in self.metric_sources:
+            self.metric_sources.append(source)
+
+    def _register(self, slot: str, obj: Any) -> None:
+        current = getattr(self, slot)
+        if current is not None and current is not obj:
+            raise NanGuardConfigError(
+                f"Two {type(obj).__name__} callbacks are installed on one Trainer: each remedy has one owner. "
+                "Remove one of them."
+            )
+        setattr(self, slot, obj)
+
+    @property
+    def spikes(self) -> tuple[RunningZScore, RunningZScore] | None:
+        return self._spikes
+
+    # ------------------------------------------------------------------ hooks (driver only)
+    def train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.resumed_from = None if trainer.ckpt_path is None else str(trainer.ckpt_path)
+        self.finite_steps = 0
+        if self.guard is not None:
+            self.sensor.layer_depth = 1
+        _lightning_compat.guard_clipping(trainer, self._clip_allowed)
+
+    def train_epoch_start(self, trainer: pl.Trainer) -> None:
+        if self.quarantine is not None:
+            self.quarantine.attach(trainer)
+
+    def batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+        self._batch, self._batch_idx = batch, batch_idx
+        self._drop_reason = ""
+        if self.quarantine is not None and self.quarantine.begin_batch(batch):
+            self._drop_reason = "quarantined"
+        if self.restorer is not None:
+            step = trainer.global_step
+            if not self.restorer.before_batch(trainer, pl_module, step):
+                self._events.append(PendingEvent(Signal.NONFINITE_STATE, []))
+                self._handle_events(trainer, pl_module)
+            if self.restorer.skip_batch():
+                self._drop_reason = self._drop_reason or "after_rollback"
+
+    def observe_loss(self, loss: Tensor) -> None:
+        self._losses.append(loss.detach())
+
+    def before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
+        if not self.monitors_steps:
+            self._losses.clear()
+            return
+        losses, self._losses = self._losses, []
+        reading = self.sensor.measure(
+            trainer,
+            pl_module,
+            optimizer,
+            losses,
+            step=trainer.global_step,
+            batch=self._batch_idx,
+            host_only=self._host_only,
+        )
+        self._readings.append(reading)
+        path = reading.extras["path"]
+        if "pending" in reading.extras:  # device path: the optimizer acts on the verdict itself
+            if self._drop_reason:
+                drop_update(optimizer, path)
+                reading.dropped = True
+            return
+        drop = bool(self._drop_reason)
+        if reading.bad:
+            if path == "scaler":
+                # Every rank's scaler drops it and backs off together, even where this rank's gradients are finite.
+                _lightning_compat.or_into_found_inf(
+                    _lightning_compat.get_scaler(trainer), optimizer, _lightning_compat.true_flag(optimizer)
+                )
+                reading.dropped = True
+            elif self._drops_nonfinite():
+                drop = True
+        elif self._spikes is not None:
+            reading.spike = self._spike(reading)
+            drop = drop or (bool(reading.spike) and self.guard is not None and self.guard.on_spike != "warn")
+        if drop and not reading.dropped:
+            drop_update(optimizer, path)
+            reading.dropped = True
+
+    def batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        readings, self._readings = self._readings, []
+        for reading in readings:
+            if Sensor.resolve(reading):  # device path: the verdict reaches the host now, synchronized already
+                if reading.bad:
+                    reading.dropped = True
+                elif self._spikes is not None:
+                    reading.spike = self._spike(reading)
+            if reading.extras.get("path") == "fused":
+                _lightning_compat.clear_found_inf_of(trainer, reading.optimizer_idx)
+            self._account(trainer, reading)
+        if self._events:
+            self._handle_events(trainer, pl_module)
+        if self.scale_watch is not None:
+            self.scale_watch.after_step(trainer)
+        if _lightning_compat.should_update_logs(trainer):
+            self._flush_metrics(trainer)
+
+    def train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_nanguard.engine.incidents import final_check
+
+        final_check(self, trainer, pl_module)
+        self.finish(trainer, raise_pending=True)
+
+    def finish(self, trainer: pl.Trainer, *, raise_pending: bool) -> None:
+        """Print the summary once, then raise a pending stop error (once)."""
+        if not self.finished:
+            self.finished = True
+            notes = self.quarantine.summary_lines() if self.quarantine is not None else []
+            self.sink.summary(
+                trainer,
+                self.member_names,
+                monitored=self.monitors_steps,
+                final_state=self.final_state,
+                notes=notes,
+            )
+        if raise_pending and self.pending_error is not None:
+            error, self.pending_error = self.pending_error, None
+            raise error
+
+    def request_stop(self, trainer: pl.Trainer, error: BaseException) -> None:
+        """Stop after this batch (all ranks: only rank-reduced decisions call this); raise ``error`` at train end."""
+        trainer.should_stop = True
+        if self.pending_error is None:
+            self.pending_error = error
+
+    # ------------------------------------------------------------------ per-step bookkeeping (host floats only)
+    def _drops_nonfinite(self) -> bool:
+        if self.restorer is not None:
+            return True
+        return self.guard is not None and self.guard.on_nonfinite != "warn"
+
+    def _spike(self, reading: Reading) -> str:
+        assert self._spikes is not None
+        grad_z, loss_z = self._spikes
+        grad_spike = reading.has_grads and grad_z.observe(reading.grad_norm)
+        loss_spike = reading.loss is not None and loss_z.observe(reading.loss)
+        signal = SIGNAL_OF_SPIKE.get((bool(loss_spike), bool(grad_spike)))
+        return signal.value if signal is not None else ""
+
+    def _account(self, trainer: pl.Trainer, reading: Reading) -> None:
+        self.last_reading = reading
+        self.interval.observe(reading)
+        if reading.dropped:
+            self.skipped_steps += 1
+        collapse = None
+        if self.scale_watch is not None and reading.scale is not None:
+            collapse = self.scale_watch.observe(trainer, reading)
+        if reading.bad:
+            self.skip_streak += 1
+            if collapse is not None:
+                self._events.append(PendingEvent(Signal.LOSS_SCALE_COLLAPSE, [reading], collapse))
+            else:
+                self._events.append(PendingEvent(_nonfinite_signal(reading), [reading]))
+            return
+        self.finite_steps += 1
+        self.history.append((reading.step, reading.grad_norm, reading.loss))
+        if reading.spike:
+            self._events.append(PendingEvent(Signal(reading.spike), [reading]))
+            if reading.dropped:
+                self.skip_streak += 1
+            return
+        if not reading.dropped:
+            self.skip_streak = 0
+
+    def _handle_events(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_nanguard.engine.incidents import handle
+
+        events, self._events = self._events, []
+        handle(self, trainer, pl_module, events)
+
+    def _clip_allowed(self) -> bool:
+        """Lightning clips after ``on_before_optimizer_step``: nothing to clip once the update was dropped."""
+        return not (self._readings and self._readings[-1].dropped)
+
+    def _flush_metrics(self, trainer: pl.Trainer) -> None:
+        metrics: dict[str, float] = {}
+        for source in self.metric_sources:
+            metrics.update(source(trainer))
+        self.interval.reset()
+        emit.log_event(trainer, metrics)
+
+    # ------------------------------------------------------------------ current batch (incident path)
+    @property
+    def batch(self) -> Any:
+        return self._batch
+
+    @property
+    def batch_idx(self) -> int:
+        return self._batch_idx
+
+
+class _Interval:
+    """Host statistics over the current logging interval, so a bad step is never hidden by the sampling."""
+
+    __slots__ = ("grad_norm", "grad_norm_max", "loss", "nonfinite_steps", "steps")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.grad_norm = math.nan
+        self.grad_norm_max = -math.inf
+        self.loss = math.nan
+        self.nonfinite_steps = 0
+        self.steps = 0
+
+    def observe(self, reading: Reading) -> None:
+        self.steps += 1
+        if reading.has_grads:
+            self.grad_norm = reading.grad_norm
+            if not reading.grads_finite or reading.grad_norm > self.grad_norm_max:
+                self.grad_norm_max = reading.grad_norm if reading.grads_finite else math.inf
+        if reading.loss is not None:
+            self.loss = reading.loss
+        if reading.bad:
+            self.nonfinite_steps += 1
+
+
+def _nonfinite_signal(reading: Reading) -> Signal:
+    loss_bad, grads_bad = not reading.loss_finite, not reading.grads_finite
+    if loss_bad and grads_bad:
+        return Signal.NONFINITE_LOSS_AND_GRADS
+    if loss_bad:
+        return Signal.NONFINITE_LOSS
+    if grads_bad and reading.has_grads:
+        return Signal.NONFINITE_GRADS
+    return Signal.NONFINITE_ON_OTHER_RANK
+
+
+_ENGINES: weakref.WeakKeyDictionary[pl.Trainer, Engine] = weakref.WeakKeyDictionary()
+
+
+def get_engine(trainer: pl.Trainer) -> Engine:
+    """The nanguard engine of ``trainer`` (created on first use, dropped with the Trainer)."""
+    engine = _ENGINES.get(trainer)
+    if engine is None:
+        engine = _ENGINES[trainer] = Engine()
+    return engine

@@ -1,0 +1,346 @@
+"""The incident path: for each event, check the state, diagnose, decide, act, and record one incident.
+
+Runs on every rank with rank-reduced inputs (the events come from reduced readings), and every collective here is
+made by every rank in the same order, so every rank acts identically and nothing can hang.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_nanguard import _distributed
+from lightning_nanguard.contract import Action, Cause, Diagnosis, Plan, RestoreSource, Signal, StateRestored
+from lightning_nanguard.engine.capabilities import Restored
+from lightning_nanguard.engine.diagnose import EventFacts, diagnose
+from lightning_nanguard.engine.state_check import model_finite, nonfinite_names
+from lightning_nanguard.exceptions import NonFiniteTrainingError, RecoveryBudgetExhausted
+from lightning_nanguard.policies.remedy import Installed, RemedyFacts, plan_remedy
+from lightning_nanguard.reporting import messages
+from lightning_nanguard.reporting.incidents import Incident
+
+if TYPE_CHECKING:
+    from lightning_nanguard.engine.engine import Engine, PendingEvent
+
+__all__ = ["EventHandled", "final_check", "handle"]
+
+# Most severe first: when several events happen in one batch (manual optimization), one incident carries them.
+_SEVERITY = [
+    Signal.LOSS_SCALE_COLLAPSE,
+    Signal.NONFINITE_STATE,
+    Signal.NONFINITE_LOSS_AND_GRADS,
+    Signal.NONFINITE_LOSS,
+    Signal.NONFINITE_GRADS,
+    Signal.NONFINITE_ON_OTHER_RANK,
+    Signal.LOSS_AND_GRAD_NORM_SPIKE,
+    Signal.LOSS_SPIKE,
+    Signal.GRAD_NORM_SPIKE,
+]
+_PRIMARY = [
+    Action.STOP,
+    Action.ROLLBACK,
+    Action.PROMOTE,
+    Action.BACKOFF,
+    Action.EPS_BACKOFF,
+    Action.QUARANTINE,
+    Action.SKIP,
+    Action.SCALER_SKIP,
+    Action.WARN,
+]
+
+
+class EventHandled:
+    """Emitted on the bus after each engine-decided event (identical on every rank): a step that was not healthy."""
+
+    def __init__(self, step: int, incident: Incident) -> None:
+        self.step = step
+        self.incident = incident
+
+
+def handle(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModule, events: list[PendingEvent]) -> None:
+    """Handle the batch's events as one event (one incident)."""
+    events.sort(key=lambda e: _SEVERITY.index(e.signal) if e.signal in _SEVERITY else len(_SEVERITY))
+    event = events[0]
+    for other in events[1:]:
+        event.readings.extend(r for r in other.readings if r not in event.readings)
+    _handle_one(engine, trainer, pl_module, event)
+
+
+def _handle_one(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModule, event: PendingEvent) -> None:
+    step = event.readings[0].step if event.readings else trainer.global_step
+    optimizers = list(trainer.optimizers)
+    state_ok = model_finite(trainer, pl_module, optimizers)  # collective, every rank
+    names: list[str] = []
+    if not state_ok:
+        gathered = _distributed.all_gather_objects(trainer, nonfinite_names(pl_module, optimizers))
+        names = sorted({n for part in gathered for n in part})  # type: ignore[attr-defined]
+    facts = EventFacts(event, state_ok=state_ok, state_names=names, ranks=_bad_ranks(trainer, event))
+    diagnosis = diagnose(engine, trainer, pl_module, facts)
+    plan = plan_remedy(_remedy_facts(engine, trainer, facts, diagnosis))
+    details, values, checkpoint = _act(engine, trainer, pl_module, plan, diagnosis, step)
+    failed = Action.ROLLBACK in plan.actions and "restored_from_step" not in values and not plan.stop
+    if failed and (not facts.state_ok or diagnosis.state_damaged):
+        plan = Plan(
+            (*plan.actions, Action.STOP),
+            "the state is non-finite and nothing verified could be restored",
+            stop=True,
+        )
+    where = messages.where_text(step, trainer.current_epoch, engine.batch_idx, facts.ranks)
+    if plan.stop:
+        state_now = _state_now(trainer, pl_module)
+        message = messages.stop_message(
+            facts.signal,
+            where,
+            diagnosis,
+            plan,
+            details,
+            tried=_tried(engine),
+            state_now=state_now,
+            checkpoint=checkpoint,
+        )
+        budget = "rollback budget" in plan.reason or "collapse budget" in plan.reason
+        engine.request_stop(trainer, (RecoveryBudgetExhausted if budget else NonFiniteTrainingError)(message))
+    else:
+        message = messages.incident_message(facts.signal, where, diagnosis, plan, details)
+    if Action.WARN in plan.actions:
+        rank_zero_warn(message)
+    incident = Incident(
+        step=step,
+        epoch=int(trainer.current_epoch),
+        batch_idx=engine.batch_idx,
+        ranks=list(facts.ranks),
+        trigger=facts.signal.value,
+        action=_primary(plan.actions).value,
+        source=_sources(engine, plan.actions),
+        values={
+            **messages.values_of(facts.readings),
+            **values,
+            **(facts.event.collapse.values if facts.event.collapse else {}),
+        },
+        budget_left=_budget_left(engine, step),
+        message=message,
+        actions=[a.value for a in plan.actions],
+        cause=diagnosis.cause.value,
+        where=diagnosis.where,
+        diagnosis=diagnosis.to_dict(),
+    )
+    engine.sink.record(trainer, incident)
+    engine.bus.emit(trainer, EventHandled(step, incident))
+
+
+def _act(
+    engine: Engine,
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    plan: Plan,
+    diagnosis: Diagnosis,
+    step: int,
+) -> tuple[dict[Action, str], dict[str, Any], str]:
+    """Carry out the plan. Every rank runs the same actions (the plan came from rank-consistent facts)."""
+    details: dict[Action, str] = {}
+    values: dict[str, Any] = {}
+    checkpoint = ""
+    acts = set(plan.actions)
+    if Action.QUARANTINE in acts and engine.quarantine is not None:
+        details[Action.QUARANTINE] = engine.quarantine.add(trainer, engine.batch, diagnosis.rows, step)
+    if Action.ROLLBACK in acts and engine.restorer is not None:
+        restored = engine.restorer.restore(trainer, pl_module, step)
+        if restored is None:
+            details[Action.ROLLBACK] = "found nothing verified to roll back to"
+        else:
+            details[Action.ROLLBACK] = _restored_text(restored)
+            values.update(
+                restored_from_step=restored.step, rollback_source=restored.source, steps_lost=step - restored.step
+            )
+            if restored.path:
+                values["checkpoint"] = restored.path
+            engine.skip_streak = 0
+            engine.bus.emit(trainer, StateRestored(restored.step, RestoreSource(restored.source)))
+    if (Action.BACKOFF in acts or Action.EPS_BACKOFF in acts) and engine.backoff is not None:
+        lr = Action.BACKOFF in acts
+        eps = Action.EPS_BACKOFF in acts or (lr and engine.backoff.eps_applies(trainer))
+        changed = engine.backoff.back_off(trainer, lr=lr, eps=eps, cause=diagnosis.cause.value)
+        values.update(changed)
+        if lr:
+            details[Action.BACKOFF] = str(changed.get("lr_text", "lowered the learning rate"))
+        if eps and "eps_text" in changed:
+            details[Action.EPS_BACKOFF] = str(changed["eps_text"])
+    if Action.PROMOTE in acts and engine.promoter is not None and plan.promote_module:
+        details[Action.PROMOTE] = engine.promoter.promote(trainer, pl_module, plan.promote_module)
+    if plan.stop and Action.ROLLBACK in acts and engine.restorer is not None:
+        save = getattr(engine.restorer, "save_final", None)
+        if callable(save):
+            checkpoint = str(save(trainer, step) or "")
+    return details, values, checkpoint
+
+
+def _remedy_facts(engine: Engine, trainer: pl.Trainer, facts: EventFacts, diagnosis: Diagnosis) -> RemedyFacts:
+    guard, restorer, backoff = engine.guard, engine.restorer, engine.backoff
+    step = facts.readings[0].step if facts.readings else trainer.global_step
+    scaler_dropped = any(r.dropped and r.scale is not None and r.bad for r in facts.readings)
+    # Under 16-mixed with a LossScaleWatchdog, a run of overflows is the watchdog's (its collapse rule); otherwise
+    # GradNormMonitor's max_consecutive_skips counts every dropped step.
+    routine = facts.scaler_overflow and facts.state_ok and engine.scale_watch is not None
+    max_skips = None if guard is None or routine else guard.max_consecutive_skips
+    recent = 0
+    if backoff is not None and not diagnosis.cause.data_caused and facts.signal is not Signal.NONFINITE_STATE:
+        engine.recent_skips.append(step)
+        recent = sum(1 for s in engine.recent_skips if step - s < backoff.skip_window)
+    module = diagnosis.module
+    if module and diagnosis.cause is Cause.HALF_PRECISION_OVERFLOW:
+        engine.module_overflows[module] = engine.module_overflows.get(module, 0) + 1
+    installed = Installed(
+        drop=engine.restorer is not None or (guard is not None and guard.on_nonfinite != "warn"),
+        quarantine=engine.quarantine is not None,
+        rollback=restorer is not None,
+        backoff=backoff is not None,
+        eps_backoff=backoff is not None and backoff.eps_applies(trainer),
+        promote=engine.promoter is not None,
+    )
+    watch = engine.scale_watch
+    collapse = facts.event.collapse
+    return RemedyFacts(
+        signal=facts.signal,
+        cause=diagnosis.cause,
+        installed=installed,
+        state_damaged=not facts.state_ok,
+        has_update=bool(facts.readings),
+        scaler_dropped=scaler_dropped,
+        on_nonfinite=guard.on_nonfinite if guard is not None else "skip",
+        on_spike=guard.on_spike if guard is not None else "warn",
+        on_collapse=watch.on_collapse if watch is not None else "auto",
+        skip_streak=engine.skip_streak,
+        max_consecutive_skips=max_skips,
+        backoff_triggers=backoff.triggers if backoff is not None else frozenset(),
+        recent_skips=recent,
+        skips_before_backoff=backoff.skips_before_backoff if backoff is not None else 3,
+        module=module,
+        module_overflows=engine.module_overflows.get(module, 0),
+        promote_after=engine.promoter.promote_after if engine.promoter is not None else None,
+        true_half=_lightning_true_half(trainer),
+        can_restore=restorer is not None and restorer.can_restore(trainer),
+        rollback_budget_left=restorer.budget_left(step) if restorer is not None else 1,
+        collapse_budget_left=collapse.budget_left if collapse is not None else 1,
+    )
+
+
+def final_check(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    """End of fit: a fit that returns normally has finite parameters and buffers; otherwise restore or raise."""
+    if model_finite(trainer, pl_module):
+        engine.final_state = "finite (checked at the end of fit)"
+        return
+    gathered = _distributed.all_gather_objects(trainer, nonfinite_names(pl_module))
+    names = sorted({n for part in gathered for n in part})  # type: ignore[attr-defined]
+    restorer = engine.restorer
+    if restorer is not None and restorer.can_restore(trainer):
+        restored = restorer.restore(trainer, pl_module, trainer.global_step)
+        if restored is not None and model_finite(trainer, pl_module):
+            engine.final_state = (
+                f"finite: restored from step {restored.step} ({restored.source}) at the end of fit, because the "
+                f"last update(s) left {', '.join(names[:3])} non-finite"
+            )
+            diagnosis = Diagnosis(
+                Cause.CORRUPT_STATE, where=", ".join(names[:3]), state_tensors=tuple(names), state_damaged=True
+            )
+            incident = Incident(
+                step=trainer.global_step,
+                epoch=int(trainer.current_epoch),
+                batch_idx=-1,
+                ranks=list(range(trainer.world_size)),
+                trigger=Signal.NONFINITE_STATE.value,
+                action=Action.ROLLBACK.value,
+                source=restorer.owner,
+                values={"restored_from_step": restored.step, "rollback_source": restored.source},
+                message=(
+                    f"non-finite parameters or buffers at the end of fit ({', '.join(names[:5])}): {_restored_text(restored)}, "
+                    "so the model fit() returns is finite. The last updates were lost."
+                ),
+                actions=[Action.ROLLBACK.value],
+                cause=Cause.CORRUPT_STATE.value,
+                where=diagnosis.where,
+                diagnosis=diagnosis.to_dict(),
+            )
+            engine.sink.record(trainer, incident)
+            engine.bus.emit(trainer, StateRestored(restored.step, RestoreSource(restored.source)))
+            return
+    engine.final_state = f"NON-FINITE ({', '.join(names[:3])})"
+    hint = "" if restorer is not None else "add AutoRollback() so the last verified state is restored"
+    if restorer is not None:
+        hint = "AutoRollback had no verified snapshot or checkpoint to restore: snapshot more often (every_n_steps)"
+    error = NonFiniteTrainingError(messages.final_state_error(names, _tried(engine), hint))
+    if engine.pending_error is None:
+        engine.pending_error = error
+
+
+def _bad_ranks(trainer: pl.Trainer, event: PendingEvent) -> list[int]:
+    """The ranks whose own reading was non-finite (an all-gather; every rank is here)."""
+    if trainer.world_size <= 1:
+        return [0]
+    import math
+
+    local = [r.local.detach().float().cpu().tolist() if r.local is not None else [] for r in event.readings]
+    bad_here = any(not all(math.isfinite(v) for v in vec) for vec in local)
+    gathered = _distributed.all_gather_objects(trainer, bad_here)
+    ranks = [i for i, bad in enumerate(gathered) if bad]
+    return ranks or list(range(trainer.world_size))
+
+
+def _restored_text(restored: Restored) -> str:
+    where = f" from {restored.path}" if restored.path else ""
+    again = ", an older state: the last restore led straight back into trouble" if restored.recurrence else ""
+    return f"rolled back to step {restored.step} ({restored.source}{where}{again})"
+
+
+def _state_now(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
+    if model_finite(trainer, pl_module):
+        return "parameters and buffers are finite (checked)"
+    return "parameters or buffers are NON-FINITE: do not save or export this model"
+
+
+def _tried(engine: Engine) -> str:
+    counts: Counter[str] = Counter(a for r in engine.sink.records for a in r.actions)
+    scale = getattr(engine.backoff, "lr_scale", None)
+    return messages.tried_phrase(counts, float(scale) if isinstance(scale, (int, float)) else None)
+
+
+def _primary(actions: tuple[Action, ...]) -> Action:
+    for a in _PRIMARY:
+        if a in actions:
+            return a
+    return Action.NONE
+
+
+def _sources(engine: Engine, actions: tuple[Action, ...]) -> str:
+    owners: list[str] = []
+    for a in actions:
+        owner = {
+            Action.SKIP: engine.guard.owner if engine.guard is not None else getattr(engine.restorer, "owner", ""),
+            Action.SCALER_SKIP: "GradScaler",
+            Action.QUARANTINE: engine.guard.owner if engine.guard is not None else "",
+            Action.ROLLBACK: getattr(engine.restorer, "owner", ""),
+            Action.BACKOFF: getattr(engine.backoff, "owner", ""),
+            Action.EPS_BACKOFF: getattr(engine.backoff, "owner", ""),
+            Action.PROMOTE: getattr(engine.promoter, "owner", ""),
+            Action.WARN: engine.guard.owner if engine.guard is not None else "nanguard",
+            Action.STOP: "nanguard",
+        }.get(a, "")
+        if owner and owner not in owners:
+            owners.append(owner)
+    return ", ".join(owners) or "nanguard"
+
+
+def _budget_left(engine: Engine, step: int) -> int:
+    if engine.restorer is not None:
+        return engine.restorer.budget_left(step)
+    if engine.guard is not None:
+        return max(0, engine.guard.max_consecutive_skips - engine.skip_streak)
+    return -1
+
+
+def _lightning_true_half(trainer: pl.Trainer) -> bool:
+    from lightning.pytorch.plugins.precision import HalfPrecision
+
+    return isinstance(trainer.precision_plugin, HalfPrecision)

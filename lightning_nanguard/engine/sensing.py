@@ -1,0 +1,287 @@
+"""Sense: one health reading per optimizer step, with one fused pass, one cross-rank reduction and one host read.
+
+The step's numbers travel as one small device vector ``[grad norm, loss, scale]``: the total gradient norm (from
+one ``_foreach_norm`` pass), the sum of the step's (micro-batch) losses as ``on_before_backward`` saw them, and the
+GradScaler's scale (the loss and, for fused optimizers, the gradients are still multiplied by it). Under DDP the
+vector is all-reduced with SUM: a NaN or inf on any rank makes the sum non-finite on every rank, so the verdict is
+rank-consistent without a second collective, and the sum divided by the world size is the mean loss.
+
+Two ways the vector reaches the host:
+
+* **host path** (plain optimizers, no GradScaler): ``vec.tolist()`` in ``on_before_optimizer_step``, the step's one
+  host read, so the update can be dropped before it lands;
+* **device path** (a GradScaler, or a fused optimizer that takes ``found_inf``): the verdict stays on the device and
+  is handed to the optimizer (``found_inf``), which skips the update itself; the vector is copied into a host mirror
+  (pinned memory, non-blocking) and read at the batch end, after the GradScaler's own read has synchronized it
+  (or, for a fused optimizer alone, once its CUDA event has completed). Zero extra host reads per healthy step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_nanguard import _distributed, _lightning_compat
+from lightning_nanguard.signals.gradients import GradNorms, ParamIndex, grad_norms
+
+__all__ = ["HostMirror", "Reading", "Sensor", "wrapper_prefixes"]
+
+
+@dataclass
+class Reading:
+    """The health of one optimizer step, as host values identical on every rank (after the reduction).
+
+    Attributes:
+        step: ``trainer.global_step`` of the step (before its update).
+        optimizer_idx: which optimizer (manual optimization can step several per batch).
+        batch: the training batch counter, to tie the reading to its batch.
+        grad_norm: total unscaled pre-clip 2-norm of the gradients (mean over ranks; NaN/inf when non-finite).
+        loss: mean over ranks of the unscaled step loss; ``None`` when no loss was seen (no backward).
+        scale: the GradScaler scale the step ran with, or ``None``.
+        has_grads: any gradient was present.
+        norms: the device-side per-tensor norms (per-layer norms, forensics); ``None`` when no gradient.
+        local: this rank's own ``[grad norm, loss]`` device vector, for the incident path's per-rank attribution.
+        device_skipped: the update was dropped on the device (device path, non-finite verdict).
+    """
+
+    step: int
+    optimizer_idx: int
+    batch: int
+    grad_norm: float
+    loss: float | None
+    scale: float | None
+    has_grads: bool
+    norms: GradNorms | None
+    index: ParamIndex
+    local: Tensor | None = None
+    device_skipped: bool = False
+    dropped: bool = False  # the update was dropped (by nanguard or the GradScaler), filled in by the engine
+    spike: str = ""  # "loss_spike" / "grad_norm_spike" / "loss_and_grad_norm_spike", filled in by the engine
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def loss_finite(self) -> bool:
+        return self.loss is None or math.isfinite(self.loss)
+
+    @property
+    def grads_finite(self) -> bool:
+        return math.isfinite(self.grad_norm)
+
+    @property
+    def bad(self) -> bool:
+        """The step is non-finite on some rank (loss or gradients)."""
+        return not (self.grads_finite and self.loss_finite)
+
+
+class HostMirror:
+    """A small host buffer the device vector is copied into without a synchronization (pinned, non-blocking).
+
+    Reading it is free once the copy has completed: after any later synchronization (the GradScaler's own
+    ``found_inf`` read), or when its CUDA event reports completion. On CPU the copy is synchronous.
+    """
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.buffer = torch.empty(size, dtype=torch.float64, pin_memory=self.cuda)
+        self.buffer._nanguard_host = True  # type: ignore[attr-defined]  # a host buffer: reading it is no device read
+        self.event: Any = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
+        self.size = size
+
+    def fill(self, vec: Tensor) -> None:
+        self.buffer[: vec.numel()].copy_(vec.detach().double(), non_blocking=self.cuda)
+        if self.event is not None:
+            self.event.record()
+
+    def ready(self) -> bool:
+        return self.event is None or bool(self.event.query())
+
+    def values(self, n: int) -> list[float]:
+        if self.event is not None and not self.event.query():
+            self.event.synchronize()  # old work only: the step it belongs to has been queued long ago
+        return [float(v) for v in self.buffer[:n].numpy()]
+
+
+def wrapper_prefixes(module: nn.Module) -> tuple[str, ...]:
+    """The chain of single-child wrappers that hold every parameter (``self.model = nn.Sequential(...)``)."""
+    prefix, current = "", module
+    out: list[str] = []
+    total = sum(1 for _ in module.parameters())
+    while True:
+        children = [(n, c) for n, c in current.named_children() if any(True for _ in c.parameters())]
+        if len(children) != 1 or sum(1 for _ in children[0][1].parameters()) != total:
+            return tuple(out)
+        name, current = children[0]
+        prefix = f"{prefix}{name}"
+        out.append(prefix)
+        prefix += "."
+
+
+class Sensor:
+    """Computes the step reading. One per engine; the parameter index is cached per optimizer."""
+
+    def __init__(self) -> None:
+        self.layer_depth = 1
+        self._indexes: dict[int, ParamIndex] = {}
+        self._positions: dict[int, int] = {}  # id(optimizer) -> index in trainer.optimizers
+        self._mirrors: dict[int, HostMirror] = {}
+        self._device_path: dict[int, str] = {}  # id(optimizer) -> "host" | "scaler" | "fused"
+
+    def reset(self) -> None:
+        self._indexes.clear()
+        self._positions.clear()
+        self._mirrors.clear()
+        self._device_path.clear()
+
+    # ------------------------------------------------------------------ structure (cached)
+    def optimizer_index(self, trainer: pl.Trainer, optimizer: Optimizer) -> int:
+        pos = self._positions.get(id(optimizer))
+        if pos is None:
+            pos = next(
+                (
+                    i
+                    for i, opt in enumerate(trainer.optimizers)
+                    if opt is optimizer or getattr(opt, "optimizer", None) is optimizer
+                ),
+                0,
+            )
+            self._positions[id(optimizer)] = pos
+        return pos
+
+    def param_index(self, pl_module: nn.Module, optimizer: Optimizer, opt_idx: int) -> ParamIndex:
+        index = self._indexes.get(opt_idx)
+        if index is None or not index.matches(optimizer):
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            names = {id(p): n for n, p in pl_module.named_parameters()}
+            index = ParamIndex(
+                params, [names.get(id(p), "") for p in params], self.layer_depth, wrapper_prefixes(pl_module)
+            )
+            self._indexes[opt_idx] = index
+        return index
+
+    def path(self, trainer: pl.Trainer, optimizer: Optimizer) -> str:
+        """How this optimizer drops an update: ``"host"`` (grads to None), ``"scaler"`` or ``"fused"``."""
+        key = id(optimizer)
+        found = self._device_path.get(key)
+        if found is None:
+            scaler = _lightning_compat.get_scaler(trainer)
+            if scaler is not None and scaler.is_enabled():
+                found = "scaler"
+            elif _lightning_compat.accepts_found_inf(optimizer):
+                found = "fused"
+            else:
+                found = "host"
+            self._device_path[key] = found
+        return found
+
+    # ------------------------------------------------------------------ the reading
+    def measure(
+        self,
+        trainer: pl.Trainer,
+        pl_module: nn.Module,
+        optimizer: Optimizer,
+        losses: list[Tensor],
+        *,
+        step: int,
+        batch: int,
+        host_only: bool,
+    ) -> Reading:
+        """Measure the step. Host path: reads the host once. Device path: hands the verdict to the optimizer.
+
+        Args:
+            host_only: read the verdict now even where the optimizer could act on a device flag (a decision that
+                needs host values before the update, e.g. dropping a spike).
+        """
+        opt_idx = self.optimizer_index(trainer, optimizer)
+        index = self.param_index(pl_module, optimizer, opt_idx)
+        path = self.path(trainer, optimizer)
+        scaler = _lightning_compat.get_scaler(trainer) if path == "scaler" else None
+        scale = _lightning_compat.scale_tensor(scaler) if scaler is not None else None
+        # Fused optimizers under a GradScaler are not unscaled before this hook: their norm is divided here.
+        fused_scaled = scale is not None and _lightning_compat.optimizer_handles_unscaling(optimizer)
+        norms = grad_norms(index, scale=scale if fused_scaled else None)
+        parts: list[Tensor] = []
+        if norms is not None:
+            parts.append(norms.total)
+        device = parts[0].device if parts else _first_device(pl_module)
+        if not parts:
+            parts.append(torch.zeros((), device=device))
+        loss = _loss_sum(losses)
+        parts.append(torch.zeros((), device=device) if loss is None else loss)
+        if scale is not None:
+            parts.append(scale)
+        vec = torch.stack([p.to(device=device, dtype=torch.float32) for p in parts])
+        local = vec
+        world = trainer.world_size
+        if world > 1:
+            vec = _distributed.sum_across_ranks(trainer, vec)
+        reading = Reading(
+            step=step,
+            optimizer_idx=opt_idx,
+            batch=batch,
+            grad_norm=math.nan,
+            loss=None,
+            scale=None,
+            has_grads=norms is not None,
+            norms=norms,
+            index=index,
+            local=local,
+        )
+        reading.extras["path"] = path
+        if host_only or path == "host":
+            self.fill(reading, vec.tolist(), world, loss is not None, scale is not None)  # the step's one read
+            return reading
+        # Device path: the optimizer acts on the verdict; the host learns it at the batch end.
+        bad = ~torch.isfinite(vec).all()
+        if path == "scaler":
+            _lightning_compat.or_into_found_inf(scaler, optimizer, bad)
+        else:
+            _lightning_compat.set_found_inf(optimizer, bad)
+        mirror = self._mirrors.get(opt_idx)
+        if mirror is None:
+            mirror = self._mirrors[opt_idx] = HostMirror(4, vec.device)
+        mirror.fill(vec)
+        reading.extras["pending"] = (mirror, vec.numel(), world, loss is not None, scale is not None)
+        return reading
+
+    @staticmethod
+    def resolve(reading: Reading) -> bool:
+        """Fill a device-path reading from its host mirror. True if it was pending."""
+        pending = reading.extras.pop("pending", None)
+        if pending is None:
+            return False
+        mirror, n, world, has_loss, has_scale = pending
+        Sensor.fill(reading, mirror.values(n), world, has_loss, has_scale)
+        reading.device_skipped = reading.bad
+        return True
+
+    @staticmethod
+    def fill(reading: Reading, values: list[float], world: int, has_loss: bool, has_scale: bool) -> None:
+        grad_norm, loss = values[0] / world, values[1] / world
+        scale = values[2] / world if has_scale else None
+        if scale is not None and scale > 0 and math.isfinite(scale):
+            loss = loss / scale  # on_before_backward saw the scaled loss
+        reading.grad_norm = grad_norm if reading.has_grads else 0.0
+        reading.loss = loss if has_loss else None
+        reading.scale = scale
+        if not reading.has_grads and not math.isfinite(values[0]):
+            reading.grad_norm = values[0]  # another rank's gradients were non-finite
+
+
+def _loss_sum(losses: list[Tensor]) -> Tensor | None:
+    if not losses:
+        return None
+    if len(losses) == 1:
+        return losses[0].reshape(())
+    return torch.stack([loss.reshape(()).float() for loss in losses]).sum()
+
+
+def _first_device(module: nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")

@@ -1,0 +1,89 @@
+"""Report: every incident goes to one log (JSON lines on rank 0), the loggers, TensorBoard text, and the summary.
+
+The sink never feeds a decision: rank-local incidents (a checkpoint refused on rank 0, the only rank that saves) are
+recorded here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import os
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_nanguard.reporting import emit
+from lightning_nanguard.reporting.incidents import Incident, IncidentLog
+from lightning_nanguard.reporting.keys import key
+from lightning_nanguard.reporting.summary import format_summary
+
+__all__ = ["INCIDENTS_FILE", "SUMMARY_FILE", "IncidentSink", "incident_markdown"]
+
+INCIDENTS_FILE = os.path.join("nanguard", "incidents.jsonl")
+SUMMARY_FILE = os.path.join("nanguard", "summary.txt")
+
+
+class IncidentSink:
+    """The run's incidents, in order (identical on every rank for engine-decided events)."""
+
+    def __init__(self) -> None:
+        self.log = IncidentLog()
+        self.log_dir: str | None = None
+
+    @property
+    def records(self) -> list[Incident]:
+        return self.log.records
+
+    def start(self, trainer: pl.Trainer) -> None:
+        """New fit: a fresh log. Files are written only where a logger writes (never into the working directory)."""
+        self.log = IncidentLog()
+        self.log_dir = None
+        if not trainer.loggers:
+            return
+        log_dir = trainer.log_dir  # a broadcast: every rank calls it here
+        if trainer.is_global_zero and log_dir is not None:
+            self.log_dir = log_dir
+            self.log.path = os.path.join(log_dir, INCIDENTS_FILE)
+            self.log.touch()
+
+    def record(self, trainer: pl.Trainer, incident: Incident) -> None:
+        """Log an incident: the JSON line (rank 0), ``nanguard/incident/<action>`` scalars, a TensorBoard text."""
+        self.log.add(incident)
+        actions = incident.actions or [incident.action]
+        # At Lightning's logging step of the moment, the axis the training curves are drawn on.
+        emit.log_event(trainer, {key("incident", a): 1.0 for a in actions})
+        emit.log_text(trainer, key("incidents"), incident_markdown(incident))
+
+    def summary(
+        self, trainer: pl.Trainer, callbacks: list[str], *, monitored: bool, final_state: str, notes: list[str]
+    ) -> str:
+        text = format_summary(
+            self.records,
+            callbacks,
+            self.log.path,
+            monitored=monitored,
+            final_state=final_state,
+            notes=notes,
+        )
+        rank_zero_info(text)
+        if self.log_dir is not None and trainer.is_global_zero:
+            path = os.path.join(self.log_dir, SUMMARY_FILE)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+        return text
+
+
+def incident_markdown(incident: Incident) -> str:
+    """The incident as Markdown, for TensorBoard's text dashboard."""
+    actions = ", ".join(incident.actions or [incident.action])
+    lines = [
+        f"**step {incident.step}** (epoch {incident.epoch}, batch {incident.batch_idx}, ranks {incident.ranks}): "
+        f"`{incident.trigger}`",
+        "",
+        f"* cause: **{incident.cause or 'n/a'}**" + (f" at `{incident.where}`" if incident.where else ""),
+        f"* actions: {actions} (by {incident.source})",
+        f"* {incident.message}",
+    ]
+    if incident.budget_left >= 0:
+        lines.append(f"* budget left: {incident.budget_left}")
+    return "\n".join(lines)

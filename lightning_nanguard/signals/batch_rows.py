@@ -1,0 +1,32 @@
+"""Which rows of a batch hold a non-finite float: the cheapest evidence that the data is to blame (incident path)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["floating_tensors", "nonfinite_rows"]
+
+
+def floating_tensors(batch: Any) -> list[Tensor]:
+    """Every floating-point tensor in a (nested) batch, in a stable order."""
+    if isinstance(batch, Tensor):
+        return [batch] if batch.is_floating_point() else []
+    if isinstance(batch, dict):
+        return [t for v in batch.values() for t in floating_tensors(v)]
+    if isinstance(batch, (list, tuple)):
+        return [t for v in batch for t in floating_tensors(v)]
+    return []
+
+
+def nonfinite_rows(batch: Any) -> list[int]:
+    """Indices along the first dimension of the rows that hold a NaN/inf in any float tensor of ``batch``."""
+    rows: set[int] = set()
+    for t in floating_tensors(batch):
+        if t.dim() == 0 or t.numel() == 0:
+            continue
+        bad = ~torch.isfinite(t.detach().reshape(t.shape[0], -1)).all(dim=1)
+        rows.update(int(i) for i in torch.nonzero(bad).reshape(-1).tolist())
+    return sorted(rows)
