@@ -1,8 +1,10 @@
 """Diagnose (the engine's seam to forensics): the cause of one event, identical on every rank.
 
-The cheap evidence is gathered here: the state check's verdict and names, the batch's own non-finite values, the
-GradScaler's facts, the recent history and the resumed checkpoint. ``lightning_nanguard.forensics`` adds a replay of
-the batch when that evidence does not settle the cause.
+The cheap evidence is gathered here (``gather_findings``): the batch's non-finite, outlying and out-of-range values
+(``signals.batch``), the non-finite state by kind and the optimizer's part in it (``signals.state``), the recent
+history (``signals.history``), the GradScaler's facts and the resumed checkpoint. Each rank reads its own and one
+all-gather makes it everyone's, so ``policies.diagnosis.classify`` decides the same on every rank.
+``lightning_nanguard.forensics`` adds a replay of the batch when that evidence does not settle the cause.
 """
 
 from __future__ import annotations
@@ -13,15 +15,18 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 
 from lightning_nanguard import _distributed
-from lightning_nanguard.contract import Cause, Diagnosis, Evidence, EvidenceKind, Signal
+from lightning_nanguard.contract import Diagnosis
 from lightning_nanguard.engine.sensing import Reading
+from lightning_nanguard.engine.state_check import nonfinite_names
+from lightning_nanguard.policies.diagnosis import Findings, classify
+from lightning_nanguard.signals.batch import BatchFindings, read_batch
+from lightning_nanguard.signals.history import read_history
+from lightning_nanguard.signals.state import StateFindings, read_state
 
 if TYPE_CHECKING:
     from lightning_nanguard.engine.engine import Engine, PendingEvent
 
-__all__ = ["EventFacts", "diagnose"]
-
-_SPIKES = (Signal.LOSS_SPIKE, Signal.GRAD_NORM_SPIKE, Signal.LOSS_AND_GRAD_NORM_SPIKE)
+__all__ = ["EventFacts", "cheap_diagnosis", "diagnose", "gather_findings"]
 
 
 class EventFacts:
@@ -49,7 +54,7 @@ class EventFacts:
 
 
 def diagnose(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModule, facts: EventFacts) -> Diagnosis:
-    """The diagnosis of one event. A collective-free function except where it says so (every rank runs it)."""
+    """The diagnosis of one event. Every rank runs it; its collectives are made by every rank in the same order."""
     from lightning_nanguard.forensics_bridge import investigate
 
     found = investigate(engine, trainer, pl_module, facts)
@@ -59,81 +64,69 @@ def diagnose(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModule,
 
 
 def cheap_diagnosis(engine: Engine, trainer: pl.Trainer, facts: EventFacts) -> Diagnosis:
-    """The cause from cheap evidence alone (no replay)."""
-    ranks = facts.ranks
-    if not facts.state_ok:
-        evidence = [Evidence(EvidenceKind.STATE_NONFINITE, f"non-finite: {', '.join(facts.state_names[:5])}")]
-        where = ", ".join(facts.state_names[:3])
-        from_ckpt = engine.resumed_from is not None and engine.finite_steps == 0
-        if from_ckpt:
-            evidence.append(
-                Evidence(
-                    EvidenceKind.STATE_FROM_CHECKPOINT,
-                    f"no finite step since resuming from {engine.resumed_from}",
-                    {"checkpoint": engine.resumed_from},
-                )
-            )
-            where = f"{where} (loaded from {engine.resumed_from})"
-        rows = _batch_rows(engine, trainer)
-        if rows:
-            evidence.append(Evidence(EvidenceKind.BATCH_NONFINITE, f"non-finite inputs in batch rows {list(rows)}"))
-        return Diagnosis(
-            Cause.CORRUPT_STATE,
-            where=where,
-            evidence=tuple(evidence),
-            hint=(
-                f"the checkpoint {engine.resumed_from} holds non-finite values: resume from an earlier one"
-                if from_ckpt
-                else "restore an earlier state (AutoRollback does it in memory); check what wrote the non-finite values"
-            ),
-            ranks=ranks,
-            rows=rows,
-            state_tensors=facts.state_names,
-            state_damaged=True,
-        )
-    if facts.signal is Signal.LOSS_SCALE_COLLAPSE or facts.signal in _SPIKES:
-        return Diagnosis(
-            Cause.GRADIENT_EXPLOSION,
-            where="",
-            evidence=(Evidence(EvidenceKind.HISTORY_RISING, _history_summary(engine)),),
-            hint="lower the learning rate, clip gradients, or use a bigger batch",
-            ranks=ranks,
-        )
-    rows = _batch_rows(engine, trainer)
-    if rows:
-        return Diagnosis(
-            Cause.INPUT_DATA,
-            where=f"batch {engine.batch_idx} rows {list(rows)}",
-            evidence=(Evidence(EvidenceKind.BATCH_NONFINITE, f"non-finite inputs in batch rows {list(rows)}"),),
-            hint="check the data pipeline for these samples (NaN/inf in the inputs)",
-            ranks=ranks,
-            rows=rows,
-        )
-    if facts.scaler_overflow:
-        scale = next(r.scale for r in facts.readings if r.scale is not None)
-        return Diagnosis(
-            Cause.HALF_PRECISION_OVERFLOW,
-            where=f"gradients at loss scale {scale:g}",
-            evidence=(Evidence(EvidenceKind.LOSS_SCALE, f"the scaled gradients overflowed at loss scale {scale:g}"),),
-            hint="routine for fp16 with a GradScaler: it dropped the update and lowered its scale",
-            ranks=ranks,
-        )
-    return Diagnosis(Cause.UNKNOWN, ranks=ranks, hint="check the data and the model at this step")
+    """The cause from cheap evidence alone (no replay). One all-gather."""
+    return classify(gather_findings(engine, trainer, trainer.lightning_module, facts))
 
 
-def _batch_rows(engine: Engine, trainer: pl.Trainer) -> tuple[int, ...]:
-    """Rows of the current batch holding a non-finite float (this rank), gathered to rank-consistent values."""
-    from lightning_nanguard.signals.batch_rows import nonfinite_rows
-
-    local = nonfinite_rows(engine.batch)
-    gathered: list[Any] = _distributed.all_gather_objects(trainer, local)
-    rows = sorted({r for part in gathered for r in part})
-    return tuple(rows)
+def precision_of(trainer: pl.Trainer) -> str:
+    """The Trainer's precision as Lightning names it (``"16-mixed"``, ``"bf16-true"``, ``"32-true"``, ...)."""
+    return str(getattr(trainer.precision_plugin, "precision", "32-true"))
 
 
-def _history_summary(engine: Engine) -> str:
-    recent = list(engine.history)[-5:]
-    if not recent:
-        return "no finite step recorded yet"
-    norms = ", ".join(f"{g:.3g}" for _, g, _ in recent)
-    return f"grad norm over the last {len(recent)} finite steps: {norms}"
+def is_half(precision: str) -> bool:
+    return precision.startswith(("16", "bf16"))
+
+
+def event_step(trainer: pl.Trainer, facts: EventFacts) -> int:
+    return facts.readings[0].step if facts.readings else int(trainer.global_step)
+
+
+def gather_findings(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModule, facts: EventFacts) -> Findings:
+    """Every rank's cheap evidence, made rank-consistent with one all-gather (every rank calls this)."""
+    optimizers = list(trainer.optimizers)
+    local_batch = read_batch(engine.batch, pl_module)
+    local_state = None if facts.state_ok else read_state(pl_module, optimizers, nonfinite_names(pl_module, optimizers))
+    gathered: list[Any] = _distributed.all_gather_objects(trainer, (local_batch, local_state))
+    batches: tuple[BatchFindings, ...] = tuple(b for b, _ in gathered)
+    state = _merge_states([s for _, s in gathered if s is not None], facts.state_names)
+    step = event_step(trainer, facts)
+    history = list(engine.history)
+    scale = next((r.scale for r in facts.readings if r.scale is not None), None)
+    precision = precision_of(trainer)
+    return Findings(
+        signal=facts.signal,
+        ranks=facts.ranks,
+        state_ok=facts.state_ok,
+        state=state,
+        last_step_finite=bool(history) and history[-1][0] == step - 1,
+        batch=batches,
+        history=read_history(history),
+        resumed_from=engine.resumed_from,
+        finite_steps=engine.finite_steps,
+        batch_idx=engine.batch_idx,
+        scale=scale,
+        scaler_overflow=facts.scaler_overflow,
+        half_precision=is_half(precision),
+        precision=precision,
+    )
+
+
+def _merge_states(parts: list[StateFindings], names: Sequence[str]) -> StateFindings:
+    """The union over ranks, in a stable order; ``names`` (the engine's gathered list) when no rank found any."""
+
+    def union(attr: str) -> tuple[str, ...]:
+        out: list[str] = []
+        for part in parts:
+            out.extend(n for n in getattr(part, attr) if n not in out)
+        return tuple(out)
+
+    if not parts:
+        return StateFindings(parameters=tuple(names)) if names else StateFindings()
+    return StateFindings(
+        parameters=union("parameters"),
+        buffers=union("buffers"),
+        optimizer=union("optimizer"),
+        buffer_modules=union("buffer_modules"),
+        update_nonfinite=union("update_nonfinite"),
+        eps_underflow=union("eps_underflow"),
+    )

@@ -1,0 +1,247 @@
+"""Replay one training batch on the current weights with hooks, leaving no trace (incident path only).
+
+A pass calls the ``LightningModule``'s own ``training_step`` (never a DDP wrapper, so no gradient all-reduce can
+start) under the Trainer's precision context, with a forward hook on every module and a gradient hook on every module
+output, then takes the gradients with ``torch.autograd.grad`` (``.grad`` is never written). Around each pass:
+
+* every buffer is swapped for a copy (``.data``), so BatchNorm statistics and counters are never written;
+* the float32 pass swaps every half-precision parameter and buffer for a float32 copy the same way: the real
+  tensors' storage is never written, and the original storage is put back afterwards;
+* the torch RNG state (CPU, and every CUDA device once CUDA is initialised), each module's train/eval mode and the
+  autocast state are saved and restored.
+
+What is not restored is whatever ``training_step`` does outside its tensors (appending to a list, a counter): keep
+``training_step`` free of such side effects, or set ``forensics="off"``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+
+from lightning_nanguard.policies.diagnosis import PassResult
+
+__all__ = ["preserved_state", "run_pass"]
+
+_GRAD_PARAMS_LISTED = 8
+
+
+def _tensors(obj: Any) -> list[Tensor]:
+    if isinstance(obj, Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+def _floats(obj: Any) -> list[Tensor]:
+    return [t for t in _tensors(obj) if t.is_floating_point()]
+
+
+def _finite(t: Tensor) -> bool:
+    return bool(torch.isfinite(t.detach()).all())
+
+
+def _to_float32(obj: Any) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.float() if obj.is_floating_point() else obj
+    if isinstance(obj, Mapping):
+        return type(obj)({k: _to_float32(v) for k, v in obj.items()}) if isinstance(obj, dict) else obj
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_to_float32(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_float32(v) for v in obj)
+    return obj
+
+
+class _Recorder:
+    """Forward hooks on every module and gradient hooks on their outputs and inputs; the first non-finite wins."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+        self.names = {id(m): n for n, m in root.named_modules()}
+        self.first_output: tuple[str, float | None, float | None, str] | None = None
+        self.first_grad: tuple[str, float | None, float | None, str] | None = None
+        self.out_size: int | None = None
+        self._ranges: dict[str, tuple[float | None, float | None, str]] = {}
+        self._out_grad_ok: dict[str, bool] = {}
+
+    def forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        name = self.names.get(id(module), "?") or type(module).__name__
+        outs = _floats(output)
+        if module is self.root and outs and outs[0].dim() > 0:
+            self.out_size = int(outs[0].shape[-1])
+        ins = _floats(args)
+        lo, hi = _range(ins)
+        dtype = str(outs[0].dtype) if outs else ""
+        self._ranges[name] = (lo, hi, dtype)
+        # Hooks fire as modules finish, innermost first: the first non-finite output names the deepest culprit.
+        # The LightningModule itself comes last, so it is named only when its own code (not a child) went wrong.
+        if self.first_output is None and any(not _finite(t) for t in outs):
+            label = f"{type(module).__name__}.forward" if module is self.root else name
+            self.first_output = (label, lo, hi, dtype)
+        if not torch.is_grad_enabled():
+            return
+        for t in outs:
+            if t.requires_grad:
+                t.register_hook(self._out_hook(name))  # type: ignore[no-untyped-call]
+        for t in ins:
+            if t.requires_grad:
+                t.register_hook(self._in_hook(name))  # type: ignore[no-untyped-call]
+
+    def _out_hook(self, name: str) -> Any:
+        def hook(grad: Tensor) -> None:
+            self._out_grad_ok[name] = self._out_grad_ok.get(name, True) and _finite(grad)
+
+        return hook
+
+    def _in_hook(self, name: str) -> Any:
+        # The module whose backward turned a finite output gradient into a non-finite input gradient.
+        def hook(grad: Tensor) -> None:
+            if self.first_grad is None and self._out_grad_ok.get(name, True) and not _finite(grad):
+                lo, hi, dtype = self._ranges.get(name, (None, None, ""))
+                self.first_grad = (name, lo, hi, dtype)
+
+        return hook
+
+    def install(self) -> list[Any]:
+        return [m.register_forward_hook(self.forward_hook) for m in self.root.modules()]
+
+
+def _range(tensors: list[Tensor]) -> tuple[float | None, float | None]:
+    if not tensors:
+        return None, None
+    lo = min(float(t.detach().float().amin()) for t in tensors if t.numel())
+    hi = max(float(t.detach().float().amax()) for t in tensors if t.numel())
+    return lo, hi
+
+
+@contextlib.contextmanager
+def _swapped(module: nn.Module, *, float32: bool) -> Iterator[None]:
+    """Every buffer (and, with ``float32``, every half-precision parameter) runs on a copy; originals put back."""
+    saved: list[tuple[Tensor, Tensor]] = []
+    try:
+        for b in module.buffers():
+            saved.append((b, b.data))
+            b.data = b.data.float() if float32 and b.is_floating_point() else b.data.clone()
+        if float32:
+            for p in module.parameters():
+                if p.is_floating_point() and p.dtype != torch.float32:
+                    saved.append((p, p.data))
+                    p.data = p.data.float()
+        yield
+    finally:
+        for t, data in reversed(saved):
+            t.data = data
+
+
+@contextlib.contextmanager
+def preserved_state(module: nn.Module) -> Iterator[None]:
+    """Restore RNG states, train/eval modes and the autocast state after the block, whatever it did."""
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
+    modes = [(m, m.training) for m in module.modules()]
+    autocast = {d: torch.is_autocast_enabled(d) for d in ("cpu", "cuda")}
+    grad_enabled = torch.is_grad_enabled()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        for m, training in modes:
+            m.training = training
+        for d, enabled in autocast.items():
+            if torch.is_autocast_enabled(d) != enabled:
+                torch.set_autocast_enabled(d, enabled)
+        torch.set_grad_enabled(grad_enabled)
+
+
+def _loss_of(out: Any) -> Tensor | None:
+    if isinstance(out, Tensor):
+        return out
+    if isinstance(out, Mapping) and isinstance(out.get("loss"), Tensor):
+        loss = out["loss"]
+        assert isinstance(loss, Tensor)
+        return loss
+    return None
+
+
+def run_pass(
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    batch: Any,
+    batch_idx: int,
+    *,
+    float32: bool,
+    scale: float | None = None,
+) -> PassResult:
+    """One replay of ``training_step`` with hooks: in the training precision, or in float32 (``float32=True``)."""
+    recorder = _Recorder(pl_module)
+    params = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
+    start = time.perf_counter()
+    handles: list[Any] = []
+    loss_finite = grads_finite = True
+    bad_params: list[str] = []
+    error = ""
+    try:
+        with preserved_state(pl_module), _swapped(pl_module, float32=float32), contextlib.ExitStack() as stack:
+            handles = recorder.install()
+            stack.enter_context(torch.enable_grad())
+            if float32:
+                device = pl_module.device.type if pl_module.device.type in ("cpu", "cuda") else "cpu"
+                stack.enter_context(torch.autocast(device_type=device, enabled=False))
+                data = _to_float32(batch)
+            else:
+                stack.enter_context(trainer.precision_plugin.train_step_context())
+                data = batch
+            loss = _loss_of(pl_module.training_step(data, batch_idx))
+            stack.close()  # leave the precision context before the backward, as Lightning does
+            if loss is None:
+                error = "training_step returned no loss"
+            else:
+                loss_finite = _finite(loss)
+                if loss.requires_grad and params:
+                    target = loss * scale if scale is not None and not float32 else loss
+                    grads = torch.autograd.grad(target, [p for _, p in params], allow_unused=True)
+                    for (name, _), g in zip(params, grads, strict=True):
+                        if g is not None and not _finite(g):
+                            bad_params.append(name)
+                    grads_finite = not bad_params
+    except Exception as exc:  # a replay must never take training down with it
+        error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    finally:
+        for h in handles:
+            h.remove()
+    ms = (time.perf_counter() - start) * 1000.0
+    first, kind = recorder.first_output, "output"
+    if first is None and recorder.first_grad is not None:
+        first, kind = recorder.first_grad, "gradient"
+    if first is None and bad_params:
+        owner = bad_params[0].rsplit(".", 1)[0] if "." in bad_params[0] else bad_params[0]
+        first, kind = (owner, None, None, ""), "parameter gradient"
+    name, lo, hi, dtype = first if first is not None else ("", None, None, "")
+    outputs_finite = recorder.first_output is None
+    return PassResult(
+        reproduced=not error and not (loss_finite and outputs_finite and grads_finite),
+        loss_finite=loss_finite,
+        outputs_finite=outputs_finite,
+        grads_finite=grads_finite,
+        first_module=name,
+        first_kind=kind if first is not None else "",
+        input_min=lo,
+        input_max=hi,
+        dtype=dtype,
+        grad_params=tuple(bad_params[:_GRAD_PARAMS_LISTED]),
+        out_size=recorder.out_size,
+        ms=ms,
+        error=error,
+    )

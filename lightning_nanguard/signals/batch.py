@@ -1,0 +1,122 @@
+"""Evidence from the batch itself (incident path only): non-finite rows, outlier magnitudes, targets out of range.
+
+Nothing here runs on a healthy step. The magnitude test compares the rows of the offending batch with each other
+(a row whose largest value is ``ratio`` times the batch's median row), because keeping a running history of input
+magnitudes would cost a host read on every healthy step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_nanguard.signals.batch_rows import floating_tensors, nonfinite_rows
+
+__all__ = ["BatchFindings", "integer_tensors", "magnitude_outliers", "output_size", "read_batch", "target_tensor"]
+
+_TARGET_KEYS = ("labels", "label", "targets", "target", "y", "classes", "class")
+
+
+@dataclass(frozen=True)
+class BatchFindings:
+    """What one rank's batch shows, as plain values (picklable: gathered across ranks)."""
+
+    nonfinite_rows: tuple[int, ...] = ()
+    magnitude_rows: tuple[int, ...] = ()
+    max_abs: float = 0.0  # the largest finite |value| in the float inputs
+    median_row_abs: float = 0.0  # the median over rows of each row's largest |value|
+    target_rows: tuple[int, ...] = ()  # rows whose class target is < 0 or >= output_size
+    target_min: int | None = None
+    target_max: int | None = None
+    output_size: int | None = None
+    replayable: bool = True
+
+
+def integer_tensors(batch: Any) -> list[Tensor]:
+    """Every integer (non-bool) tensor of a (nested) batch, in a stable order."""
+    if isinstance(batch, Tensor):
+        return [batch] if not batch.is_floating_point() and not batch.is_complex() and batch.dtype != torch.bool else []
+    if isinstance(batch, Mapping):
+        return [t for v in batch.values() for t in integer_tensors(v)]
+    if isinstance(batch, (list, tuple)):
+        return [t for v in batch for t in integer_tensors(v)]
+    return []
+
+
+def target_tensor(batch: Any) -> Tensor | None:
+    """The batch's class targets: a mapping's ``labels``/``targets``/``y`` entry, else the last integer tensor of a
+    ``(inputs, targets)`` sequence. ``None`` when the batch has none (regression, or integer inputs only)."""
+    if isinstance(batch, Mapping):
+        for key in _TARGET_KEYS:
+            value = batch.get(key)
+            if isinstance(value, Tensor) and integer_tensors(value):
+                return value
+        return None
+    if isinstance(batch, (list, tuple)) and len(batch) >= 2:
+        last = integer_tensors(batch[-1])
+        return last[-1] if last else None
+    return None
+
+
+def output_size(module: nn.Module) -> int | None:
+    """The model's output size, read from its last ``nn.Linear`` (``out_features``); ``None`` without one."""
+    size = None
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            size = int(m.out_features)
+    return size
+
+
+def magnitude_outliers(batch: Any, ratio: float = 1e3) -> tuple[list[int], float, float]:
+    """Rows whose largest finite |value| is ``ratio`` times the batch's median row (and the two magnitudes)."""
+    row_max: Tensor | None = None
+    for t in floating_tensors(batch):
+        if t.dim() == 0 or t.numel() == 0:
+            continue
+        flat = t.detach().reshape(t.shape[0], -1).float().abs()
+        flat = torch.where(torch.isfinite(flat), flat, torch.zeros_like(flat))
+        m = flat.amax(dim=1).cpu()
+        row_max = m if row_max is None or row_max.shape != m.shape else torch.maximum(row_max, m)
+    if row_max is None or row_max.numel() == 0:
+        return [], 0.0, 0.0
+    median = float(row_max.median())
+    top = float(row_max.max())
+    if row_max.numel() < 2:
+        return [], top, median
+    limit = max(median, 1e-6) * ratio
+    rows = [int(i) for i in torch.nonzero(row_max > limit).reshape(-1).tolist()]
+    return rows, top, median
+
+
+def read_batch(batch: Any, module: nn.Module, out_size: int | None = None) -> BatchFindings:
+    """All the batch evidence of one rank. ``out_size`` overrides the size read from the model's last Linear."""
+    if batch is None:
+        return BatchFindings(replayable=False)
+    bad = nonfinite_rows(batch)
+    mag, top, median = magnitude_outliers(batch)
+    size = out_size if out_size is not None else output_size(module)
+    target = target_tensor(batch)
+    t_rows: list[int] = []
+    t_min = t_max = None
+    if target is not None and target.numel() > 0:
+        flat = target.detach().reshape(target.shape[0], -1) if target.dim() > 0 else target.reshape(1, 1)
+        t_min, t_max = int(flat.min()), int(flat.max())
+        wrong = flat < 0
+        if size is not None:
+            wrong = wrong | (flat >= size)
+        t_rows = [int(i) for i in torch.nonzero(wrong.any(dim=1)).reshape(-1).tolist()]
+    return BatchFindings(
+        nonfinite_rows=tuple(bad),
+        magnitude_rows=tuple(r for r in mag if r not in bad),
+        max_abs=top,
+        median_row_abs=median,
+        target_rows=tuple(t_rows),
+        target_min=t_min,
+        target_max=t_max,
+        output_size=size,
+        replayable=True,
+    )

@@ -1,0 +1,170 @@
+"""Forensics on real ``Trainer.fit`` runs: each mechanism gives its cause class and names where it happened."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_nanguard import GradNormMonitor
+from lightning_nanguard.engine import get_engine
+from lightning_nanguard.exceptions import NonFiniteTrainingError
+from lightning_nanguard.testing import FaultInjector
+from tests.forensics.models import (
+    BAD_BATCH,
+    BATCH,
+    BatchNormNet,
+    HandBCE,
+    OverflowNet,
+    RegressionNet,
+    SoftTargetClassifier,
+)
+from tests.helpers import make_trainer
+
+
+def _fit(tmp_path: Any, model: Any, *, raises: bool = False, monitor: Any = None, **kw: Any) -> list[dict[str, Any]]:
+    callbacks = [*kw.pop("callbacks", []), monitor or GradNormMonitor()]
+    ckpt_path = kw.pop("ckpt_path", None)
+    trainer = make_trainer(tmp_path, callbacks=callbacks, **{"max_steps": 4, **kw})
+    if raises:
+        with pytest.raises(NonFiniteTrainingError):
+            trainer.fit(model, ckpt_path=ckpt_path)
+    else:
+        trainer.fit(model, ckpt_path=ckpt_path)
+    return [r.diagnosis for r in get_engine(trainer).sink.records]
+
+
+def _kinds(d: dict[str, Any]) -> list[str]:
+    return [e["kind"] for e in d["evidence"]]
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "16-true"])
+def test_fp16_overflow_names_the_layer_finite_in_float32(tmp_path: Any, precision: str) -> None:
+    model = OverflowNet()
+    [d] = _fit(tmp_path, model, precision=precision)
+    assert d["cause"] == "half_precision_overflow"
+    assert d["module"] == "power"
+    assert d["where"] == "power (finite in float32)"
+    assert d["replayed"]
+    assert d["replay_ms"] > 0
+    first = next(e for e in d["evidence"] if e["kind"] == "replay_first_module")
+    assert first["dtype"] == "torch.float16"
+    assert first["input_max"] > 256
+    assert "replay_fp32_finite" in _kinds(d)
+
+
+def test_nan_row_in_the_input_is_input_data(tmp_path: Any) -> None:
+    [d] = _fit(tmp_path, RegressionNet(bad_rows=(BAD_BATCH * BATCH + 3,)))
+    assert d["cause"] == "input_data"
+    assert d["rows"] == [3]
+    assert d["where"] == f"batch {BAD_BATCH} rows [3]"
+    assert not d["replayed"]  # the cheap evidence settled it
+
+
+def test_labels_beyond_the_head_are_targets(tmp_path: Any) -> None:
+    rows = (BAD_BATCH * BATCH + 1, BAD_BATCH * BATCH + 4)
+    [d] = _fit(tmp_path, SoftTargetClassifier(bad_label_rows=rows))
+    assert d["cause"] == "targets"
+    assert d["rows"] == [1, 4]
+    ev = next(e for e in d["evidence"] if e["kind"] == "targets_out_of_range")
+    assert (ev["target_max"], ev["output_size"]) == (9, 5)
+
+
+def test_log_of_zero_is_the_loss_function(tmp_path: Any) -> None:
+    [d] = _fit(tmp_path, HandBCE(hot_rows=(BAD_BATCH * BATCH + 2,)))
+    assert d["cause"] == "loss_function"
+    assert "every module output finite" in d["where"]
+    assert _kinds(d) == ["replay_loss_only"]
+    assert d["replayed"]
+
+
+def test_adamw_eps_underflow_in_16_true_is_optimizer_numerics(tmp_path: Any) -> None:
+    model = RegressionNet(optimizer="adamw", lr=1e-3, eps=1e-8)
+    [d] = _fit(tmp_path, model, raises=True, precision="16-true")  # no AutoRollback: the damage stops the run
+    assert d["cause"] == "optimizer_numerics"
+    assert d["state_damaged"]
+    assert "grads_finite_update_not" in _kinds(d)
+    assert "eps_underflow" in _kinds(d)
+    assert any("eps=1e-08 is 0 in torch.float16" in e["summary"] for e in d["evidence"])
+    assert d["where"].startswith("the optimizer update of ")
+
+
+def test_batchnorm_statistics_poisoned_by_a_forward_are_corrupt_state(tmp_path: Any) -> None:
+    [d] = _fit(tmp_path, BatchNormNet(hot_row=BAD_BATCH * BATCH + 2), raises=True)
+    assert d["cause"] == "corrupt_state"
+    assert "norm.running_var" in d["state_tensors"]
+    assert d["where"].startswith("norm.running_var, written by the forward of norm on batch 2 rows [2]")
+    assert d["rows"] == [2]
+    assert "batch_magnitude" in _kinds(d)
+
+
+def test_resumed_checkpoint_with_nan_weights_is_corrupt_state_loaded_from_file(tmp_path: Any) -> None:
+    trainer = make_trainer(tmp_path, max_steps=-1, max_epochs=1)  # ends at an epoch boundary: a clean resume
+    trainer.fit(RegressionNet())
+    good = str(tmp_path / "good.ckpt")
+    trainer.save_checkpoint(good)
+    ckpt = torch.load(good, weights_only=False)
+    ckpt["state_dict"]["head.weight"][0, 0] = float("nan")
+    bad = str(tmp_path / "bad.ckpt")
+    torch.save(ckpt, bad)
+    [d] = _fit(tmp_path, RegressionNet(), raises=True, ckpt_path=bad, max_steps=-1, max_epochs=2)
+    assert d["cause"] == "corrupt_state"
+    assert d["state_tensors"] == ["head.weight"]
+    assert d["where"] == f"head.weight (loaded from {bad})"
+    assert "state_from_checkpoint" in _kinds(d)
+
+
+def test_one_off_fault_that_does_not_reproduce_is_transient(tmp_path: Any) -> None:
+    [d] = _fit(tmp_path, RegressionNet(), callbacks=[FaultInjector("loss", steps=[BAD_BATCH])])
+    assert d["cause"] == "transient"
+    assert d["where"] == f"batch {BAD_BATCH} (not reproduced)"
+    assert d["replayed"]
+    assert "replay_not_reproduced" in _kinds(d)
+
+
+def test_first_reuses_the_replay_every_replays_each_off_never(tmp_path: Any) -> None:
+    steps = [1, 3]
+    first = _fit(tmp_path, RegressionNet(), callbacks=[FaultInjector("loss", steps=steps)], max_steps=5)
+    assert [d["cause"] for d in first] == ["transient", "transient"]
+    assert [d["replayed"] for d in first] == [True, False]
+    assert "reused the replay of step 1" in first[1]["note"]
+    every = _fit(
+        tmp_path,
+        RegressionNet(),
+        callbacks=[FaultInjector("loss", steps=steps)],
+        monitor=GradNormMonitor(forensics="every"),
+        max_steps=5,
+    )
+    assert [d["replayed"] for d in every] == [True, True]
+    off = _fit(
+        tmp_path,
+        RegressionNet(),
+        callbacks=[FaultInjector("loss", steps=steps)],
+        monitor=GradNormMonitor(forensics="off"),
+        max_steps=5,
+    )
+    assert [(d["cause"], d["replayed"]) for d in off] == [("unknown", False)] * 2
+    assert "forensics='off'" in off[0]["note"]
+
+
+def test_gradient_accumulation_falls_back_to_cheap_evidence(tmp_path: Any) -> None:
+    [d] = _fit(
+        tmp_path,
+        RegressionNet(),
+        callbacks=[FaultInjector("loss", steps=[1])],
+        accumulate_grad_batches=2,
+    )
+    assert not d["replayed"]
+    assert "gradient accumulation" in d["note"]
+
+
+def test_healthy_fit_never_replays(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_nanguard.forensics.investigation as inv
+
+    def boom(*a: Any, **k: Any) -> None:
+        raise AssertionError("a healthy step was replayed")
+
+    monkeypatch.setattr(inv, "run_pass", boom)
+    monkeypatch.setattr(inv, "gather_findings", boom)
+    assert _fit(tmp_path, RegressionNet(), max_steps=6) == []
