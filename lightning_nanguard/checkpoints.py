@@ -1,8 +1,11 @@
 """Checkpoint integrity: sha256 sidecars, verification, and the newest verified checkpoint in a directory.
 
 A checkpoint ``X.ckpt`` is *verified* when its sidecar ``X.ckpt.sha256`` exists and matches the file's sha256, the
-file loads with ``torch.load(weights_only=True)``, and every floating-point tensor in its ``state_dict`` and
-``optimizer_states`` is finite. The sidecar is in ``sha256sum`` format, so ``sha256sum -c X.ckpt.sha256`` works too.
+file loads with ``torch.load(weights_only=True)``, and every floating-point (and complex) tensor of its weights is
+finite: ``state_dict`` and ``optimizer_states`` of a Lightning checkpoint, every tensor of any other layout (a plain
+``torch.save(model.state_dict())``, ``{"model": ...}``, a list). The sidecar is in ``sha256sum`` format, so
+``sha256sum -c X.ckpt.sha256`` works too. Where a file has no sidecar (``require_sidecar=False``), the CRC-32 that
+torch's zip format stores for every member is checked instead, so a flipped bit in a tensor's bytes is still caught.
 
 No Lightning import here: these functions are usable from any script (``nanguard verify``, a resume by hand).
 """
@@ -11,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import zipfile
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +29,9 @@ __all__ = [
     "SIDECAR_SUFFIX",
     "VerifyResult",
     "check_sidecar",
+    "check_zip_crc",
     "checkpoint_files",
+    "checkpoint_step",
     "last_good_checkpoint",
     "nonfinite_tensors",
     "sha256_of",
@@ -75,22 +82,32 @@ def write_sidecar(path: str, *, digest: str | None = None) -> str:
     return digest
 
 
-def nonfinite_tensors(checkpoint: dict[str, Any]) -> list[str]:
-    """Names of the non-finite floating-point tensors in a checkpoint's weights and optimizer states.
+def nonfinite_tensors(checkpoint: Any) -> list[str]:
+    """Names of the non-finite floating-point or complex tensors of a checkpoint's weights and optimizer states.
+
+    A Lightning checkpoint (a dict with a ``"state_dict"``) is checked in ``state_dict`` and ``optimizer_states``
+    only: callback states legitimately hold infinities (EarlyStopping's initial ``best_score``). Any other layout (a
+    plain state dict, ``{"model": ...}``, a bare tensor, a list) is checked everywhere, so nothing is blessed just
+    because it is not laid out the way Lightning writes.
 
     One fused 2-norm pass per (device, dtype) group (float32 accumulation) and one host read. A 2-norm propagates
     NaN/inf, so a tensor with a finite norm is finite; a non-finite norm can also be an overflow of large, finite
-    values (Adam's second moments), so those few tensors are confirmed one by one. (``_foreach_norm`` with
-    ``ord=inf`` would need no confirmation but was 8-14x slower on CPU.)
+    values (Adam's second moments), so those few tensors are confirmed one by one. Complex tensors are checked
+    through their real view (a complex NaN is a NaN in its real or imaginary part).
     """
     names: list[str] = []
     tensors: list[Tensor] = []
 
     def walk(prefix: str, obj: Any) -> None:
         if isinstance(obj, Tensor):
-            if obj.is_floating_point() and obj.layout == torch.strided and obj.numel() > 0:
-                names.append(prefix)
-                tensors.append(obj.detach())
+            if obj.layout != torch.strided or obj.numel() == 0:
+                return
+            t = obj.detach()
+            if t.is_complex():
+                t = torch.view_as_real(t)
+            if t.is_floating_point():
+                names.append(prefix or "tensor")
+                tensors.append(t)
         elif isinstance(obj, dict):
             for k, v in obj.items():
                 walk(f"{prefix}.{k}" if prefix else str(k), v)
@@ -98,8 +115,11 @@ def nonfinite_tensors(checkpoint: dict[str, Any]) -> list[str]:
             for i, v in enumerate(obj):
                 walk(f"{prefix}[{i}]", v)
 
-    walk("state_dict", checkpoint.get("state_dict", {}))
-    walk("optimizer_states", checkpoint.get("optimizer_states", []))
+    if isinstance(checkpoint, dict) and "state_dict" in checkpoint:
+        walk("state_dict", checkpoint.get("state_dict", {}))
+        walk("optimizer_states", checkpoint.get("optimizer_states", []))
+    else:
+        walk("", checkpoint)
     if not tensors:
         return []
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
@@ -141,13 +161,34 @@ def check_sidecar(path: str, *, require_sidecar: bool = True) -> str | None:
                 f"no checksum sidecar {os.path.basename(path) + SIDECAR_SUFFIX} (the file was not written by "
                 "CheckpointGuard, or the save was interrupted before the sidecar was written)"
             )
-        return None
+        return check_zip_crc(path)  # no sha256 to compare with: the CRC-32s torch's zip format stores
     with open(sidecar, encoding="utf-8") as f:
         fields = f.read().split()
     if not fields:
         return f"checksum sidecar {os.path.basename(sidecar)} is empty"
     if sha256_of(path) != fields[0].lower():
         return f"sha256 does not match {os.path.basename(sidecar)} (the file is corrupt, truncated or was modified)"
+    return None
+
+
+def check_zip_crc(path: str) -> str | None:
+    """Why ``path``'s zip members fail their stored CRC-32, or ``None`` when they pass (or it is not a zip file).
+
+    torch's default format is a zip archive with a CRC-32 per member (``torch.load`` does not check them), so a
+    flipped bit inside a tensor's bytes is found without a sidecar. The legacy pickle format (``torch.save(...,
+    _use_new_zipfile_serialization=False)``) has no checksum at all and passes.
+    """
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"PK\x03\x04":
+        return None  # legacy format: nothing to check against (its contents are still loaded and checked)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
+        return f"the file is corrupt or truncated: its zip structure cannot be read ({type(err).__name__}: {err})"
+    if bad is not None:
+        return f"the file is corrupt: CRC-32 mismatch in zip member {bad!r} (bytes changed after it was written)"
     return None
 
 
@@ -174,7 +215,7 @@ def verify_and_load(
         checkpoint = load(path) if load is not None else torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # any unreadable file is a failed verification, whatever torch raises
         return VerifyResult(path, False, _load_failure(err)), None
-    bad = nonfinite_tensors(checkpoint) if isinstance(checkpoint, dict) else []
+    bad = nonfinite_tensors(checkpoint)
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
         return VerifyResult(path, False, f"non-finite values in {', '.join(bad[:3])}{more}"), None
@@ -182,8 +223,9 @@ def verify_and_load(
 
 
 def verify_checkpoint(path: str, *, require_sidecar: bool = True) -> VerifyResult:
-    """Check a checkpoint file: sidecar checksum, loadable with ``weights_only=True``, finite weights and state."""
-    return verify_and_load(str(path), require_sidecar=require_sidecar)[0]
+    """Check a checkpoint file: sidecar checksum (zip CRC-32s without one), loadable with ``weights_only=True``, finite
+    weights and optimizer state."""
+    return verify_and_load(os.fspath(path), require_sidecar=require_sidecar)[0]
 
 
 def checkpoint_files(dirpath: str) -> list[str]:
@@ -205,30 +247,59 @@ def last_good_checkpoint(
     Symlinks are skipped (their targets are regular files of the directory). Every rank that calls this on the same
     directory gets the same answer.
 
+    Args:
+        dirpath: the checkpoint directory.
+        require_sidecar: only files with a matching sha256 sidecar count.
+        at_or_before_step: only Lightning checkpoints whose ``global_step`` is this step or earlier count (a file
+            without a ``global_step`` never does): a rollback to step N must never "restore" a later state, such as
+            the newest file of an abandoned run in the same directory.
+
     Example::
 
         >>> ckpt = last_good_checkpoint("lightning_logs/version_0/checkpoints")
         >>> trainer.fit(model, ckpt_path=ckpt)
     """
-    for path in checkpoint_files(str(dirpath)):
+    for path in checkpoint_files(os.fspath(dirpath)):
         result, checkpoint = verify_and_load(path, require_sidecar=require_sidecar)
         if not result.ok:
             continue
-        step = checkpoint.get("global_step") if isinstance(checkpoint, dict) else None
-        if at_or_before_step is not None and isinstance(step, int) and step > at_or_before_step:
-            continue
+        if at_or_before_step is not None:
+            step = checkpoint_step(checkpoint)
+            if step is None or step > at_or_before_step:
+                continue
         return path
     return None
 
 
+def checkpoint_step(checkpoint: Any) -> int | None:
+    """A loaded Lightning checkpoint's ``global_step``; ``None`` for any other layout."""
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        return None
+    step = checkpoint.get("global_step")
+    if isinstance(step, Tensor) and step.numel() == 1 and not step.is_floating_point():
+        step = int(step.item())
+    if isinstance(step, bool) or not isinstance(step, int):
+        return None
+    return step
+
+
 def _load_failure(err: Exception) -> str:
-    text = (
-        f"cannot be loaded with weights_only=True: {type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
-    )
-    if "weights_only" in str(err) or "Unsupported global" in str(err):
-        text += (
-            " (if the file is trusted and its hyperparameters hold custom types, allow-list them with "
-            "torch.serialization.add_safe_globals([...]); torch.serialization.get_unsafe_globals_in_checkpoint(path) "
-            "lists them)"
+    text = str(err).strip()
+    # torch's weights-only error opens with how to load the file unsafely (weights_only=False); never repeat that
+    # advice: the part that says what failed follows "WeightsUnpickler error:".
+    found = re.search(r"WeightsUnpickler error:\s*(.*?)(?:\n\s*Check the documentation|$)", text, re.S)
+    if found is not None:
+        detail = " ".join(found.group(1).split())
+    else:
+        detail = (text.splitlines() or [""])[0].strip()
+        if "weights_only" in detail and "False" in detail:
+            detail = "weights-only unpickling failed"
+    if "Unsupported global" in text:
+        return (
+            f"cannot be loaded with weights_only=True: {detail} (if the file is trusted and its hyperparameters hold "
+            "custom types, allow-list them with torch.serialization.add_safe_globals([...]); "
+            "torch.serialization.get_unsafe_globals_in_checkpoint(path) lists them)"
         )
-    return text
+    return (
+        f"cannot be loaded: the file is corrupt, truncated or not a torch checkpoint ({type(err).__name__}: {detail})"
+    )

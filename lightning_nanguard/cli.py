@@ -1,8 +1,10 @@
 """The ``nanguard`` command.
 
-* ``nanguard report RUN_DIR`` prints a run's incidents.
-* ``nanguard verify PATH...`` verifies checkpoint files (or every ``*.ckpt`` of a directory): exit 0 when all verify,
-  1 when any fails (each failure printed with its reason).
+* ``nanguard report RUN_DIR`` prints a run's incidents (``RUN_DIR/nanguard/incidents.jsonl``).
+* ``nanguard verify PATH...`` verifies checkpoint files (or every ``*.ckpt`` of a directory).
+* ``nanguard --version`` prints the installed version.
+
+Exit codes are in ``EXIT_CODES`` (and in ``nanguard --help``).
 """
 
 from __future__ import annotations
@@ -13,22 +15,63 @@ import sys
 from collections.abc import Sequence
 
 from lightning_nanguard.checkpoints import SIDECAR_SUFFIX, checkpoint_files, verify_checkpoint, write_sidecar
-from lightning_nanguard.engine.sink import INCIDENTS_FILE
+from lightning_nanguard.engine.sink import INCIDENTS_FILE, SUMMARY_FILE
 from lightning_nanguard.reporting.incidents import IncidentLog
 from lightning_nanguard.reporting.summary import format_summary
 
-__all__ = ["main"]
+__all__ = ["EXIT_CODES", "build_parser", "main"]
+
+EXIT_CODES = """\
+exit codes:
+  0  success: the report was printed (a run without incidents says "no incidents"), or every checkpoint verified
+  1  nanguard verify: at least one checkpoint failed verification (each failure is printed with its reason)
+  2  usage error, or no nanguard log where nanguard report looked (nor a run directory with nanguard's files)
+"""
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        return version("lightning-nanguard")
+    except PackageNotFoundError:  # a source checkout that is not installed
+        from lightning_nanguard import __version__
+
+        return __version__
 
 
 def _report(args: argparse.Namespace) -> int:
     path = args.path
     if os.path.isdir(path):
-        path = os.path.join(path, INCIDENTS_FILE)
-    if not os.path.isfile(path):
+        candidates = [os.path.join(path, INCIDENTS_FILE), os.path.join(path, os.path.basename(INCIDENTS_FILE))]
+        found = next((c for c in candidates if os.path.isfile(c)), None)
+        if found is None:
+            # A clean run may have no incident log (an older nanguard, or one written before the first incident):
+            # its summary, or the nanguard directory, says that nanguard ran here.
+            summaries = [os.path.join(path, SUMMARY_FILE), os.path.join(path, os.path.basename(SUMMARY_FILE))]
+            summary = next((s for s in summaries if os.path.isfile(s)), None)
+            if summary is None and not os.path.isdir(os.path.join(path, os.path.dirname(INCIDENTS_FILE))):
+                print(
+                    f"nanguard report: no nanguard log in {path} (looked for {candidates[0]}); pass the log "
+                    "directory of a run that had a logger, or its incidents.jsonl",
+                    file=sys.stderr,
+                )
+                return 2
+            print(f"no incidents: nanguard recorded none in {path}")
+            if summary is not None:
+                with open(summary, encoding="utf-8") as f:
+                    print(f.read().rstrip("\n"))
+            return 0
+        path = found
+    elif not os.path.isfile(path):
         print(f"nanguard report: no incident log at {path}", file=sys.stderr)
         return 2
     records = IncidentLog.read(path)
-    print(format_summary(records, sorted({r.source for r in records}), path, limit=args.limit))
+    if not records:
+        print(f"no incidents: {path} is empty (nanguard recorded none in this run)")
+        return 0
+    sources = sorted({s.strip() for r in records for s in r.source.split(",") if s.strip()})
+    print(format_summary(records, sources, path, limit=args.limit))
     return 0
 
 
@@ -57,22 +100,53 @@ def _verify(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _limit(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (0 lists every incident), got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="nanguard", description="lightning_nanguard tools")
+    parser = argparse.ArgumentParser(
+        prog="nanguard",
+        description="lightning_nanguard tools: report a run's incidents, verify checkpoint files.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    report = sub.add_parser("report", help="print the incidents of a run (a log dir or an incidents.jsonl)")
-    report.add_argument("path")
-    report.add_argument("--limit", type=int, default=20, help="incidents to list (default 20)")
+    report = sub.add_parser(
+        "report",
+        help="print the incidents of a run (a log dir or an incidents.jsonl); exit 0, or 2 when there is no log",
+        description="Print the incidents a run recorded (RUN_DIR/nanguard/incidents.jsonl). A run without incidents "
+        'prints "no incidents".',
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    report.add_argument("path", metavar="RUN_DIR_OR_FILE", help="a run's log directory, or an incidents.jsonl file")
+    report.add_argument(
+        "--limit", type=_limit, default=20, help="incidents to list, first and last halves (default 20; 0 lists all)"
+    )
     report.set_defaults(func=_report)
     verify = sub.add_parser(
-        "verify", help="verify checkpoints (sha256 sidecar, loadable with weights_only=True, finite); exit 1 on failure"
+        "verify",
+        help="verify checkpoints (sha256 sidecar, loadable with weights_only=True, finite); exit 1 on failure",
+        description="Verify checkpoint files: the sha256 sidecar (without one, the zip CRC-32s torch stores), "
+        "loadable with torch.load(weights_only=True), every weight and optimizer tensor finite (in any layout: a "
+        "Lightning checkpoint, a plain state dict, ...).",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     verify.add_argument("paths", nargs="+", metavar="PATH", help="checkpoint files, or directories of *.ckpt files")
     verify.add_argument(
         "--no-require-sidecar",
         dest="require_sidecar",
         action="store_false",
-        help="accept a file without its .sha256 sidecar (its contents are still checked)",
+        help="accept a file without its .sha256 sidecar (its CRC-32s and contents are still checked)",
     )
     verify.add_argument(
         "--write-sidecar",

@@ -6,22 +6,20 @@ import os
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_nanguard._validation import check_choice
-from lightning_nanguard.callbacks._common import check_strategy_supported, make_incident
-from lightning_nanguard.checkpoints import LAST_GOOD_NAME
-from lightning_nanguard.engine import get_engine
-from lightning_nanguard.exceptions import UnsupportedSetupError
+from lightning_nanguard.callbacks._base import NanGuardCallback
+from lightning_nanguard.callbacks._common import make_incident
+from lightning_nanguard.engine import Engine, get_engine
+from lightning_nanguard.exceptions import NanGuardConfigError, UnsupportedSetupError
 from lightning_nanguard.policies.verdict import Action
-from lightning_nanguard.recovery.verifying_io import CheckpointEvent, VerifyingCheckpointIO
+from lightning_nanguard.recovery.verifying_io import CheckpointEvent, VerifyingCheckpointIO, remove_stale_tmp_files
 
 __all__ = ["CheckpointGuard"]
 
 
-class CheckpointGuard(Callback):
+class CheckpointGuard(NanGuardCallback):
     """Write every checkpoint atomically with a sha256 sidecar, refuse non-finite ones, verify before resuming.
 
     In ``setup`` the strategy's ``CheckpointIO`` is wrapped (``trainer.strategy.checkpoint_io``), so every checkpoint
@@ -29,24 +27,32 @@ class CheckpointGuard(Callback):
     (``fit(ckpt_path=...)``, ``validate``/``test``/``predict``) goes through it:
 
     * **save** (global rank 0, the only rank that writes): a checkpoint whose weights or optimizer state hold NaN/inf
-      is not written at all (a ``refuse`` incident names the tensors); a good one is written to a temporary file in
-      the same directory, fsynced, renamed onto the target, and then gets ``<file>.sha256``. The directory's
-      ``nanguard-last-good.ckpt`` (a hard link with its own sidecar) then points at it: ModelCheckpoint's top-k
-      retention never deletes it, so the last good weights survive a run that went NaN.
-    * **load** (every rank, before any weight is used): checksum, ``torch.load(weights_only=True)``, finiteness.
-      A failure raises ``CheckpointVerificationError`` naming the file, the reason and what to try; with
-      ``fallback=True`` the newest verified checkpoint of the same directory is loaded instead and a ``fallback``
-      incident names both files (``trainer.ckpt_path`` still shows the requested one).
+      (complex tensors included) is not written at all (a ``refuse`` incident names the tensors), and removals in
+      that directory (ModelCheckpoint's top-k retention, which believes the refused file exists) wait until a finite
+      checkpoint is written there again, so the last good file is never deleted for a file that does not exist. A
+      good checkpoint is written to a temporary file in the same directory, fsynced, renamed onto the target, and
+      then gets ``<file>.sha256``; the directory's ``nanguard-last-good.ckpt`` (a hard link with its own sidecar) then
+      points at it. Temporary files left by a save that was killed (preemption, OOM killer) are removed by a later
+      run (only ours, and only when their writer is gone).
+    * **load** (every rank, before any weight is used): checksum (without a sidecar, the zip CRC-32s torch stores),
+      ``torch.load(weights_only=True)``, finiteness. A missing file raises ``FileNotFoundError``, as in plain
+      Lightning. A failure raises ``CheckpointVerificationError`` naming the file, the reason and what to try; with
+      ``fallback=True`` the newest verified checkpoint of the same directory is loaded instead, always with
+      ``weights_only=True``, and a ``fallback`` incident names both files (``trainer.ckpt_path`` still shows the
+      requested one).
 
     ``weights_only=True`` refuses pickled custom objects in hyperparameters (``pathlib.Path``, ``argparse.Namespace``,
-    numpy scalars): allow-list them with ``torch.serialization.add_safe_globals([...])`` or pass
-    ``fit(..., weights_only=False)`` for files you trust. The wrapper stays installed after fit, so a final
-    ``trainer.save_checkpoint(...)`` still gets its sidecar. To resume by hand, use
-    ``lightning_nanguard.last_good_checkpoint(dirpath)``.
+    numpy scalars): allow-list them with ``torch.serialization.add_safe_globals([...])``, or pass
+    ``fit(..., weights_only=False)`` for the file you name and trust (a fallback file is still loaded weights-only).
+    The wrapper stays installed after fit, so a final ``trainer.save_checkpoint(...)`` still gets its sidecar. To
+    resume by hand, use ``lightning_nanguard.last_good_checkpoint(dirpath)``; to check files, ``nanguard verify``.
+    Refusals happen on rank 0 only and are reported, never fed to a training decision, so they cannot make ranks
+    disagree.
 
     Args:
         require_sidecar: refuse to load a file without its ``.sha256`` sidecar (written by CheckpointGuard or by
-            ``nanguard verify --write-sidecar``). ``False`` checks such files for readability and finiteness only.
+            ``nanguard verify --write-sidecar``). ``False`` checks such files for zip CRC-32s, readability and
+            finiteness only.
         fallback: on a failed verification, resume from the newest verified checkpoint of the same directory.
         tag_last_good: keep ``nanguard-last-good.ckpt`` pointing at the newest good checkpoint of each directory.
 
@@ -55,8 +61,9 @@ class CheckpointGuard(Callback):
         ``nanguard/incident/fallback``   1.0 when a resume fell back to another file (at train start)
 
     Raises:
-        NanGuardConfigError: at construction, for an argument outside its rule.
+        NanGuardConfigError: at construction, for an argument that is not a bool.
         UnsupportedSetupError: at setup, for sharded strategies or an asynchronous CheckpointIO.
+        FileNotFoundError: when the checkpoint to load does not exist.
         CheckpointVerificationError: when a checkpoint to load fails verification and there is no fallback.
 
     Example::
@@ -68,9 +75,13 @@ class CheckpointGuard(Callback):
 
     def __init__(self, require_sidecar: bool = True, fallback: bool = False, tag_last_good: bool = True) -> None:
         owner = type(self).__name__
-        check_choice(owner, "require_sidecar", require_sidecar, (True, False))
-        check_choice(owner, "fallback", fallback, (True, False))
-        check_choice(owner, "tag_last_good", tag_last_good, (True, False))
+        for name, value in (
+            ("require_sidecar", require_sidecar),
+            ("fallback", fallback),
+            ("tag_last_good", tag_last_good),
+        ):
+            if not isinstance(value, bool):  # 0/1 compare equal to False/True but are not what a YAML bool reads as
+                raise NanGuardConfigError(f"{owner}({name}={value!r}): must be True or False (a bool).")
         self.require_sidecar = require_sidecar
         self.fallback = fallback
         self.tag_last_good = tag_last_good
@@ -80,59 +91,75 @@ class CheckpointGuard(Callback):
         self._fit = False
         self._pending: list[CheckpointEvent] = []
 
-    @property
-    @override
-    def state_key(self) -> str:
-        # No arguments in the key: one guard per Trainer, and resuming with other settings (fallback=True) is normal.
-        return self._generate_state_key()
-
     # ------------------------------------------------------------------ lifecycle
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        owner = type(self).__name__
-        check_strategy_supported(trainer, owner)
-        io = trainer.strategy.checkpoint_io
-        if isinstance(io, VerifyingCheckpointIO):  # a second fit on the same Trainer: reuse, with our settings
-            io.listener = self._on_event
-            io.require_sidecar, io.fallback, io.tag_last_good = self.require_sidecar, self.fallback, self.tag_last_good
-        else:
-            if "AsyncCheckpointIO" in {cls.__name__ for cls in type(io).__mro__}:
-                raise UnsupportedSetupError(
-                    f"{owner} cannot checksum checkpoints written in the background by AsyncCheckpointIO: the file "
-                    "is not complete when save_checkpoint returns. Remove AsyncCheckpointIO from Trainer(plugins=...) "
-                    "or remove CheckpointGuard."
-                )
-            trainer.strategy.checkpoint_io = VerifyingCheckpointIO(
-                io,
-                require_sidecar=self.require_sidecar,
-                fallback=self.fallback,
-                tag_last_good=self.tag_last_good,
-                listener=self._on_event,
-            )
+        # Every stage, not only fit: validate/test/predict(ckpt_path=...) load through the wrapper too.
+        self._check_environment(trainer)
+        self._wrap(trainer)
         self._trainer = trainer
         self._fit = stage == "fit"
         self._pending = []
         if self._fit:
-            get_engine(trainer).join(trainer, self, fit=False)
+            # A member, never the driver: checkpoints are not training steps, and a guard alone must not make the
+            # engine watch them. ``join`` returns False for a non-driving member.
+            engine = get_engine(trainer)
+            self._drives = engine.join(trainer, self, fit=False)
+            self._install(trainer, pl_module, engine)
+
+    @override
+    def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
+        """No capability to register: the wrapper acts on its own, and only reports to the engine's sink."""
+
+    def _wrap(self, trainer: pl.Trainer) -> None:
+        owner = type(self).__name__
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, VerifyingCheckpointIO):  # a second fit on the same Trainer: reuse, with our settings
+            io.listener = self._on_event
+            io.require_sidecar, io.fallback, io.tag_last_good = self.require_sidecar, self.fallback, self.tag_last_good
+            return
+        if "AsyncCheckpointIO" in {cls.__name__ for cls in type(io).__mro__}:
+            raise UnsupportedSetupError(
+                f"{owner} cannot checksum checkpoints written in the background by AsyncCheckpointIO: the file "
+                "is not complete when save_checkpoint returns. Remove AsyncCheckpointIO from Trainer(plugins=...) "
+                "or remove CheckpointGuard."
+            )
+        trainer.strategy.checkpoint_io = VerifyingCheckpointIO(
+            io,
+            require_sidecar=self.require_sidecar,
+            fallback=self.fallback,
+            tag_last_good=self.tag_last_good,
+            listener=self._on_event,
+        )
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
         self._flush(trainer)  # global_step is restored now, so a fallback incident names the step resumed at
+        if trainer.is_global_zero:  # the only rank that writes checkpoints: the temporary files of killed saves
+            for callback in trainer.checkpoint_callbacks:
+                dirpath = getattr(callback, "dirpath", None)
+                if dirpath and os.path.isdir(str(dirpath)):
+                    remove_stale_tmp_files(str(dirpath))
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        get_engine(trainer).finish(trainer, raise_pending=True)
+        super().on_train_end(trainer, pl_module)
+        if get_engine(trainer).driver is None:  # no nanguard callback drives this fit: the summary is ours to print
+            get_engine(trainer).finish(trainer, raise_pending=True)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        if self._fit:
-            self._flush(trainer)
+        if not self._fit:
+            return
+        self._flush(trainer)
+        super().on_exception(trainer, pl_module, exception)
+        if get_engine(trainer).driver is None:
             get_engine(trainer).finish(trainer, raise_pending=False)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit":
-            get_engine(trainer).close()
+        super().teardown(trainer, pl_module, stage)
         # The wrapper stays installed (a later trainer.save_checkpoint still gets its sidecar); events after this
         # point are warned about rather than recorded, as there is no fit to record them in.
         self._fit = False
@@ -149,6 +176,8 @@ class CheckpointGuard(Callback):
 
     # ------------------------------------------------------------------ events from the wrapper
     def _on_event(self, event: CheckpointEvent) -> None:
+        # Saves happen on global rank 0 only: what is done here is reported, never fed to a decision (a rank-local
+        # event must not steer any state that a collective depends on).
         if event.kind == "saved":
             self.last_saved = event.path
         elif event.kind == "refused_save":
@@ -179,6 +208,8 @@ class CheckpointGuard(Callback):
             values["loaded"] = event.substitute
         if event.tensors:
             values["nonfinite_tensors"] = ", ".join(event.tensors[:10])
+        if event.kept:
+            values["kept"] = event.kept
         incident = make_incident(
             trainer,
             trigger="nonfinite_checkpoint" if event.kind == "refused_save" else "checkpoint_verification_failed",
@@ -195,20 +226,22 @@ class CheckpointGuard(Callback):
                 f" and {len(event.tensors) - 3} more" if len(event.tensors) > 3 else ""
             )
             where = f" at global_step={self._trainer.global_step}" if self._trainer is not None else ""
-            tag = os.path.join(os.path.dirname(os.path.abspath(event.path)), LAST_GOOD_NAME)
-            if self.tag_last_good and os.path.isfile(tag):
-                kept = f"the newest good checkpoint stays at {tag}"
+            directory = os.path.dirname(os.path.abspath(event.path))
+            if event.kept:
+                kept = f"the newest good checkpoint stays at {event.kept}"
             else:
-                kept = "earlier checkpoints are untouched"
+                kept = f"no good checkpoint of this run is known in {directory}"
             return (
                 f"CheckpointGuard refused to write {event.path}{where}: non-finite values in {shown}. Nothing was "
-                f"written; {kept}. The weights or optimizer state went non-finite: add GradNormMonitor or "
-                "AutoRollback to stop such updates, lower the learning rate, or resume from the last good checkpoint."
+                f"written; {kept}, and checkpoint retention (ModelCheckpoint's save_top_k) cannot delete files of "
+                f"{directory} until a finite checkpoint is written there again. The weights or optimizer state went "
+                "non-finite: add GradNormMonitor or AutoRollback to stop such updates, lower the learning rate, or "
+                "resume from the last good checkpoint."
             )
         if event.kind == "fallback":
             return (
                 f"CheckpointGuard: {event.path} failed verification ({event.reason}); loaded {event.substitute}, "
-                "the newest verified checkpoint of that directory, instead. trainer.ckpt_path still shows the "
-                "requested file."
+                "the newest verified checkpoint of that directory, instead (with weights_only=True). "
+                "trainer.ckpt_path still shows the requested file."
             )
         return f"CheckpointGuard refused to load {event.path}: {event.reason}."

@@ -5,6 +5,12 @@
 Param-group hyperparameters (lr, eps, betas...) in the file are *not* used: the live ones are put back after the
 load, so an LR/eps backoff made since the checkpoint survives (the issue OPT hit: reloading the optimizer silently
 reloaded old betas). Schedulers are not rewound, as for the in-memory path.
+
+The file is read here, with ``torch.load(weights_only=True)`` and the full verification (sidecar, finiteness), not
+through the strategy's ``CheckpointIO``: nanguard chose this file, so nothing in it is unpickled beyond weights, and a
+``CheckpointGuard(fallback=True)`` wrapper cannot swap in another file (possibly a later step) behind the caller's
+back. A checkpoint of a step after the current ``global_step`` is refused: a rollback never restores the future of
+an abandoned run. The verdict is reduced across ranks, so every rank loads or every rank raises.
 """
 
 from __future__ import annotations
@@ -13,8 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 
-__all__ = ["DiskRestore", "restore_from_checkpoint"]
+from lightning_nanguard import _distributed
+from lightning_nanguard.checkpoints import checkpoint_step, verify_and_load
+from lightning_nanguard.exceptions import CheckpointVerificationError
+
+__all__ = ["DiskRestore", "load_rollback_checkpoint", "restore_from_checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -25,10 +36,54 @@ class DiskRestore:
     scale: float | None  # the GradScaler scale saved in the file (applied only downward by the caller)
 
 
+def load_rollback_checkpoint(path: str, *, at_or_before_step: int, require_sidecar: bool = True) -> dict[str, Any]:
+    """Read and verify ``path`` for a rollback to ``at_or_before_step`` (weights-only); raise if it does not qualify.
+
+    Raises:
+        CheckpointVerificationError: the file fails verification, is not a Lightning checkpoint, or is of a later
+            step.
+    """
+    result, checkpoint = verify_and_load(
+        path,
+        require_sidecar=require_sidecar,
+        load=lambda p: torch.load(p, map_location="cpu", weights_only=True),
+    )
+    if not result.ok:
+        raise CheckpointVerificationError(
+            f"nanguard: cannot roll back from {path}: {result.reason}. No weights were loaded from it."
+        )
+    step = checkpoint_step(checkpoint)
+    if step is None:
+        raise CheckpointVerificationError(
+            f"nanguard: cannot roll back from {path}: not a Lightning checkpoint (no state_dict/global_step)."
+        )
+    if step > at_or_before_step:
+        raise CheckpointVerificationError(
+            f"nanguard: cannot roll back from {path}: it holds global_step={step}, after the step being restored to "
+            f"({at_or_before_step}); it belongs to another (abandoned) run in the same directory."
+        )
+    return checkpoint  # type: ignore[no-any-return]
+
+
 def restore_from_checkpoint(trainer: pl.Trainer, path: str) -> DiskRestore:
-    """Load ``path``'s model and optimizer state into the running fit. Call on every rank."""
+    """Load ``path``'s model and optimizer state into the running fit. Call on every rank, with the same ``path``.
+
+    Raises:
+        CheckpointVerificationError: on every rank, when the file fails verification on any rank or is of a step
+            after ``trainer.global_step`` (nothing is loaded then).
+    """
     strategy = trainer.strategy
-    checkpoint: dict[str, Any] = strategy.load_checkpoint(path)
+    error: CheckpointVerificationError | None = None
+    checkpoint: dict[str, Any] = {}
+    try:
+        checkpoint = load_rollback_checkpoint(path, at_or_before_step=int(trainer.global_step))
+    except CheckpointVerificationError as err:
+        error = err
+    if _distributed.any_rank(trainer, error is not None):  # every rank loads, or none does
+        raise error or CheckpointVerificationError(
+            f"nanguard: cannot roll back from {path}: it failed verification on another rank (rank "
+            f"{trainer.global_rank} read it fine); every rank must read the same file (a shared filesystem)."
+        )
     hyper = [[{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] for opt in trainer.optimizers]
     strategy.load_model_state_dict(checkpoint, strict=True)
     if checkpoint.get("optimizer_states"):

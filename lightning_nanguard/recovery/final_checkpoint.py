@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import lightning.pytorch as pl
 
-from lightning_nanguard.checkpoints import write_sidecar
+from lightning_nanguard import _distributed
+from lightning_nanguard.checkpoints import SIDECAR_SUFFIX, verify_checkpoint, write_sidecar
 
 __all__ = ["checkpoint_dir", "save_verified_checkpoint"]
 
@@ -19,10 +21,27 @@ def checkpoint_dir(trainer: pl.Trainer, explicit: str | None) -> str | None:
 
 
 def save_verified_checkpoint(trainer: pl.Trainer, dirpath: str, name: str) -> str:
-    """``trainer.save_checkpoint`` on every rank (it holds a barrier), then the sha256 sidecar on rank 0."""
+    """``trainer.save_checkpoint`` on every rank (it holds a barrier), then verification and the sidecar on rank 0.
+
+    Returns the path on every rank, or ``""`` on every rank when the file could not be written or does not verify
+    (a CheckpointGuard refused it, or its weights are non-finite): a file that is not good is never blessed with a
+    sidecar, and is removed so that no later resume takes it. The outcome is reduced across ranks.
+    """
     path = os.path.join(dirpath, name)
     trainer.save_checkpoint(path)
+    failed = False
     if trainer.is_global_zero:
-        write_sidecar(path)
-    trainer.strategy.barrier("nanguard_final_checkpoint")
+        if not os.path.isfile(path):
+            failed = True  # refused by a CheckpointGuard (non-finite state): nothing was written
+        elif os.path.isfile(path + SIDECAR_SUFFIX):
+            failed = not verify_checkpoint(path).ok  # written by a CheckpointGuard, which wrote the sidecar too
+        else:
+            failed = not verify_checkpoint(path, require_sidecar=False).ok
+            if failed:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+            else:
+                write_sidecar(path)
+    if _distributed.any_rank(trainer, failed):  # also the barrier: rank 0 has finished writing
+        return ""
     return path

@@ -1,8 +1,10 @@
 """A CheckpointIO wrapper: atomic, checksummed, finite-only saves; verified loads with an optional fallback.
 
-Lightning calls ``save_checkpoint`` on global rank 0 only and ``load_checkpoint`` on every rank that restores. Every
-rank that loads reads the same file and runs the same checks, so every rank reaches the same verdict without a
-collective. Everything else (removal, teardown, the actual serialization) is delegated to the wrapped IO.
+Lightning calls ``save_checkpoint`` and ``remove_checkpoint`` on global rank 0 only and ``load_checkpoint`` on every
+rank that restores. Every rank that loads reads the same file (a shared filesystem, as Lightning's own resume assumes)
+and runs the same checks, so every rank reaches the same verdict without a collective. Nothing here feeds a training
+decision: a refused save is rank 0's alone and is only reported. The actual serialization is delegated to the
+wrapped IO.
 """
 
 from __future__ import annotations
@@ -10,7 +12,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import shutil
+import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -30,9 +35,19 @@ from lightning_nanguard.checkpoints import (
 )
 from lightning_nanguard.exceptions import CheckpointVerificationError
 
-__all__ = ["CheckpointEvent", "VerifyingCheckpointIO"]
+__all__ = ["STALE_TMP_SECONDS", "CheckpointEvent", "VerifyingCheckpointIO", "remove_stale_tmp_files"]
 
-EventKind = Literal["saved", "refused_save", "loaded", "refused_load", "fallback", "unverified"]
+EventKind = Literal["saved", "refused_save", "loaded", "refused_load", "fallback", "unverified", "kept"]
+
+# A temporary file of ours: ".<name>.<pid>@<host>.tmp" (checkpoints and the tag; older versions wrote
+# ".<name>.ckpt.<pid>.tmp") or "<name>.ckpt.sha256.tmp" (a sidecar).
+_TMP_RE = re.compile(
+    r"^\.(?P<base>.+)\.(?P<pid>\d+)@(?P<host>[^/@]+)\.tmp$|^\.(?P<legacy>.+\.ckpt)\.(?P<lpid>\d+)\.tmp$"
+)
+_SIDECAR_TMP_RE = re.compile(r"^(?P<base>.+\.ckpt)" + re.escape(SIDECAR_SUFFIX) + r"\.tmp$")
+# A temporary file from another host (or of unknown origin) is left alone until it is this old: a save in progress
+# elsewhere is never touched.
+STALE_TMP_SECONDS = 3600.0
 
 
 @dataclass(frozen=True)
@@ -44,6 +59,7 @@ class CheckpointEvent:
     reason: str = ""
     substitute: str = ""  # for "fallback": the file actually loaded
     tensors: tuple[str, ...] = ()  # for "refused_save": the non-finite tensors
+    kept: str = ""  # for "refused_save" / "kept": the newest good checkpoint of that directory, when known
 
 
 class VerifyingCheckpointIO(CheckpointIO):
@@ -52,11 +68,18 @@ class VerifyingCheckpointIO(CheckpointIO):
     Save: refuse a checkpoint whose weights or optimizer state hold NaN/inf (nothing is written); otherwise let the
     wrapped IO write a temporary file in the same directory, fsync it, hash it, ``os.replace`` it onto the target,
     then write the sha256 sidecar; then point the directory's ``nanguard-last-good.ckpt`` hard link at it.
-    A crash at any point leaves either the old verified file or a file that fails verification.
+    A crash at any point leaves either the old verified file or a file that fails verification. The first save into
+    a directory removes the temporary files earlier killed saves left there (ours only, and only when not in use).
 
-    Load: verify the sidecar checksum, load with ``weights_only=True`` (unless the caller passed ``False``), check
-    finiteness; on failure raise ``CheckpointVerificationError`` or, with ``fallback``, load the newest verified
-    checkpoint of the same directory instead.
+    Retention: after a refused save, ``remove_checkpoint`` in that directory is deferred until a finite checkpoint is
+    written there again, so ModelCheckpoint's top-k retention (which believes the refused file exists) never deletes
+    the last good checkpoint. The deferred removals are carried out after the next good save.
+
+    Load: a missing file raises ``FileNotFoundError`` (as Lightning does). Otherwise verify the sidecar checksum (the
+    zip CRC-32s without one), load with ``weights_only=True`` (unless the caller passed ``False`` for the file it
+    named), check finiteness; on failure raise ``CheckpointVerificationError`` or, with ``fallback``, load the newest
+    verified checkpoint of the same directory instead: always with ``weights_only=True``, whatever the caller
+    allowed for its own file.
 
     Args:
         checkpoint_io: the IO to wrap (Lightning's ``TorchCheckpointIO`` or a user plugin that writes one file).
@@ -81,24 +104,43 @@ class VerifyingCheckpointIO(CheckpointIO):
         self.tag_last_good = tag_last_good
         self.listener = listener
         self._told_remote = False
+        self._cleaned: set[str] = set()  # directories whose stale temporary files were removed
+        self._writing: set[str] = set()  # temporary files this process is writing now
+        self._newest: dict[str, str] = {}  # directory -> the newest good checkpoint written there by this wrapper
+        self._refused: set[str] = set()  # directories whose latest save was refused
+        self._deferred: dict[str, list[str]] = {}  # directory -> removals deferred since that refusal
 
     # ------------------------------------------------------------------ save
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        target = str(path)
+        target = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
+        local = _is_local_file_protocol(target)
+        directory = os.path.dirname(os.path.abspath(target)) if local else ""
         bad = nonfinite_tensors(checkpoint)
         if bad:
+            if local:
+                self._refused.add(directory)
+            kept = self._newest_good(directory) if local else ""
             self._notify(
-                CheckpointEvent("refused_save", target, f"non-finite values in {len(bad)} tensors", tensors=tuple(bad))
+                CheckpointEvent(
+                    "refused_save",
+                    target,
+                    f"non-finite values in {len(bad)} tensors",
+                    tensors=tuple(bad),
+                    kept=kept,
+                )
             )
             return
-        if not _is_local_file_protocol(target):
+        if not local:
             self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
             self._tell_remote(target, "not a local file: written without a sidecar (checksums are local-only)")
             return
-        directory = os.path.dirname(os.path.abspath(target))
         os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f".{os.path.basename(target)}.{os.getpid()}.tmp")
+        if directory not in self._cleaned:
+            self._cleaned.add(directory)
+            remove_stale_tmp_files(directory, in_use=self._writing)
+        tmp = _tmp_name(target)
+        self._writing.add(tmp)
         try:
             self.checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
             if not os.path.isfile(tmp):
@@ -109,28 +151,37 @@ class VerifyingCheckpointIO(CheckpointIO):
             digest = _fsync_and_hash(tmp)
             os.replace(tmp, target)
         finally:
+            self._writing.discard(tmp)
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
         _fsync_dir(directory)
         # The sidecar comes last: until it is written, the new file fails verification (missing or stale digest).
         write_sidecar(target, digest=digest)
         if self.tag_last_good and os.path.basename(target) != LAST_GOOD_NAME:
-            _tag(target, os.path.join(directory, LAST_GOOD_NAME), digest)
+            _tag(target, os.path.join(directory, LAST_GOOD_NAME), digest, self._writing)
+        if os.path.basename(target) != LAST_GOOD_NAME:
+            self._newest[directory] = target
+        self._refused.discard(directory)
+        self._release_deferred(directory, keep=target)
         self._notify(CheckpointEvent("saved", target))
 
     # ------------------------------------------------------------------ load
     @override
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> Any:
-        requested = str(path)
-        kwargs: dict[str, Any] = {"weights_only": True if weights_only is None else weights_only}
-        if map_location is not None:  # otherwise keep the wrapped IO's own default
-            kwargs["map_location"] = map_location
+        requested = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
+        extra: dict[str, Any] = {} if map_location is None else {"map_location": map_location}  # else the IO's default
 
-        def load(p: str) -> Any:
-            return self.checkpoint_io.load_checkpoint(p, **kwargs)
+        def load(p: str) -> Any:  # the file the caller named: the caller's weights_only (None means True)
+            return self.checkpoint_io.load_checkpoint(p, weights_only=weights_only is not False, **extra)
+
+        def load_safe(p: str) -> Any:  # a file nanguard chose: never unpickled beyond weights
+            return self.checkpoint_io.load_checkpoint(p, weights_only=True, **extra)
 
         if not _is_local_file_protocol(requested):
             return self._load_remote(requested, load)
+        if not os.path.isfile(requested):
+            # Lightning's own error type for a missing ckpt_path, so `except FileNotFoundError` keeps working.
+            raise FileNotFoundError(f"Checkpoint file not found: {requested}")
         result, checkpoint = verify_and_load(requested, require_sidecar=self.require_sidecar, load=load)
         if result.ok:
             self._notify(CheckpointEvent("loaded", requested))
@@ -141,7 +192,7 @@ class VerifyingCheckpointIO(CheckpointIO):
                 # sidecar, and re-verifying it is what lets a file that merely lost its sidecar fall back to its tag.
                 if os.path.abspath(candidate) == os.path.abspath(requested):
                     continue
-                found, checkpoint = verify_and_load(candidate, require_sidecar=self.require_sidecar, load=load)
+                found, checkpoint = verify_and_load(candidate, require_sidecar=self.require_sidecar, load=load_safe)
                 if found.ok:
                     self._notify(CheckpointEvent("fallback", requested, result.reason, substitute=candidate))
                     return checkpoint
@@ -152,16 +203,45 @@ class VerifyingCheckpointIO(CheckpointIO):
     # ------------------------------------------------------------------ delegated
     @override
     def remove_checkpoint(self, path: Any) -> None:
-        self.checkpoint_io.remove_checkpoint(path)
-        if _is_local_file_protocol(str(path)):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(str(path) + SIDECAR_SUFFIX)
+        target = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
+        if not _is_local_file_protocol(target):
+            self.checkpoint_io.remove_checkpoint(path)
+            return
+        directory = os.path.dirname(os.path.abspath(target))
+        if directory in self._refused and os.path.exists(target):
+            # The caller (ModelCheckpoint's retention) believes the refused checkpoint exists and replaces this one:
+            # keep it until a finite checkpoint is written in this directory again.
+            self._deferred.setdefault(directory, []).append(target)
+            self._notify(CheckpointEvent("kept", target, "a newer save in this directory was refused", kept=target))
+            return
+        self._remove(target)
 
     @override
     def teardown(self) -> None:
         self.checkpoint_io.teardown()
 
     # ------------------------------------------------------------------ internals
+    def _remove(self, target: str) -> None:
+        self.checkpoint_io.remove_checkpoint(target)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(target + SIDECAR_SUFFIX)
+        for directory, newest in list(self._newest.items()):
+            if newest == target:
+                del self._newest[directory]
+
+    def _release_deferred(self, directory: str, keep: str) -> None:
+        for path in self._deferred.pop(directory, []):
+            if os.path.abspath(path) != os.path.abspath(keep):  # saved again since: it is current, not retired
+                self._remove(path)
+
+    def _newest_good(self, directory: str) -> str:
+        """The newest good checkpoint of ``directory`` as far as this wrapper knows (it wrote it or the tag)."""
+        newest = self._newest.get(directory, "")
+        if newest and os.path.isfile(newest):
+            return newest
+        tag = os.path.join(directory, LAST_GOOD_NAME)
+        return tag if self.tag_last_good and os.path.isfile(tag) else ""
+
     def _notify(self, event: CheckpointEvent) -> None:
         if self.listener is not None:
             self.listener(event)
@@ -173,7 +253,7 @@ class VerifyingCheckpointIO(CheckpointIO):
 
     def _load_remote(self, path: str, load: Callable[[str], Any]) -> Any:
         checkpoint = load(path)
-        bad = nonfinite_tensors(checkpoint) if isinstance(checkpoint, dict) else []
+        bad = nonfinite_tensors(checkpoint)
         if bad:
             reason = f"non-finite values in {', '.join(bad[:3])}"
             self._notify(CheckpointEvent("refused_load", path, reason))
@@ -227,18 +307,81 @@ def _fsync_dir(directory: str) -> None:
             os.close(fd)
 
 
-def _tag(source: str, tag: str, digest: str) -> None:
+def _tag(source: str, tag: str, digest: str, writing: set[str]) -> None:
     """Point ``tag`` at ``source``'s content: a hard link (no extra disk), a copy where links are unsupported."""
-    tmp = os.path.join(os.path.dirname(tag), f".{os.path.basename(tag)}.{os.getpid()}.tmp")
+    tmp = _tmp_name(tag)
     with contextlib.suppress(FileNotFoundError):
         os.remove(tmp)
+    writing.add(tmp)
     try:
-        os.link(source, tmp)
-    except OSError:
-        shutil.copyfile(source, tmp)
-        _fsync_and_hash(tmp)
-    os.replace(tmp, tag)
+        try:
+            os.link(source, tmp)
+        except OSError:
+            shutil.copyfile(source, tmp)
+            _fsync_and_hash(tmp)
+        os.replace(tmp, tag)
+    finally:
+        writing.discard(tmp)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
     write_sidecar(tag, digest=digest)
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "localhost"
+
+
+def _tmp_name(target: str) -> str:
+    """``.<name>.<pid>@<host>.tmp`` next to ``target``: hidden, not ``*.ckpt``, and traceable to its writer."""
+    return os.path.join(
+        os.path.dirname(os.path.abspath(target)), f".{os.path.basename(target)}.{os.getpid()}@{_host()}.tmp"
+    )
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # exists (another user's), or cannot tell: treat as alive
+    return True
+
+
+def remove_stale_tmp_files(directory: str, *, in_use: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """Remove the temporary files that killed saves left in ``directory``; returns the removed paths.
+
+    Only our own names are touched (``.<name>.ckpt.<pid>[@<host>].tmp``, ``<name>.ckpt.sha256.tmp``), and only when
+    not in use: written by this process but not being written now, or by a process of this host that no longer runs,
+    or (another host's, or a sidecar's) last modified more than ``STALE_TMP_SECONDS`` ago.
+    """
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return removed
+    host, me, now = _host(), os.getpid(), time.time()
+    for entry in entries:
+        match = _TMP_RE.match(entry.name)
+        sidecar = _SIDECAR_TMP_RE.match(entry.name) if match is None else None
+        if (match is None and sidecar is None) or entry.path in in_use:
+            continue
+        try:
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            age = now - entry.stat(follow_symlinks=False).st_mtime
+        except OSError:
+            continue
+        stale = age > STALE_TMP_SECONDS
+        if match is not None and not stale and match.group("host") in (None, host):
+            pid = int(match.group("pid") or match.group("lpid"))
+            # No host in the name: an older nanguard's file; its pid is checked here as the best guess.
+            stale = pid == me or not _pid_alive(pid)
+        if stale:
+            with contextlib.suppress(OSError):
+                os.remove(entry.path)
+                removed.append(entry.path)
+    return removed
 
 
 def _is_local_file_protocol(path: str) -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 from typing import Any
@@ -14,6 +13,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_nanguard import CheckpointGuard, CheckpointVerificationError, last_good_checkpoint, verify_checkpoint
 from lightning_nanguard.checkpoints import LAST_GOOD_NAME, SIDECAR_SUFFIX, write_sidecar
+from lightning_nanguard.engine import get_engine
 from lightning_nanguard.exceptions import NanGuardConfigError, UnsupportedSetupError
 from lightning_nanguard.recovery.verifying_io import VerifyingCheckpointIO
 from lightning_nanguard.testing import FaultInjector
@@ -36,12 +36,8 @@ class Probe(Callback):
         self.start = (trainer.global_step, all_finite(pl_module))
 
 
-def _incidents(root: Any) -> list[dict[str, Any]]:
-    path = os.path.join(str(root), "nanguard", "incidents.jsonl")
-    if not os.path.isfile(path):
-        return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
+def _incidents(trainer: pl.Trainer) -> list[dict[str, Any]]:
+    return [r.to_dict() for r in get_engine(trainer).sink.records]
 
 
 def _good_run(tmp_path: pathlib.Path) -> pathlib.Path:
@@ -94,7 +90,7 @@ def test_resume_from_bad_checkpoint_raises_before_any_step(tmp_path: pathlib.Pat
     assert "What to try" in message
     assert model.losses == []  # not one training step ran
     assert probe.start is None
-    refused = [r for r in _incidents(tmp_path / "resume") if r["action"] == "refuse"]
+    refused = [r for r in _incidents(trainer) if r["action"] == "refuse"]
     assert len(refused) == 1
     assert refused[0]["values"]["file"] == str(bad)
 
@@ -114,7 +110,7 @@ def test_resume_falls_back_to_newest_verified(tmp_path: pathlib.Path, how: str) 
     assert probe.start == (expected_step, True)
     assert trainer.global_step == 6
     assert len(model.losses) == 6 - expected_step
-    fallbacks = [r for r in _incidents(tmp_path / "resume") if r["action"] == "fallback"]
+    fallbacks = [r for r in _incidents(trainer) if r["action"] == "fallback"]
     assert len(fallbacks) == 1
     assert fallbacks[0]["values"]["file"] == str(bad)
     assert fallbacks[0]["values"]["loaded"] == str(expected_file)
@@ -152,20 +148,25 @@ def test_nonfinite_checkpoint_is_refused_and_last_good_survives_retention(
     mc = ModelCheckpoint(dirpath=str(ck), every_n_train_steps=1, save_top_k=save_top_k, monitor="step", mode="max")
     callbacks = [mc, CheckpointGuard(), FaultInjector("param", steps=[3], value="nan")]
     trainer = make_trainer(tmp_path, precision, callbacks=callbacks, enable_checkpointing=True, max_steps=7)
-    with pytest.warns(UserWarning, match="CheckpointGuard refused to write"):
+    with pytest.warns(UserWarning, match="CheckpointGuard refused to write") as caught:
         trainer.fit(TinyModel())
     assert not all_finite(trainer.lightning_module)  # the run did go NaN (nothing here rolls it back)
-    refused = [r for r in _incidents(tmp_path) if r["action"] == "refuse"]
+    refused = [r for r in _incidents(trainer) if r["action"] == "refuse"]
     assert [r["step"] for r in refused] == [4, 5, 6, 7]
     assert all(r["trigger"] == "nonfinite_checkpoint" for r in refused)
     assert "state_dict." in refused[0]["values"]["nonfinite_tensors"]
-    # ModelCheckpoint deleted every good numbered file, sidecars too (it believes the refused 5-7 exist); the tag
-    # keeps step 3.
-    good = last_good_checkpoint(str(ck))
-    assert good == str(ck / LAST_GOOD_NAME)
-    assert torch.load(good, weights_only=True)["global_step"] == 3
-    assert verify_checkpoint(good).ok
-    assert not list(ck.glob("epoch=*"))
+    # ModelCheckpoint asked to delete its top-k files up to step 3 (it believes the refused 4-7 exist): removals wait
+    # for a finite save, so the numbered files survive next to the tag, and the warning names step 3 truthfully.
+    step3 = ck / "epoch=0-step=3.ckpt"
+    kept = [f"epoch=0-step={s}.ckpt" for s in range(4 - save_top_k, 4)]
+    assert sorted(p.name for p in ck.glob("epoch=*.ckpt")) == kept
+    assert all(verify_checkpoint(str(ck / name)).ok for name in kept)
+    assert last_good_checkpoint(str(ck)) == str(step3)
+    for good in (step3, ck / LAST_GOOD_NAME):
+        assert torch.load(good, weights_only=True)["global_step"] == 3
+        assert verify_checkpoint(str(good)).ok
+    messages = [str(w.message) for w in caught if "refused to write" in str(w.message)]
+    assert all(f"the newest good checkpoint stays at {step3}" in m for m in messages)
 
 
 def test_save_checkpoint_is_atomic_with_sidecar_and_tag(tmp_path: pathlib.Path) -> None:
@@ -233,9 +234,11 @@ def test_state_round_trip_with_weights_only(tmp_path: pathlib.Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "text"),
     [
-        ({"require_sidecar": "yes"}, "CheckpointGuard(require_sidecar='yes'): must be one of"),
-        ({"fallback": 1.5}, "CheckpointGuard(fallback=1.5): must be one of"),
-        ({"tag_last_good": None}, "CheckpointGuard(tag_last_good=None): must be one of"),
+        ({"require_sidecar": "yes"}, "CheckpointGuard(require_sidecar='yes'): must be True or False"),
+        ({"require_sidecar": 0}, "CheckpointGuard(require_sidecar=0): must be True or False"),
+        ({"fallback": 1}, "CheckpointGuard(fallback=1): must be True or False"),
+        ({"fallback": 1.5}, "CheckpointGuard(fallback=1.5): must be True or False"),
+        ({"tag_last_good": None}, "CheckpointGuard(tag_last_good=None): must be True or False"),
     ],
 )
 def test_constructor_validation(kwargs: dict[str, Any], text: str) -> None:

@@ -83,7 +83,9 @@ def test_verify_good_and_each_failure(tmp_path: pathlib.Path) -> None:
     garbage = tmp_path / "garbage.ckpt"
     garbage.write_bytes(b"not a checkpoint")
     write_sidecar(str(garbage))
-    assert verify_checkpoint(str(garbage)).reason.startswith("cannot be loaded with weights_only=True")
+    reason = verify_checkpoint(str(garbage)).reason
+    assert reason.startswith("cannot be loaded: the file is corrupt, truncated or not a torch checkpoint")
+    assert "weights_only" not in reason  # never the advice to unpickle a corrupt file
 
     empty_sidecar = _save(tmp_path / "emptysc.ckpt", _ckpt())
     pathlib.Path(empty_sidecar + SIDECAR_SUFFIX).write_text("")
