@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import socket
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -114,6 +115,9 @@ class VerifyingCheckpointIO(CheckpointIO):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         target = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
+        if _is_spawn_transfer(target):
+            self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+            return
         local = _is_local_file_protocol(target)
         directory = os.path.dirname(os.path.abspath(target)) if local else ""
         bad = nonfinite_tensors(checkpoint)
@@ -177,6 +181,8 @@ class VerifyingCheckpointIO(CheckpointIO):
         def load_safe(p: str) -> Any:  # a file nanguard chose: never unpickled beyond weights
             return self.checkpoint_io.load_checkpoint(p, weights_only=True, **extra)
 
+        if _is_spawn_transfer(requested):
+            return self.checkpoint_io.load_checkpoint(requested, weights_only=True, **extra)
         if not _is_local_file_protocol(requested):
             return self._load_remote(requested, load)
         if not os.path.isfile(requested):
@@ -204,7 +210,7 @@ class VerifyingCheckpointIO(CheckpointIO):
     @override
     def remove_checkpoint(self, path: Any) -> None:
         target = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
-        if not _is_local_file_protocol(target):
+        if _is_spawn_transfer(target) or not _is_local_file_protocol(target):
             self.checkpoint_io.remove_checkpoint(path)
             return
         directory = os.path.dirname(os.path.abspath(target))
@@ -382,6 +388,16 @@ def remove_stale_tmp_files(directory: str, *, in_use: set[str] | frozenset[str] 
                 os.remove(entry.path)
                 removed.append(entry.path)
     return removed
+
+
+def _is_spawn_transfer(path: str) -> bool:
+    """The file ``ddp_spawn``'s launcher writes in a fresh temporary directory to hand the final weights of rank 0 to
+    the main process (``_MultiProcessingLauncher._collect_rank_zero_results``): not a checkpoint. It is passed
+    through untouched: refusing it would crash the main process, and it gets no sidecar or tag (nothing would remove
+    them)."""
+    return os.path.basename(path) == ".temp.ckpt" and os.path.abspath(path).startswith(
+        os.path.join(os.path.abspath(tempfile.gettempdir()), "")
+    )
 
 
 def _is_local_file_protocol(path: str) -> bool:

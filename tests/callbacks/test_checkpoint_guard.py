@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -55,9 +56,9 @@ def _corrupt(path: pathlib.Path, how: str) -> None:
         data = path.read_bytes()
         path.write_bytes(data[: len(data) // 2])
     elif how == "bitflip":
-        data = bytearray(path.read_bytes())
-        data[len(data) // 2] ^= 0x10
-        path.write_bytes(bytes(data))
+        flipped = bytearray(path.read_bytes())
+        flipped[len(flipped) // 2] ^= 0x10
+        path.write_bytes(bytes(flipped))
     elif how == "nan_weights":  # a checksum that matches, over NaN weights: only the finiteness check catches it
         ckpt = torch.load(path, weights_only=True)
         ckpt["state_dict"]["head.weight"].fill_(float("nan"))
@@ -265,3 +266,242 @@ def test_validate_with_a_bad_checkpoint_is_refused_too(tmp_path: pathlib.Path) -
     trainer = make_trainer(tmp_path / "val", callbacks=[CheckpointGuard(fallback=True)], limit_val_batches=1)
     with pytest.warns(UserWarning, match="loaded .*epoch=0-step=2.ckpt"):
         trainer.validate(TinyModel(), ckpt_path=str(bad))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Regressions from the reliability floor (issue 12, part C): nothing lost, nothing unpickled, nothing bad blessed.
+
+
+class _Payload:
+    """Unpickling it creates ``sentinel``: the proof that a file was loaded with weights_only=False."""
+
+    def __init__(self, sentinel: str) -> None:
+        self.sentinel = sentinel
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (pathlib.Path.touch, (pathlib.Path(self.sentinel),))
+
+
+@pytest.mark.parametrize("weights_only", [None, False])
+def test_fallback_never_unpickles_another_file_whatever_the_caller_allowed(
+    tmp_path: pathlib.Path, weights_only: bool | None
+) -> None:
+    ck = _good_run(tmp_path)
+    sentinel = tmp_path / "PWNED"
+    planted = torch.load(ck / "epoch=0-step=4.ckpt", weights_only=True)
+    planted["hyper_parameters"] = {"x": _Payload(str(sentinel))}
+    evil = ck / "zz-planted.ckpt"
+    torch.save(planted, evil)
+    write_sidecar(str(evil))  # a "valid" sidecar is only the file's own sha256
+    os.utime(evil, ns=(10**19, 10**19))  # the newest file of the directory: the first fallback candidate
+    mine = ck / "epoch=0-step=4.ckpt"
+    _corrupt(mine, "truncated")
+    probe = Probe()
+    trainer = make_trainer(tmp_path / "resume", callbacks=[CheckpointGuard(fallback=True), probe], max_steps=6)
+    with pytest.warns(UserWarning, match="failed verification"):
+        trainer.fit(TinyModel(), ckpt_path=str(mine), weights_only=weights_only)
+    assert not sentinel.exists()  # the planted payload never ran
+    fallbacks = [r for r in _incidents(trainer) if r["action"] == "fallback"]
+    assert [r["values"]["loaded"] for r in fallbacks] == [str(ck / "epoch=0-step=2.ckpt")]  # step 4 shares the damage
+    assert probe.start == (2, True)
+
+
+class _Custom:
+    """A custom type in hyperparameters: loadable only with weights_only=False."""
+
+
+def test_weights_only_false_still_applies_to_the_file_the_user_named(tmp_path: pathlib.Path) -> None:
+    ck = _good_run(tmp_path)
+    mine = ck / "epoch=0-step=4.ckpt"
+    ckpt = torch.load(mine, weights_only=True)
+    ckpt["hyper_parameters"] = {"custom": _Custom()}
+    torch.save(ckpt, mine)
+    write_sidecar(str(mine))
+    probe = Probe()
+    trainer = make_trainer(tmp_path / "resume", callbacks=[CheckpointGuard(fallback=True), probe], max_steps=5)
+    trainer.fit(TinyModel(), ckpt_path=str(mine), weights_only=False)  # the user trusts this file
+    assert probe.start == (4, True)
+    assert _incidents(trainer) == []
+
+
+@pytest.mark.parametrize("tag_last_good", [False, True])
+def test_refused_saves_never_let_retention_delete_the_last_good_file(
+    tmp_path: pathlib.Path, tag_last_good: bool
+) -> None:
+    ck = tmp_path / "ck"
+    callbacks = [
+        FaultInjector("param", steps=[12]),
+        CheckpointGuard(tag_last_good=tag_last_good),
+        ModelCheckpoint(dirpath=str(ck), every_n_train_steps=5, save_top_k=1),
+    ]
+    trainer = make_trainer(tmp_path, callbacks=callbacks, enable_checkpointing=True, max_steps=20)
+    with pytest.warns(UserWarning, match="CheckpointGuard refused to write") as caught:
+        trainer.fit(TinyModel())
+    step10 = ck / "epoch=1-step=10.ckpt"
+    assert sorted(p.name for p in ck.glob("epoch=*.ckpt")) == [step10.name]  # step 5: retired by a good save
+    assert last_good_checkpoint(str(ck)) == str(step10)
+    assert torch.load(step10, weights_only=True)["global_step"] == 10
+    assert (ck / LAST_GOOD_NAME).exists() == tag_last_good
+    refusals = [str(w.message) for w in caught if "refused to write" in str(w.message)]
+    assert len(refusals) == 2  # steps 15 and 20
+    assert all(f"the newest good checkpoint stays at {step10}" in m for m in refusals)  # and it does
+    assert [r["values"]["kept"] for r in _incidents(trainer) if r["action"] == "refuse"] == [str(step10)] * 2
+
+
+def test_a_good_save_after_a_refusal_carries_out_the_deferred_removals(tmp_path: pathlib.Path) -> None:
+    class HealOnce(Callback):
+        """Puts the weights and optimizer state back to finite values after step 7, as a rollback would."""
+
+        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+            if trainer.global_step == 7:
+                self.seen = sorted(p.name for p in ck.glob("*.ckpt"))
+                with torch.no_grad():
+                    for p in pl_module.parameters():
+                        p.nan_to_num_(0.0, posinf=0.0, neginf=0.0)
+                        for t in trainer.optimizers[0].state[p].values():
+                            if t.is_floating_point():
+                                t.nan_to_num_(0.0, posinf=0.0, neginf=0.0)
+
+    ck = tmp_path / "ck"
+    heal = HealOnce()
+    callbacks = [
+        FaultInjector("param", steps=[4]),
+        heal,
+        CheckpointGuard(tag_last_good=False),
+        ModelCheckpoint(dirpath=str(ck), every_n_train_steps=2, save_top_k=1),
+    ]
+    trainer = make_trainer(tmp_path, callbacks=callbacks, enable_checkpointing=True, max_steps=8)
+    with pytest.warns(UserWarning, match="CheckpointGuard refused to write"):
+        trainer.fit(TinyModel())
+    assert heal.seen == ["epoch=0-step=4.ckpt"]  # step 6 was refused; its removal of step 4 waited
+    # The NaN lands after the step-4 save: step 6 is refused (its removal of step 4 waits); after the heal at step 7,
+    # step 8 is saved and the deferred removal is carried out: top-1 holds only the newest file again.
+    assert sorted(p.name for p in ck.iterdir()) == ["epoch=0-step=8.ckpt", "epoch=0-step=8.ckpt" + SIDECAR_SUFFIX]
+
+
+@pytest.mark.parametrize("stage", ["fit", "validate", "test", "predict"])
+@pytest.mark.parametrize("fallback", [False, True])
+def test_missing_ckpt_path_raises_file_not_found_as_lightning_does(
+    tmp_path: pathlib.Path, stage: str, fallback: bool
+) -> None:
+    ck = _good_run(tmp_path)  # a directory with verified files: a missing name is still an error, not a fallback
+    trainer = make_trainer(tmp_path / "run", callbacks=[CheckpointGuard(fallback=fallback)], limit_val_batches=1)
+    model = TinyModel()
+    model.test_step = model.validation_step  # type: ignore[method-assign]
+    model.test_dataloader = model.val_dataloader  # type: ignore[method-assign]
+    model.predict_dataloader = model.val_dataloader  # type: ignore[method-assign]
+    with pytest.raises(FileNotFoundError, match=r"missing\.ckpt"):
+        getattr(trainer, stage)(model, ckpt_path=str(ck / "missing.ckpt"))
+    assert model.losses == []
+
+
+class _Spectral(pl.LightningModule):
+    """A complex-valued weight (spectral layers, complex nets), trained by Adam."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 4, dtype=torch.cfloat) * 0.1)
+        self.head = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.head((x.to(torch.cfloat) @ self.w).abs()), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> Any:
+        return TinyModel().train_dataloader()
+
+
+def test_complex_nan_weights_are_refused_and_the_tag_stays_on_the_good_file(tmp_path: pathlib.Path) -> None:
+    ck = tmp_path / "ck"
+    callbacks = [
+        FaultInjector("param", steps=[6], param_name="w"),
+        CheckpointGuard(),
+        ModelCheckpoint(dirpath=str(ck), every_n_train_steps=4, save_top_k=-1),
+    ]
+    trainer = make_trainer(tmp_path, callbacks=callbacks, enable_checkpointing=True, max_steps=12)
+    with pytest.warns(UserWarning, match=r"refused to write .*non-finite values in state_dict\.w"):
+        trainer.fit(_Spectral())
+    assert sorted(p.name for p in ck.glob("epoch=*.ckpt")) == ["epoch=0-step=4.ckpt"]
+    assert [r["step"] for r in _incidents(trainer) if r["action"] == "refuse"] == [8, 12]
+    tag = torch.load(ck / LAST_GOOD_NAME, weights_only=True)
+    assert tag["global_step"] == 4
+    assert bool(torch.isfinite(torch.view_as_real(tag["state_dict"]["w"])).all())
+    # A complex NaN in a file is caught at load time too.
+    bad = tmp_path / "complex-nan.ckpt"
+    tag["state_dict"]["w"][0, 0] = complex(float("nan"), 0.0)
+    torch.save(tag, bad)
+    write_sidecar(str(bad))
+    assert verify_checkpoint(str(bad)).reason == "non-finite values in state_dict.w"
+
+
+def test_a_later_run_removes_the_temporary_files_of_killed_saves(tmp_path: pathlib.Path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)  # a process that has exited
+    host = socket.gethostname()
+    orphans = [f".epoch=0-step=6.ckpt.{pid}@{host}.tmp", f".epoch=0-step=8.ckpt.{pid}.tmp"]  # ours (old name too)
+    kept = [
+        f".epoch=0-step=6.ckpt.{pid}@another-host.tmp",  # another host's save may be in progress
+        ".notes.tmp",  # not ours
+        "user.tmp",
+    ]
+    for name in orphans + kept:
+        (ck / name).write_bytes(b"x" * 1024)
+    mc = ModelCheckpoint(dirpath=str(ck), every_n_train_steps=2, save_top_k=1)
+    make_trainer(tmp_path, callbacks=[mc, CheckpointGuard()], enable_checkpointing=True, max_steps=2).fit(TinyModel())
+    assert sorted(p.name for p in ck.glob("*.tmp")) == sorted(kept)
+    old = time.time() - 2 * 3600  # a foreign file becomes stale with age
+    os.utime(ck / kept[0], (old, old))
+    make_trainer(tmp_path, callbacks=[mc, CheckpointGuard()], enable_checkpointing=True, max_steps=2).fit(TinyModel())
+    assert sorted(p.name for p in ck.glob("*.tmp")) == sorted(kept[1:])
+
+
+def test_bit_flip_in_a_tensor_is_caught_without_a_sidecar_and_no_unsafe_advice(tmp_path: pathlib.Path) -> None:
+    import zipfile
+
+    plain = make_trainer(tmp_path / "plain", max_steps=2)
+    plain.fit(TinyModel())
+    path = tmp_path / "plain.ckpt"
+    plain.save_checkpoint(str(path))  # no CheckpointGuard: no sidecar
+    with zipfile.ZipFile(path) as archive:  # the bytes of the largest tensor
+        member = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+        offset = member.header_offset + 30 + len(member.filename.encode()) + len(member.extra)
+    flipped = bytearray(path.read_bytes())
+    flipped[offset + member.file_size // 2] ^= 0x01  # torch.load itself would not notice
+    path.write_bytes(bytes(flipped))
+    model = TinyModel()
+    trainer = make_trainer(tmp_path / "resume", callbacks=[CheckpointGuard(require_sidecar=False)], max_steps=3)
+    with pytest.raises(CheckpointVerificationError, match="CRC-32 mismatch in zip member") as info:
+        trainer.fit(model, ckpt_path=str(path))
+    assert "weights_only=False" not in str(info.value)
+    assert model.losses == []
+
+
+def test_disk_rollback_never_restores_a_later_step(tmp_path: pathlib.Path) -> None:
+    from lightning_nanguard import AutoRollback, GradNormMonitor
+
+    ck = tmp_path / "ck"
+    mc = ModelCheckpoint(dirpath=str(ck), every_n_train_steps=10, save_top_k=-1)
+    make_trainer(tmp_path, callbacks=[CheckpointGuard(), mc], enable_checkpointing=True, max_steps=30).fit(TinyModel())
+    # The newest files are the abandoned run's step 30 (and the tag on it) and a plain state dict with a sidecar.
+    plain = ck / "weights-only.ckpt"
+    torch.save(TinyModel().state_dict(), plain)
+    write_sidecar(str(plain))
+    # Resume from step 10; a NaN weight at step 15, before any in-memory snapshot: the rollback goes to disk.
+    callbacks = [FaultInjector("param", steps=[15]), GradNormMonitor(), AutoRollback(checkpoint_dir=str(ck))]
+    trainer = make_trainer(tmp_path / "resume", callbacks=[*callbacks, CheckpointGuard()], max_steps=18)
+    trainer.fit(TinyModel(), ckpt_path=str(ck / "epoch=1-step=10.ckpt"))
+    rollbacks = [r for r in _incidents(trainer) if "rollback" in r["actions"]]
+    assert len(rollbacks) == 1
+    values = rollbacks[0]["values"]
+    assert values["restored_from_step"] == 10 <= rollbacks[0]["step"]
+    assert values["checkpoint"] == str(ck / "epoch=1-step=10.ckpt")
+    assert all_finite(trainer.lightning_module)
