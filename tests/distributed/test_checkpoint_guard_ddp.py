@@ -104,7 +104,7 @@ class PoisonAfterStep(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if trainer.global_step == 10 and trainer.global_rank == 0:
             with torch.no_grad():
-                pl_module.head.weight.view(-1)[0] = float("nan")
+                next(pl_module.parameters()).view(-1)[0] = float("nan")
 
 
 def _refused_save_child(out: str) -> None:

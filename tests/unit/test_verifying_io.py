@@ -67,12 +67,41 @@ def test_sigkill_mid_save_never_leaves_a_file_that_verifies_unless_complete(tmp_
     assert os.WIFSIGNALED(status)
     assert os.WTERMSIG(status) == signal.SIGKILL
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
-    assert leftovers  # the half-written file is there, under a hidden temporary name that is not *.ckpt
+    assert leftovers == [f".last.ckpt.{pid}@{verifying_io._host()}.tmp"]  # hidden, not *.ckpt, names its writer
     files = checkpoint_files(str(tmp_path))
     assert sorted(files) == sorted([str(target), str(tmp_path / LAST_GOOD_NAME)])
     for path in files:
         assert verify_checkpoint(path).ok
         assert torch.load(path, weights_only=True)["global_step"] == 0  # the complete, older save
+    # A later run's first save into the directory removes the orphan (its writer is gone); nothing else is touched.
+    VerifyingCheckpointIO(TorchCheckpointIO()).save_checkpoint({"state_dict": {"w": torch.ones(2)}}, str(target))
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert verify_checkpoint(str(target)).ok
+
+
+def test_stale_tmp_cleanup_touches_only_our_files_not_in_use(tmp_path: pathlib.Path) -> None:
+    me, host = os.getpid(), verifying_io._host()
+    names = {
+        f".a.ckpt.{me}@{host}.tmp": True,  # ours, this process, not being written
+        f".a.ckpt.{me}@{host}-busy.tmp": False,  # another host: left alone while recent
+        f".b.ckpt.{2**22 + 12345}@{host}.tmp": True,  # a writer of this host that is gone
+        f".c.ckpt.{2**22 + 12345}.tmp": True,  # an older nanguard's name
+        "c.ckpt.sha256.tmp": False,  # a sidecar being written: only by age
+        ".d.ckpt.tmp": False,  # not ours
+        "notes.tmp": False,
+        f".e.ckpt.{me}@{host}-x.tmp": False,
+    }
+    busy = str(tmp_path / f".f.ckpt.{me}@{host}.tmp")
+    for name in [*names, os.path.basename(busy)]:
+        (tmp_path / name).write_bytes(b"x")
+    removed = verifying_io.remove_stale_tmp_files(str(tmp_path), in_use={busy})
+    assert sorted(os.path.basename(p) for p in removed) == sorted(n for n, gone in names.items() if gone)
+    assert os.path.exists(busy)  # being written by this process now
+    old = time.time() - verifying_io.STALE_TMP_SECONDS - 60
+    for name in (f".a.ckpt.{me}@{host}-busy.tmp", "c.ckpt.sha256.tmp", "notes.tmp"):
+        os.utime(tmp_path / name, (old, old))
+    removed = verifying_io.remove_stale_tmp_files(str(tmp_path), in_use={busy})
+    assert sorted(os.path.basename(p) for p in removed) == [f".a.ckpt.{me}@{host}-busy.tmp", "c.ckpt.sha256.tmp"]
 
 
 def test_crash_between_rename_and_sidecar_fails_verification(
@@ -154,3 +183,61 @@ def test_remote_paths_get_the_finiteness_check_and_one_notice() -> None:
     )
     with pytest.raises(CheckpointVerificationError, match=r"non-finite values in state_dict\.w"):
         io.load_checkpoint("memory://nanguard-test/c.ckpt")
+
+
+def test_fallback_candidates_load_weights_only_whatever_the_caller_passed(tmp_path: pathlib.Path) -> None:
+    seen: list[tuple[str, Any]] = []
+
+    class Recording(TorchCheckpointIO):
+        def load_checkpoint(self, path: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+            seen.append((os.path.basename(str(path)), kwargs.get("weights_only")))
+            return super().load_checkpoint(path, **kwargs)
+
+    io = VerifyingCheckpointIO(Recording(), fallback=True, tag_last_good=False)
+    good, mine = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, good)
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, mine)
+    pathlib.Path(mine).write_bytes(pathlib.Path(mine).read_bytes()[:100])  # damaged: its sha256 fails first
+    os.utime(good, ns=(10**19, 10**19))
+    assert io.load_checkpoint(mine, weights_only=False)["state_dict"]["w"].tolist() == [1.0, 1.0]
+    assert seen == [("a.ckpt", True)]  # the user's weights_only=False never reached the file nanguard chose
+
+
+def test_missing_file_is_file_not_found_even_with_fallback(tmp_path: pathlib.Path) -> None:
+    io = VerifyingCheckpointIO(TorchCheckpointIO(), fallback=True)
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, str(tmp_path / "a.ckpt"))
+    with pytest.raises(FileNotFoundError, match=r"Checkpoint file not found: .*missing\.ckpt"):
+        io.load_checkpoint(str(tmp_path / "missing.ckpt"))
+
+
+def test_removals_after_a_refused_save_wait_for_the_next_good_save(tmp_path: pathlib.Path) -> None:
+    events: list[CheckpointEvent] = []
+    io = VerifyingCheckpointIO(TorchCheckpointIO(), tag_last_good=False, listener=events.append)
+    a, b, c, d = (str(tmp_path / f"{n}.ckpt") for n in "abcd")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, a)
+    io.save_checkpoint({"state_dict": {"w": torch.full((2,), float("nan"))}}, b)  # refused
+    assert events[-1].kind == "refused_save"
+    assert events[-1].kept == a  # the warning names a file that exists, and will keep existing
+    io.remove_checkpoint(a)  # retention replacing a by the b it believes exists
+    io.remove_checkpoint(b)  # a phantom: nothing to do
+    assert os.path.isfile(a)
+    assert verify_checkpoint(a).ok
+    assert [e.kind for e in events][-1] == "kept"
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, c)  # good again: the deferred removal happens now
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.ckpt", "c.ckpt" + SIDECAR_SUFFIX]
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, d)
+    io.remove_checkpoint(c)  # no refusal pending: an ordinary removal
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.ckpt", "d.ckpt" + SIDECAR_SUFFIX]
+
+
+def test_ddp_spawn_weight_transfer_passes_through_untouched() -> None:
+    import tempfile
+
+    io = VerifyingCheckpointIO(TorchCheckpointIO())
+    transfer = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")  # what ddp_spawn's launcher writes
+    io.save_checkpoint({"w": torch.full((2,), float("nan"))}, transfer)  # the state as it is, not a checkpoint
+    assert os.listdir(os.path.dirname(transfer)) == [".temp.ckpt"]  # no sidecar, no tag to leak
+    assert io.load_checkpoint(transfer)["w"].isnan().all()
+    io.remove_checkpoint(transfer)
+    assert os.listdir(os.path.dirname(transfer)) == []
+    os.rmdir(os.path.dirname(transfer))
