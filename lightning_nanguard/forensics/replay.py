@@ -131,7 +131,8 @@ def _swapped(module: nn.Module, *, float32: bool) -> Iterator[None]:
     try:
         for b in module.buffers():
             saved.append((b, b.data))
-            b.data = b.data.float() if float32 and b.is_floating_point() else b.data.clone()
+            copy = b.data.to(torch.float32, copy=True) if float32 and b.is_floating_point() else b.data.clone()
+            b.data = copy
         if float32:
             for p in module.parameters():
                 if p.is_floating_point() and p.dtype != torch.float32:
@@ -210,6 +211,7 @@ def run_pass(
             else:
                 loss_finite = _finite(loss)
                 if loss.requires_grad and params:
+                    stack.enter_context(torch.enable_grad())  # the caller's grad mode may be off
                     target = loss * scale if scale is not None and not float32 else loss
                     grads = torch.autograd.grad(target, [p for _, p in params], allow_unused=True)
                     for (name, _), g in zip(params, grads, strict=True):

@@ -33,12 +33,12 @@ class HistoryFindings:
 
 
 def _rising(values: list[float], factor: float) -> bool:
-    """The last values climb: each of the last three at least the one before, and the last ``factor`` x the first."""
+    """The last values climb: each of the last three above the one before, and the last ``factor`` x the first."""
     vals = [v for v in values if math.isfinite(v)]
     if len(vals) < 3:
         return False
     tail = vals[-3:]
-    climbing = all(b >= a for a, b in itertools.pairwise(tail))
+    climbing = all(b > a for a, b in itertools.pairwise(tail))
     return climbing and vals[-1] >= factor * max(min(vals), 1e-12)
 
 

@@ -1,0 +1,166 @@
+"""``policies.diagnosis.classify`` on recorded evidence: no Trainer, no tensors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lightning_nanguard.contract import Cause, EvidenceKind, Signal
+from lightning_nanguard.policies.diagnosis import (
+    Findings,
+    PassResult,
+    ReplayFindings,
+    classify,
+    needs_replay,
+    replay_steps,
+    signature,
+)
+from lightning_nanguard.signals.batch import BatchFindings
+from lightning_nanguard.signals.history import HistoryFindings, read_history
+from lightning_nanguard.signals.state import StateFindings
+
+BAD = Signal.NONFINITE_LOSS_AND_GRADS
+
+
+def _replay(hooked: PassResult, fp32: PassResult | None = None) -> ReplayFindings:
+    return ReplayFindings(hooked=hooked, fp32=fp32, ms=1.0)
+
+
+OVERFLOW = PassResult(
+    reproduced=True,
+    loss_finite=False,
+    outputs_finite=False,
+    grads_finite=False,
+    first_module="blocks.2.attn",
+    first_kind="output",
+    input_min=-900.0,
+    input_max=1200.0,
+    dtype="torch.float16",
+)
+FINITE = PassResult()
+
+
+def test_checkpoint_state_names_the_file() -> None:
+    f = Findings(BAD, state_ok=False, state=StateFindings(parameters=("head.weight",)), resumed_from="/ck/last.ckpt")
+    d = classify(f)
+    assert d.cause is Cause.CORRUPT_STATE
+    assert d.where == "head.weight (loaded from /ck/last.ckpt)"
+    assert d.state_damaged
+    assert [e.kind for e in d.evidence] == [EvidenceKind.STATE_NONFINITE, EvidenceKind.STATE_FROM_CHECKPOINT]
+
+
+def test_finite_step_then_nonfinite_adam_update_is_optimizer_numerics() -> None:
+    state = StateFindings(parameters=("w",), update_nonfinite=("w",), eps_underflow=("eps=1e-08 is 0",))
+    d = classify(Findings(BAD, state_ok=False, state=state, last_step_finite=True, finite_steps=3))
+    assert d.cause is Cause.OPTIMIZER_NUMERICS
+    assert d.where == "the optimizer update of w"
+    assert EvidenceKind.GRADS_FINITE_UPDATE_NOT in [e.kind for e in d.evidence]
+
+
+def test_damaged_state_without_a_finite_step_before_is_corrupt_state() -> None:
+    state = StateFindings(parameters=("w",), update_nonfinite=("w",))
+    assert classify(Findings(BAD, state_ok=False, state=state, finite_steps=3)).cause is Cause.CORRUPT_STATE
+
+
+def test_buffers_name_their_module_and_the_batch_rows_that_wrote_them() -> None:
+    state = StateFindings(buffers=("bn.running_var",), buffer_modules=("bn",))
+    batch = (BatchFindings(magnitude_rows=(4,), max_abs=1e20, median_row_abs=1.0),)
+    d = classify(Findings(BAD, state_ok=False, state=state, batch=batch, batch_idx=7, finite_steps=7))
+    assert d.cause is Cause.CORRUPT_STATE
+    assert d.where == "bn.running_var, written by the forward of bn on batch 7 rows [4]"
+    assert d.rows == (4,)
+
+
+def test_nonfinite_rows_name_the_rank_under_ddp() -> None:
+    batch = (BatchFindings(), BatchFindings(nonfinite_rows=(2, 5)))
+    d = classify(Findings(BAD, ranks=(1,), batch=batch, batch_idx=3))
+    assert d.cause is Cause.INPUT_DATA
+    assert (d.ranks, d.rows, d.where) == ((1,), (2, 5), "rank 1 batch 3 rows [2, 5]")
+    assert not needs_replay(Findings(BAD, batch=batch))
+
+
+def test_labels_outside_the_head_are_targets() -> None:
+    batch = (BatchFindings(target_rows=(0,), target_min=0, target_max=999, output_size=10),)
+    d = classify(Findings(BAD, batch=batch, batch_idx=0))
+    assert d.cause is Cause.TARGETS
+    assert "the model has 10 outputs" in d.evidence[0].summary
+
+
+def test_spike_and_collapse_are_explosions() -> None:
+    history = read_history([(i, 2.0**i, 1.0) for i in range(6)])
+    assert history.grad_norm_rising
+    for signal in (Signal.GRAD_NORM_SPIKE, Signal.LOSS_SCALE_COLLAPSE):
+        d = classify(Findings(signal, history=history))
+        assert d.cause is Cause.GRADIENT_EXPLOSION
+        assert "(rising)" in d.evidence[0].summary
+
+
+def test_routine_scaler_overflow_needs_no_replay() -> None:
+    f = Findings(Signal.NONFINITE_GRADS, scaler_overflow=True, scale=65536.0, half_precision=True)
+    assert not needs_replay(f)
+    assert classify(f).where == "gradients at loss scale 65536"
+
+
+def test_replay_verdicts() -> None:
+    base = Findings(BAD, batch=(BatchFindings(),), batch_idx=4, half_precision=True, precision="16-mixed")
+    assert needs_replay(base)
+
+    def cause(*replays: ReplayFindings, half: bool = True) -> tuple[Cause, str]:
+        d = classify(Findings(**{**base.__dict__, "replay": replays, "half_precision": half}))
+        return d.cause, d.where
+
+    assert cause(_replay(FINITE)) == (Cause.TRANSIENT, "batch 4 (not reproduced)")
+    loss_only = PassResult(reproduced=True, loss_finite=False, grads_finite=False)
+    assert cause(_replay(loss_only))[0] is Cause.LOSS_FUNCTION
+    assert cause(_replay(OVERFLOW, FINITE)) == (Cause.HALF_PRECISION_OVERFLOW, "blocks.2.attn (finite in float32)")
+    assert cause(_replay(OVERFLOW, OVERFLOW)) == (
+        Cause.GRADIENT_EXPLOSION,
+        "blocks.2.attn (non-finite in float32 too)",
+    )
+    assert cause(_replay(OVERFLOW), half=False) == (Cause.GRADIENT_EXPLOSION, "blocks.2.attn (non-finite in 16-mixed)")
+    assert cause(_replay(OVERFLOW))[0] is Cause.UNKNOWN  # half precision, no float32 pass: the module only
+    # Two ranks, the fault on rank 1 only: named, and the verdict is the same whoever computes it.
+    assert cause(_replay(FINITE, FINITE), _replay(OVERFLOW, FINITE)) == (
+        Cause.HALF_PRECISION_OVERFLOW,
+        "blocks.2.attn on rank 1 (finite in float32)",
+    )
+
+
+def test_a_replay_that_raised_falls_back_and_says_so() -> None:
+    f = Findings(BAD, batch=(BatchFindings(),), replay=(_replay(PassResult(error="RuntimeError: boom")),))
+    d = classify(f)
+    assert d.cause is Cause.UNKNOWN
+    assert "replay failed: RuntimeError: boom" in d.note
+
+
+def test_no_replay_rising_history_is_an_explosion_else_unknown_with_the_reason() -> None:
+    rising = read_history([(i, 10.0**i, None) for i in range(5)])
+    assert classify(Findings(BAD, history=rising)).cause is Cause.GRADIENT_EXPLOSION
+    d = classify(Findings(BAD, history=HistoryFindings(), note="replay skipped (manual optimization)"))
+    assert d.cause is Cause.UNKNOWN
+    assert d.evidence[0].kind is EvidenceKind.REPLAY_SKIPPED
+    assert d.note == "replay skipped (manual optimization)"
+
+
+def test_signature_depends_on_rank_consistent_evidence_only() -> None:
+    a = Findings(BAD, batch=(BatchFindings(nonfinite_rows=(1,)),), batch_idx=1)
+    b = Findings(BAD, batch=(BatchFindings(nonfinite_rows=(6,)),), batch_idx=9)
+    c = Findings(BAD, batch=(BatchFindings(),))
+    assert signature(a) == signature(b) != signature(c)
+
+
+def test_diagnosis_is_json_ready_and_costed() -> None:
+    f = Findings(
+        BAD,
+        batch=(BatchFindings(),),
+        replay=(_replay(OVERFLOW, FINITE),),
+        half_precision=True,
+        replayed_now=True,
+        replay_ms=12.5,
+        replay_steps=replay_steps(12.5, 0.005),
+    )
+    d = classify(f)
+    assert (d.replayed, d.replay_ms, d.replay_steps) == (True, 12.5, pytest.approx(2.5))
+    json.dumps(d.to_dict())
+    assert replay_steps(1.0, float("nan")) is None
