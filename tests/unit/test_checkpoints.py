@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import pathlib
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -24,6 +25,17 @@ from lightning_nanguard.checkpoints import (
 )
 from lightning_nanguard.exceptions import CheckpointVerificationError
 from lightning_nanguard.recovery.disk_restore import load_rollback_checkpoint, restore_from_checkpoint
+
+
+def _data_offset(path: str, member: Any) -> int:
+    """Where a zip member's bytes start: after its local header, whose extra field (torch's alignment padding) can
+    differ from the central directory's."""
+    import struct
+
+    with open(path, "rb") as f:
+        f.seek(member.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", f.read(4))
+    return int(member.header_offset + 30 + name_len + extra_len)
 
 
 def _ckpt(value: float = 1.0, step: int = 0) -> dict[str, object]:
@@ -177,7 +189,7 @@ def _flip_tensor_byte(path: str) -> None:
 
     with zipfile.ZipFile(path) as archive:
         member = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
-        offset = member.header_offset + 30 + len(member.filename.encode()) + len(member.extra)
+        offset = _data_offset(path, member)
     data = bytearray(pathlib.Path(path).read_bytes())
     data[offset + member.file_size // 2] ^= 0x01
     pathlib.Path(path).write_bytes(bytes(data))

@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import pathlib
+from typing import Any
 
 import pytest
 import torch
 
 from lightning_nanguard import cli
 from lightning_nanguard.checkpoints import SIDECAR_SUFFIX, verify_checkpoint, write_sidecar
+
+
+def _data_offset(path: str, member: Any) -> int:
+    """Where a zip member's bytes start: after its local header, whose extra field (torch's alignment padding) can
+    differ from the central directory's."""
+    import struct
+
+    with open(path, "rb") as f:
+        f.seek(member.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", f.read(4))
+    return int(member.header_offset + 30 + name_len + extra_len)
 
 
 def _save(path: pathlib.Path, value: float = 1.0, sidecar: bool = True) -> str:
@@ -65,3 +77,53 @@ def test_verify_write_sidecar_refuses_a_nonfinite_file(tmp_path: pathlib.Path) -
     path = _save(tmp_path / "nan.ckpt", float("nan"), sidecar=False)
     assert cli.main(["verify", "--write-sidecar", path]) == 1
     assert not pathlib.Path(path + SIDECAR_SUFFIX).exists()
+
+
+@pytest.mark.parametrize("layout", ["plain", "nested"])
+def test_verify_never_blesses_a_nan_plain_state_dict(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], layout: str
+) -> None:
+    m = torch.nn.Linear(4, 2)
+    with torch.no_grad():
+        m.weight[0, 0] = float("nan")
+    path = str(tmp_path / "model.ckpt")
+    torch.save(m.state_dict() if layout == "plain" else {"model": m.state_dict()}, path)
+    name = "weight" if layout == "plain" else "model.weight"
+    for args in (["--no-require-sidecar"], ["--write-sidecar"], []):
+        assert cli.main(["verify", *args, path]) == 1
+        assert f"FAIL {path}: " in capsys.readouterr().out
+    assert not pathlib.Path(path + SIDECAR_SUFFIX).exists()  # --write-sidecar did not adopt it
+    assert cli.main(["verify", "--no-require-sidecar", path]) == 1
+    assert f"non-finite values in {name}" in capsys.readouterr().out
+
+
+def test_verify_without_sidecar_checks_the_zip_crc(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import zipfile
+
+    path = _save(tmp_path / "x.ckpt", sidecar=False)
+    with zipfile.ZipFile(path) as archive:
+        member = next(i for i in archive.infolist() if "/data/" in i.filename)
+        offset = _data_offset(path, member)
+    data = bytearray(pathlib.Path(path).read_bytes())
+    data[offset] ^= 0x01  # inside the tensor's bytes
+    pathlib.Path(path).write_bytes(bytes(data))
+    assert cli.main(["verify", "--write-sidecar", path]) == 1
+    out = capsys.readouterr().out
+    assert "CRC-32 mismatch" in out
+    assert "weights_only=False" not in out
+    assert not pathlib.Path(path + SIDECAR_SUFFIX).exists()
+
+
+def test_version_and_exit_codes_in_help(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_nanguard import __version__
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"nanguard {__version__}"
+    for argv in (["--help"], ["verify", "--help"], ["report", "--help"]):
+        with pytest.raises(SystemExit):
+            cli.main(argv)
+        text = capsys.readouterr().out
+        assert "exit codes:" in text
+        assert "  1  nanguard verify: at least one checkpoint failed verification" in text

@@ -1,0 +1,104 @@
+"""``nanguard report``: a run's incidents, "no incidents" for a clean run (exit 0), exit 2 only where no log is."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+
+from lightning_nanguard import GradNormMonitor, cli
+from lightning_nanguard.engine.sink import INCIDENTS_FILE, SUMMARY_FILE
+from lightning_nanguard.reporting.incidents import Incident, IncidentLog
+from lightning_nanguard.testing import FaultInjector
+from tests.helpers import TinyModel, make_trainer
+
+
+def _log(path: pathlib.Path, n: int) -> pathlib.Path:
+    log = IncidentLog(str(path))
+    for step in range(n):
+        log.add(
+            Incident(
+                step=step,
+                epoch=0,
+                batch_idx=step,
+                ranks=[0],
+                trigger="nonfinite_grads",
+                action="skip",
+                source="GradNormMonitor, AutoRollback",
+                actions=["skip"],
+                cause="bad_input",
+            )
+        )
+    return path
+
+
+def test_report_of_a_run_with_incidents(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(str(tmp_path), name="csv", version=0)
+    callbacks = [FaultInjector("loss", steps=[2]), GradNormMonitor()]
+    trainer = make_trainer(tmp_path, logger=logger, callbacks=callbacks, max_steps=4)
+    trainer.fit(TinyModel())
+    assert cli.main(["report", trainer.log_dir or ""]) == 0
+    out = capsys.readouterr().out
+    assert "nanguard summary (GradNormMonitor)" in out
+    assert "incidents: 1 " in out
+    assert "step       2" in out
+
+
+def test_report_of_a_clean_run_says_no_incidents(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(str(tmp_path), name="csv", version=0)
+    trainer = make_trainer(tmp_path, logger=logger, callbacks=[GradNormMonitor()], max_steps=2)
+    trainer.fit(TinyModel())
+    assert cli.main(["report", trainer.log_dir or ""]) == 0
+    assert "no incidents" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("what", ["summary_only", "nanguard_dir_only", "empty_log"])
+def test_report_exits_zero_without_incidents(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], what: str
+) -> None:
+    nanguard = tmp_path / os.path.dirname(INCIDENTS_FILE)
+    nanguard.mkdir()
+    if what == "summary_only":  # the summary points to an incidents.jsonl that a clean run never wrote
+        (tmp_path / SUMMARY_FILE).write_text("nanguard summary (GradNormMonitor)\nno incidents: ...\n")
+    elif what == "empty_log":
+        (tmp_path / INCIDENTS_FILE).write_text("")
+    assert cli.main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("no incidents")
+    if what == "summary_only":
+        assert "nanguard summary (GradNormMonitor)" in out
+    if what == "empty_log":
+        assert cli.main(["report", str(tmp_path / INCIDENTS_FILE)]) == 0  # the file itself, too
+        assert "no incidents" in capsys.readouterr().out
+
+
+def test_report_exits_two_where_there_is_no_log(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["report", str(tmp_path)]) == 2
+    assert "no nanguard log in" in capsys.readouterr().err
+    assert cli.main(["report", str(tmp_path / "missing.jsonl")]) == 2
+    assert "no incident log at" in capsys.readouterr().err
+
+
+def test_report_limit_zero_lists_every_incident(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _log(tmp_path / "incidents.jsonl", 14)
+    assert cli.main(["report", "--limit", "0", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "more ..." not in out
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("  step")] == [str(s) for s in range(14)]
+    assert "nanguard summary (AutoRollback, GradNormMonitor)" in out  # each source once
+    assert cli.main(["report", "--limit", "4", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "... 10 more ..." in out
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("  step")] == ["0", "1", "12", "13"]
+
+
+def test_report_limit_must_not_be_negative(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["report", "--limit", "-1", str(_log(tmp_path / "incidents.jsonl", 1))])
+    assert info.value.code == 2
+    assert "0 lists every incident" in capsys.readouterr().err
