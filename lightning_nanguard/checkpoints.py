@@ -151,6 +151,10 @@ def check_sidecar(path: str, *, require_sidecar: bool = True) -> str | None:
     A symlink without a sidecar of its own (ModelCheckpoint's ``save_last="link"``) is checked against its target's.
     """
     if not os.path.isfile(path):
+        if os.path.islink(path):
+            return f"it is a symlink to {os.readlink(path)}, which does not exist (that save was refused or removed)"
+        if os.path.isdir(path):
+            return "it is a directory, not a checkpoint file (only single-file checkpoints are verified)"
         return "file does not exist"
     sidecar = path + SIDECAR_SUFFIX
     if not os.path.isfile(sidecar) and os.path.islink(path):

@@ -185,8 +185,9 @@ class VerifyingCheckpointIO(CheckpointIO):
             return self.checkpoint_io.load_checkpoint(requested, weights_only=True, **extra)
         if not _is_local_file_protocol(requested):
             return self._load_remote(requested, load)
-        if not os.path.isfile(requested):
-            # Lightning's own error type for a missing ckpt_path, so `except FileNotFoundError` keeps working.
+        if not os.path.lexists(requested):
+            # Lightning's own error type for a missing ckpt_path, so `except FileNotFoundError` keeps working. (A
+            # dangling symlink, such as save_last="link" to a refused save, is a failed verification: fallback applies.)
             raise FileNotFoundError(f"Checkpoint file not found: {requested}")
         result, checkpoint = verify_and_load(requested, require_sidecar=self.require_sidecar, load=load)
         if result.ok:

@@ -516,3 +516,12 @@ def test_disk_rollback_never_restores_a_later_step(tmp_path: pathlib.Path) -> No
     assert values["restored_from_step"] == 10 <= rollbacks[0]["step"]
     assert values["checkpoint"] == str(ck / "epoch=1-step=10.ckpt")
     assert all_finite(trainer.lightning_module)
+
+
+def test_nothing_is_written_into_the_working_directory(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    trainer = make_trainer(tmp_path, callbacks=[CheckpointGuard()], default_root_dir=None, max_steps=2)
+    trainer.fit(TinyModel())
+    assert list(cwd.iterdir()) == []

@@ -241,3 +241,15 @@ def test_ddp_spawn_weight_transfer_passes_through_untouched() -> None:
     io.remove_checkpoint(transfer)
     assert os.listdir(os.path.dirname(transfer)) == []
     os.rmdir(os.path.dirname(transfer))
+
+
+def test_dangling_symlink_is_a_failed_verification_so_fallback_applies(tmp_path: pathlib.Path) -> None:
+    io = VerifyingCheckpointIO(TorchCheckpointIO(), tag_last_good=False)
+    good = str(tmp_path / "a.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, good)
+    link = tmp_path / "last.ckpt"  # save_last="link" pointing at a save that was refused
+    os.symlink("refused.ckpt", link)
+    with pytest.raises(CheckpointVerificationError, match=r"symlink to refused\.ckpt, which does not exist"):
+        io.load_checkpoint(str(link))
+    io.fallback = True
+    assert io.load_checkpoint(str(link))["state_dict"]["w"].tolist() == [1.0, 1.0]
