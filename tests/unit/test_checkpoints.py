@@ -284,3 +284,28 @@ def test_restore_from_checkpoint_never_loads_a_later_step_into_the_fit(tmp_path:
     assert (done.step, done.path) == (4, str(ck / "epoch=0-step=4.ckpt"))
     saved = torch.load(ck / "epoch=0-step=4.ckpt", weights_only=True)["state_dict"]
     assert all(torch.equal(saved[k], v) for k, v in params_of(model).items())
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_final_checkpoint_is_blessed_only_when_it_verifies(tmp_path: pathlib.Path, guarded: bool) -> None:
+    from lightning_nanguard import CheckpointGuard
+    from lightning_nanguard.recovery.final_checkpoint import save_verified_checkpoint
+    from tests.helpers import TinyModel, make_trainer
+
+    callbacks = [CheckpointGuard()] if guarded else []
+    trainer = make_trainer(tmp_path, callbacks=callbacks, max_steps=2)
+    model = TinyModel()
+    trainer.fit(model)
+    good = save_verified_checkpoint(trainer, str(tmp_path / "ck"), "final-good.ckpt")
+    assert good == str(tmp_path / "ck" / "final-good.ckpt")
+    assert verify_checkpoint(good).ok
+    with torch.no_grad():
+        model.head.weight[0, 0] = float("nan")
+    if guarded:
+        with pytest.warns(UserWarning, match="refused to write"):
+            bad = save_verified_checkpoint(trainer, str(tmp_path / "ck"), "final-bad.ckpt")
+    else:
+        bad = save_verified_checkpoint(trainer, str(tmp_path / "ck"), "final-bad.ckpt")
+    assert bad == ""  # not blessed, and not left behind for a resume to pick up
+    assert not (tmp_path / "ck" / "final-bad.ckpt").exists()
+    assert not (tmp_path / "ck" / ("final-bad.ckpt" + SIDECAR_SUFFIX)).exists()
