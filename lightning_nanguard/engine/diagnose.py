@@ -84,7 +84,7 @@ def event_step(trainer: pl.Trainer, facts: EventFacts) -> int:
 def gather_findings(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModule, facts: EventFacts) -> Findings:
     """Every rank's cheap evidence, made rank-consistent with one all-gather (every rank calls this)."""
     optimizers = list(trainer.optimizers)
-    local_batch = read_batch(engine.batch, pl_module)
+    local_batch = read_batch(engine.batch)
     local_state = None if facts.state_ok else read_state(pl_module, optimizers, nonfinite_names(pl_module, optimizers))
     gathered: list[Any] = _distributed.all_gather_objects(trainer, (local_batch, local_state))
     batches: tuple[BatchFindings, ...] = tuple(b for b, _ in gathered)

@@ -27,6 +27,7 @@ from lightning_nanguard.policies.diagnosis import (
     replay_steps,
     signature,
 )
+from lightning_nanguard.signals.batch import BatchFindings, read_batch
 
 if TYPE_CHECKING:
     from lightning_nanguard.engine.diagnose import EventFacts
@@ -51,10 +52,13 @@ def investigate(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModu
     cached = engine.diagnoses.get(key) if mode == "first" else None
     if cached is not None:
         step, replays = cached
+        findings = _check_targets(engine, trainer, findings, replays)
         return classify(
             dataclasses.replace(findings, replay=replays, note=f"reused the replay of step {step} (forensics='first')")
         )
     replays, ms = _replay(engine, trainer, pl_module, findings)
+    findings = _check_targets(engine, trainer, findings, replays)
+    ms = round(ms, 3)  # the slowest rank's time, the same number on every rank
     engine.replay_ms += ms
     engine.diagnoses[key] = (event_step(trainer, facts), replays)
     undone = ""
@@ -65,11 +69,27 @@ def investigate(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModu
             findings,
             replay=replays,
             replayed_now=True,
-            replay_ms=round(ms, 3),
+            replay_ms=ms,
             replay_steps=replay_steps(ms, engine.step_seconds),
             note=undone,
         )
     )
+
+
+def _check_targets(engine: Engine, trainer: pl.Trainer, f: Findings, replays: tuple[ReplayFindings, ...]) -> Findings:
+    """Check the class targets against the output size the replay saw (one all-gather, only when the gathered target
+    ranges say some label may not fit: a decision every rank makes alike)."""
+    size = next((r.hooked.out_size for r in replays if r.hooked is not None and r.hooked.out_size), None)
+    if size is None:
+        return f
+    suspect = any(
+        b.target_min is not None and b.target_max is not None and (b.target_min < 0 or b.target_max >= size)
+        for b in f.batch
+    )
+    if not suspect:
+        return f
+    gathered: list[BatchFindings] = _distributed.all_gather_objects(trainer, read_batch(engine.batch, size))  # type: ignore[assignment]
+    return dataclasses.replace(f, batch=tuple(gathered))
 
 
 def _budget_ms(engine: Engine) -> float:

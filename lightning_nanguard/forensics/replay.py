@@ -71,14 +71,18 @@ class _Recorder:
         self.first_output: tuple[str, float | None, float | None, str] | None = None
         self.first_grad: tuple[str, float | None, float | None, str] | None = None
         self.out_size: int | None = None
+        self._root_ran = False
         self._ranges: dict[str, tuple[float | None, float | None, str]] = {}
         self._out_grad_ok: dict[str, bool] = {}
 
     def forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         name = self.names.get(id(module), "?") or type(module).__name__
         outs = _floats(output)
-        if module is self.root and outs and outs[0].dim() > 0:
+        # The model's output size: its own forward's output, else the last module to finish (a training_step that
+        # calls the head directly). Targets are checked against it.
+        if outs and outs[0].dim() > 0 and (module is self.root or not self._root_ran):
             self.out_size = int(outs[0].shape[-1])
+            self._root_ran = self._root_ran or module is self.root
         ins = _floats(args)
         lo, hi = _range(ins)
         dtype = str(outs[0].dtype) if outs else ""

@@ -11,8 +11,9 @@ optimizer numerics           state non-finite, the step before was finite, and t
 corrupt state                state non-finite otherwise (tensors named; buffers name their module and the batch rows
                              that wrote them, when the batch shows any)
 gradient explosion           a spike or loss-scale collapse signal (the history is the evidence)
-input data                   NaN/inf in an input row, or a row ``1e3`` x larger than the batch's median row
-targets                      class targets < 0 or >= the model's output size
+input data                   NaN/inf in an input row
+targets                      class targets < 0 or >= the output size the replay saw (ignore_index -100 excepted)
+input data                   a row ``1e3`` x larger than the batch's median row
 half-precision overflow      a GradScaler overflow with a finite loss (no replay needed: routine for 16-mixed)
 transient                    the replay (pre-update weights, same batch) was finite on every rank
 loss function                the replay reproduced a non-finite loss while every module output was finite

@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_nanguard.signals.batch_rows import floating_tensors, nonfinite_rows
 
-__all__ = ["BatchFindings", "integer_tensors", "magnitude_outliers", "output_size", "read_batch", "target_tensor"]
+__all__ = ["IGNORE_INDEX", "BatchFindings", "integer_tensors", "magnitude_outliers", "read_batch", "target_tensor"]
 
 _TARGET_KEYS = ("labels", "label", "targets", "target", "y", "classes", "class")
+IGNORE_INDEX = -100  # cross_entropy's default ignore_index (and Hugging Face's padding label): never "out of range"
 
 
 @dataclass(frozen=True)
@@ -29,10 +30,10 @@ class BatchFindings:
     magnitude_rows: tuple[int, ...] = ()
     max_abs: float = 0.0  # the largest finite |value| in the float inputs
     median_row_abs: float = 0.0  # the median over rows of each row's largest |value|
-    target_rows: tuple[int, ...] = ()  # rows whose class target is < 0 or >= output_size
+    target_rows: tuple[int, ...] = ()  # rows whose class target is < 0 or >= output_size (checked with a size only)
     target_min: int | None = None
     target_max: int | None = None
-    output_size: int | None = None
+    output_size: int | None = None  # the model's output size the targets were checked against (None: not checked)
     replayable: bool = True
 
 
@@ -62,15 +63,6 @@ def target_tensor(batch: Any) -> Tensor | None:
     return None
 
 
-def output_size(module: nn.Module) -> int | None:
-    """The model's output size, read from its last ``nn.Linear`` (``out_features``); ``None`` without one."""
-    size = None
-    for m in module.modules():
-        if isinstance(m, nn.Linear):
-            size = int(m.out_features)
-    return size
-
-
 def magnitude_outliers(batch: Any, ratio: float = 1e3) -> tuple[list[int], float, float]:
     """Rows whose largest finite |value| is ``ratio`` times the batch's median row (and the two magnitudes)."""
     row_max: Tensor | None = None
@@ -92,23 +84,24 @@ def magnitude_outliers(batch: Any, ratio: float = 1e3) -> tuple[list[int], float
     return rows, top, median
 
 
-def read_batch(batch: Any, module: nn.Module, out_size: int | None = None) -> BatchFindings:
-    """All the batch evidence of one rank. ``out_size`` overrides the size read from the model's last Linear."""
+def read_batch(batch: Any, out_size: int | None = None) -> BatchFindings:
+    """All the batch evidence of one rank. Targets are checked only against ``out_size``, the model's output size as
+    a replay saw it: guessing it from the modules (a tied head has no output Linear) would blame good labels."""
     if batch is None:
         return BatchFindings(replayable=False)
     bad = nonfinite_rows(batch)
     mag, top, median = magnitude_outliers(batch)
-    size = out_size if out_size is not None else output_size(module)
     target = target_tensor(batch)
     t_rows: list[int] = []
     t_min = t_max = None
     if target is not None and target.numel() > 0:
         flat = target.detach().reshape(target.shape[0], -1) if target.dim() > 0 else target.reshape(1, 1)
-        t_min, t_max = int(flat.min()), int(flat.max())
-        wrong = flat < 0
-        if size is not None:
-            wrong = wrong | (flat >= size)
-        t_rows = [int(i) for i in torch.nonzero(wrong.any(dim=1)).reshape(-1).tolist()]
+        used = flat != IGNORE_INDEX
+        if bool(used.any()):
+            t_min, t_max = int(flat[used].min()), int(flat[used].max())
+        if out_size is not None:
+            wrong = used & ((flat < 0) | (flat >= out_size))
+            t_rows = [int(i) for i in torch.nonzero(wrong.any(dim=1)).reshape(-1).tolist()]
     return BatchFindings(
         nonfinite_rows=tuple(bad),
         magnitude_rows=tuple(r for r in mag if r not in bad),
@@ -117,6 +110,6 @@ def read_batch(batch: Any, module: nn.Module, out_size: int | None = None) -> Ba
         target_rows=tuple(t_rows),
         target_min=t_min,
         target_max=t_max,
-        output_size=size,
+        output_size=out_size,
         replayable=True,
     )

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import GradNormMonitor
 from lightning_nanguard.engine import get_engine
@@ -168,3 +171,33 @@ def test_healthy_fit_never_replays(tmp_path: Any, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(inv, "run_pass", boom)
     monkeypatch.setattr(inv, "gather_findings", boom)
     assert _fit(tmp_path, RegressionNet(), max_steps=6) == []
+
+
+class TiedHeadLM(pl.LightningModule):
+    """A tiny language model with a tied head: no output Linear, the vocabulary is the embedding's size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(50, 8)
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.tok(idx)) @ self.tok.weight.t()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        data = torch.randint(0, 50, (32, 7), generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=BATCH)
+
+
+def test_labels_within_a_tied_head_are_not_blamed(tmp_path: Any) -> None:
+    # Token labels up to 49 > the last Linear's 8 outputs: only the forward's real output size (50) may judge them.
+    [d] = _fit(tmp_path, TiedHeadLM(), callbacks=[FaultInjector("loss", steps=[BAD_BATCH])])
+    assert d["cause"] == "transient"

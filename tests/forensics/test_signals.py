@@ -18,7 +18,7 @@ def test_batch_rows_outliers_and_targets() -> None:
     x[1, 2] = float("nan")
     x[4] = 5e4
     y = torch.tensor([0, 1, 2, 12, -1, 3])
-    f = read_batch((x, y), nn.Linear(4, 10))
+    f = read_batch((x, y), 10)
     assert f.nonfinite_rows == (1,)
     assert f.magnitude_rows == (4,)
     assert f.target_rows == (3, 4)
@@ -29,11 +29,11 @@ def test_targets_come_from_a_label_key_not_integer_inputs() -> None:
     ids = torch.randint(0, 30000, (2, 5))
     assert target_tensor({"input_ids": ids, "labels": torch.tensor([1, 0])}).tolist() == [1, 0]
     assert target_tensor({"input_ids": ids}) is None
-    assert read_batch({"input_ids": ids}, nn.Linear(4, 2)).target_rows == ()
+    assert read_batch({"input_ids": ids}, 2).target_rows == ()
 
 
 def test_a_whole_batch_at_another_scale_is_not_an_outlier_row() -> None:
-    assert read_batch((torch.randn(8, 4) * 1e4,), nn.Identity()).magnitude_rows == ()
+    assert read_batch((torch.randn(8, 4) * 1e4,)).magnitude_rows == ()
 
 
 def test_eps_underflow_is_found_per_dtype() -> None:
@@ -81,3 +81,11 @@ def test_history_rising_needs_a_climb_not_one_jump() -> None:
     assert climb.grad_norm_rising
     assert "rising" in climb.summary()
     assert read_history([]).summary() == "no finite step recorded yet"
+
+
+def test_targets_are_checked_only_against_a_known_output_size_and_ignore_index_is_fine() -> None:
+    y = torch.tensor([[1, 2, -100], [3, 40, -100]])
+    assert read_batch((torch.zeros(2, 3), y)).target_rows == ()  # no size: not checked, only described
+    f = read_batch((torch.zeros(2, 3), y), 10)
+    assert f.target_rows == (1,)
+    assert (f.target_min, f.target_max) == (1, 40)
