@@ -57,7 +57,8 @@ def sum_across_ranks(trainer: pl.Trainer, vec: Tensor) -> Tensor:
     """``vec`` summed over ranks (one all-reduce; no host read). A NaN/inf on any rank is non-finite on every rank."""
     if trainer.world_size <= 1:
         return vec
-    reduced = trainer.strategy.reduce(vec.to(trainer.strategy.root_device), reduce_op="sum")
+    # A copy: the all-reduce is in place, and the caller keeps ``vec`` as this rank's own values.
+    reduced = trainer.strategy.reduce(vec.to(trainer.strategy.root_device, copy=True), reduce_op="sum")
     assert isinstance(reduced, Tensor)
     return reduced
 

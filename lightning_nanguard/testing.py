@@ -11,7 +11,7 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -23,7 +23,7 @@ from typing_extensions import override
 from lightning_nanguard._validation import check_choice, check_int
 from lightning_nanguard.exceptions import NanGuardConfigError
 
-__all__ = ["FaultInjector"]
+__all__ = ["FaultInjector", "HostReadCounter"]
 
 Target = Literal["loss", "grad", "param", "input"]
 _VALUES = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -152,3 +152,54 @@ def _tensors(batch: Any) -> list[Tensor]:
     if isinstance(batch, (list, tuple)):
         return [t for v in batch for t in _tensors(v)]
     return []
+
+
+_HOST_READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+class HostReadCounter:
+    """Count the reads of tensor values into Python (each one a device synchronization on a GPU).
+
+    Counts every call of ``Tensor.item``, ``tolist``, ``numpy``, ``bool()``, ``float()``, ``int()`` and
+    ``__index__`` made while active, by anyone: compare a guarded run with a plain one. (A dispatch mode sees
+    ``item()`` as ``_local_scalar_dense`` but does not see ``tolist()``, so it under-counts.) Not counted: reads of
+    nanguard's own host buffers (pinned memory a device vector was copied into without a synchronization), which
+    read host memory, not the device.
+
+    Example::
+
+        >>> with HostReadCounter() as reads:
+        ...     _ = torch.ones(2).tolist()
+        >>> reads.count
+        1
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._saved: dict[str, Callable[..., Any]] = {}
+        self.paused = False
+
+    def __enter__(self) -> HostReadCounter:
+        for name in _HOST_READS:
+            original = getattr(torch.Tensor, name)
+            self._saved[name] = original
+            setattr(torch.Tensor, name, self._counted(original))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+        self._saved.clear()
+
+    def _counted(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
+            if not self.paused and not _host_buffer(tensor):
+                self.count += 1
+            return original(tensor, *args, **kwargs)
+
+        return counted
+
+
+def _host_buffer(tensor: Tensor) -> bool:
+    base = tensor._base if tensor._base is not None else tensor
+    return bool(getattr(base, "_nanguard_host", False))

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 import lightning_nanguard
-from lightning_nanguard.context import get_context
+from lightning_nanguard.engine import get_engine
 from tests.helpers import TinyModel, make_trainer
 
 CALLBACKS = [
@@ -44,7 +44,7 @@ def test_healthy_fit_has_no_incidents_and_no_warnings(cb_cls: type[Callback], tm
     # (pytest runs with filterwarnings=error; only third-party noise is allowlisted in pyproject.toml).
     trainer = make_trainer(tmp_path, "16-mixed", callbacks=[cb_cls()], limit_val_batches=2)
     trainer.fit(TinyModel())
-    assert len(get_context(trainer).incidents) == 0
+    assert len(get_engine(trainer).sink.records) == 0
 
 
 def test_cli_yaml_can_configure_every_callback() -> None:

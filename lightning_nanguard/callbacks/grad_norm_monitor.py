@@ -7,12 +7,13 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_nanguard import _lightning_compat
 from lightning_nanguard._validation import check_choice, check_float, check_int, check_path
 from lightning_nanguard.callbacks._base import NanGuardCallback
-from lightning_nanguard.engine import Engine
+from lightning_nanguard.engine import Engine, get_engine
 from lightning_nanguard.engine.capabilities import GuardSettings
 from lightning_nanguard.exceptions import NanGuardConfigError
 from lightning_nanguard.recovery.quarantine import Quarantine
@@ -153,6 +154,15 @@ class GradNormMonitor(NanGuardCallback):
 
     # ------------------------------------------------------------------ lifecycle
     @override
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.on_spike == "rollback" and self.spike_zscore is not None and get_engine(trainer).restorer is None:
+            rank_zero_warn(
+                f"{type(self).__name__}(on_spike='rollback') hands a spike to AutoRollback, which is not installed: "
+                "a spike is only skipped. Add AutoRollback(), or use on_spike='skip'."
+            )
+        super().on_train_start(trainer, pl_module)
+
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
         self._engine = engine
         settings = GuardSettings(
@@ -215,8 +225,9 @@ class GradNormMonitor(NanGuardCallback):
             keys.NONFINITE_STEPS: float(interval.nonfinite_steps),
         }
         if not math.isnan(interval.grad_norm):
-            out[keys.GRAD_NORM] = interval.grad_norm
-            out[keys.GRAD_NORM_MAX] = interval.grad_norm_max
+            out[keys.GRAD_NORM] = interval.grad_norm  # the last finite step's norm
+        if interval.grad_norm_max > -math.inf:
+            out[keys.GRAD_NORM_MAX] = interval.grad_norm_max  # inf when a step of the interval was non-finite
         if not math.isnan(interval.loss):
             out[keys.LOSS] = interval.loss
         if self._quarantine is not None:

@@ -6,14 +6,14 @@ from collections import deque
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_nanguard import _lightning_compat
 from lightning_nanguard._validation import check_choice, check_float, check_int
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.contract import StateRestored
-from lightning_nanguard.engine import Engine
+from lightning_nanguard.engine import Engine, get_engine
 from lightning_nanguard.engine.capabilities import CollapseFacts
 from lightning_nanguard.engine.sensing import Reading
 from lightning_nanguard.exceptions import NanGuardConfigError, UnsupportedSetupError
@@ -89,11 +89,6 @@ class LossScaleWatchdog(NanGuardCallback):
             raise NanGuardConfigError(f"{owner}(max_scale={max_scale!r}): must be >= min_scale={min_scale!r} or None.")
         check_int(owner, "floor_patience", floor_patience, minimum=1, allow_none=True)
         check_int(owner, "max_overflow_streak", max_overflow_streak, minimum=1, allow_none=True)
-        if floor_patience is None and max_overflow_streak is None:
-            raise NanGuardConfigError(
-                f"{owner}(floor_patience=None, max_overflow_streak=None): at least one collapse rule is needed, "
-                "otherwise a collapse is never detected."
-            )
         check_choice(owner, "on_collapse", on_collapse, ("auto", "warn", "rollback", "stop"))
         check_int(owner, "max_collapses", max_collapses, minimum=0, allow_none=True)
         check_int(owner, "window", window, minimum=1)
@@ -148,6 +143,11 @@ class LossScaleWatchdog(NanGuardCallback):
         if self._active:
             # The scaler's state is restored from a checkpoint before this hook: hold it to the floor from step 1.
             _lightning_compat.clamp_scale(_lightning_compat.get_scaler(trainer), self.min_scale, self.max_scale)
+            if self.on_collapse == "rollback" and get_engine(trainer).restorer is None:
+                rank_zero_warn(
+                    f"{type(self).__name__}(on_collapse='rollback') hands a collapse to AutoRollback, which is not "
+                    "installed: a collapse will stop training instead. Add AutoRollback(), or use on_collapse='auto'."
+                )
         super().on_train_start(trainer, pl_module)
 
     @override
@@ -170,9 +170,16 @@ class LossScaleWatchdog(NanGuardCallback):
             "min_scale": self.min_scale,
             "scale_history": [[s, v] for s, v in self._history],
         }
-        facts = CollapseFacts(self._policy.reason, values, self._policy.budget_left)
+        reason = self._policy.reason.replace("at its floor", f"at its floor min_scale={self.min_scale:g}")
+        facts = CollapseFacts(reason, values, self._policy.budget_left)
         self._policy.reset_streaks()
         return facts
+
+    def collapses_left(self) -> int | None:
+        """Further collapses the budget allows (``None``: unlimited)."""
+        if self.max_collapses is None:
+            return None
+        return max(0, self.max_collapses - self._policy.collapses)
 
     def after_step(self, trainer: pl.Trainer) -> None:
         """Hold the scale in ``[min_scale, max_scale]``: on the device, no host read."""
@@ -189,8 +196,10 @@ class LossScaleWatchdog(NanGuardCallback):
             keys.OVERFLOW_RATE: self._policy.overflow_rate,
             keys.OVERFLOW_STREAK: float(self._policy.streak),
         }
-        if self._last_scale is not None:
-            out[keys.LOSS_SCALE] = self._last_scale
+        scaler = _lightning_compat.get_scaler(trainer)
+        if scaler is not None and self._last_scale is not None:
+            # The scale after this step's update (what the next step runs with): one host read per logging step.
+            out[keys.LOSS_SCALE] = float(scaler.get_scale())
         return out
 
     # ------------------------------------------------------------------ state

@@ -15,6 +15,7 @@ from lightning_nanguard.contract import Signal
 from lightning_nanguard.engine.sensing import Reading
 
 __all__ = [
+    "DEFAULT_MAX_CONSECUTIVE_SKIPS",
     "Backoff",
     "CollapseFacts",
     "GuardSettings",
@@ -26,13 +27,16 @@ __all__ = [
 ]
 
 
+DEFAULT_MAX_CONSECUTIVE_SKIPS = 20
+
+
 @dataclass(frozen=True)
 class GuardSettings:
     """GradNormMonitor's choices: how a non-finite or spiking step is met, and how incidents are investigated."""
 
     owner: str
     on_nonfinite: str = "skip"  # "skip" | "warn" | "stop"
-    max_consecutive_skips: int = 20
+    max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS
     on_spike: str = "warn"  # "warn" | "skip" | "rollback"
     spike_zscore: float | None = None
     spike_warmup: int = 50
@@ -107,6 +111,8 @@ class ScaleWatch(Protocol):
     def observe(self, trainer: pl.Trainer, reading: Reading) -> CollapseFacts | None: ...
 
     def after_step(self, trainer: pl.Trainer) -> None: ...
+
+    def collapses_left(self) -> int | None: ...
 
 
 class Promoter(Protocol):

@@ -33,6 +33,7 @@ from lightning_nanguard.engine.capabilities import (
 )
 from lightning_nanguard.engine.sensing import Reading, Sensor
 from lightning_nanguard.engine.sink import IncidentSink
+from lightning_nanguard.engine.state_check import state_before_update
 from lightning_nanguard.exceptions import NanGuardConfigError
 from lightning_nanguard.recovery.quarantine import Quarantine
 from lightning_nanguard.recovery.step_skip import drop_update
@@ -194,7 +195,7 @@ class Engine:
 
     def train_epoch_start(self, trainer: pl.Trainer) -> None:
         if self.quarantine is not None:
-            self.quarantine.attach(trainer)
+            self.quarantine.attach(trainer, self.sink.log_dir)
 
     def batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch, self._batch_idx = batch, batch_idx
@@ -235,6 +236,8 @@ class Engine:
             return
         drop = bool(self._drop_reason)
         if reading.bad:
+            # Incident path only: the state as it was before this update (the event is handled after it).
+            reading.extras["state_before"] = state_before_update(trainer, pl_module)
             if path == "scaler":
                 # Every rank's scaler drops it and backs off together, even where this rank's gradients are finite.
                 _lightning_compat.or_into_found_inf(
@@ -307,6 +310,8 @@ class Engine:
         grad_z, loss_z = self._spikes
         grad_spike = reading.has_grads and grad_z.observe(reading.grad_norm)
         loss_spike = reading.loss is not None and loss_z.observe(reading.loss)
+        if grad_spike or loss_spike:
+            reading.extras["zscores"] = {"grad_norm_zscore": grad_z.last_z, "loss_zscore": loss_z.last_z}
         signal = SIGNAL_OF_SPIKE.get((bool(loss_spike), bool(grad_spike)))
         return signal.value if signal is not None else ""
 
@@ -380,7 +385,8 @@ class _Interval:
     def observe(self, reading: Reading) -> None:
         self.steps += 1
         if reading.has_grads:
-            self.grad_norm = reading.grad_norm
+            if reading.grads_finite:
+                self.grad_norm = reading.grad_norm
             if not reading.grads_finite or reading.grad_norm > self.grad_norm_max:
                 self.grad_norm_max = reading.grad_norm if reading.grads_finite else math.inf
         if reading.loss is not None:

@@ -14,9 +14,9 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_nanguard import _distributed
 from lightning_nanguard.contract import Action, Cause, Diagnosis, Plan, RestoreSource, Signal, StateRestored
-from lightning_nanguard.engine.capabilities import Restored
+from lightning_nanguard.engine.capabilities import DEFAULT_MAX_CONSECUTIVE_SKIPS, Restored
 from lightning_nanguard.engine.diagnose import EventFacts, diagnose
-from lightning_nanguard.engine.state_check import model_finite, nonfinite_names
+from lightning_nanguard.engine.state_check import model_finite, nonfinite_names, state_before_update
 from lightning_nanguard.exceptions import NonFiniteTrainingError, RecoveryBudgetExhausted
 from lightning_nanguard.policies.remedy import Installed, RemedyFacts, plan_remedy
 from lightning_nanguard.reporting import messages
@@ -39,6 +39,7 @@ _SEVERITY = [
     Signal.LOSS_SPIKE,
     Signal.GRAD_NORM_SPIKE,
 ]
+_SPIKES = (Signal.LOSS_SPIKE, Signal.GRAD_NORM_SPIKE, Signal.LOSS_AND_GRAD_NORM_SPIKE)
 _PRIMARY = [
     Action.STOP,
     Action.ROLLBACK,
@@ -71,16 +72,14 @@ def handle(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModule, e
 
 def _handle_one(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModule, event: PendingEvent) -> None:
     step = event.readings[0].step if event.readings else trainer.global_step
-    optimizers = list(trainer.optimizers)
-    state_ok = model_finite(trainer, pl_module, optimizers)  # collective, every rank
-    names: list[str] = []
-    if not state_ok:
-        gathered = _distributed.all_gather_objects(trainer, nonfinite_names(pl_module, optimizers))
-        names = sorted({n for part in gathered for n in part})  # type: ignore[attr-defined]
+    # The state before the update where the host path took it (the same on every rank: the readings are reduced),
+    # else now (the update was dropped on the device, or there was none).
+    before = next((r.extras["state_before"] for r in event.readings if "state_before" in r.extras), None)
+    state_ok, names = before if before is not None else state_before_update(trainer, pl_module)
     facts = EventFacts(event, state_ok=state_ok, state_names=names, ranks=_bad_ranks(trainer, event))
     diagnosis = diagnose(engine, trainer, pl_module, facts)
     plan = plan_remedy(_remedy_facts(engine, trainer, facts, diagnosis))
-    details, values, checkpoint = _act(engine, trainer, pl_module, plan, diagnosis, step)
+    details, values, checkpoint = _act(engine, trainer, pl_module, plan, diagnosis, step, facts.signal)
     failed = Action.ROLLBACK in plan.actions and "restored_from_step" not in values and not plan.stop
     if failed and (not facts.state_ok or diagnosis.state_damaged):
         plan = Plan(
@@ -88,7 +87,10 @@ def _handle_one(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModu
             "the state is non-finite and nothing verified could be restored",
             stop=True,
         )
+    if checkpoint:
+        values["final_checkpoint"] = checkpoint
     where = messages.where_text(step, trainer.current_epoch, engine.batch_idx, facts.ranks)
+    why = facts.event.collapse.reason if facts.event.collapse is not None else ""
     if plan.stop:
         state_now = _state_now(trainer, pl_module)
         message = messages.stop_message(
@@ -100,11 +102,12 @@ def _handle_one(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModu
             tried=_tried(engine),
             state_now=state_now,
             checkpoint=checkpoint,
+            why=why,
         )
         budget = "rollback budget" in plan.reason or "collapse budget" in plan.reason
         engine.request_stop(trainer, (RecoveryBudgetExhausted if budget else NonFiniteTrainingError)(message))
     else:
-        message = messages.incident_message(facts.signal, where, diagnosis, plan, details)
+        message = messages.incident_message(facts.signal, where, diagnosis, plan, details, why=why)
     if Action.WARN in plan.actions:
         rank_zero_warn(message)
     incident = Incident(
@@ -138,12 +141,21 @@ def _act(
     plan: Plan,
     diagnosis: Diagnosis,
     step: int,
+    signal: Signal,
 ) -> tuple[dict[Action, str], dict[str, Any], str]:
     """Carry out the plan. Every rank runs the same actions (the plan came from rank-consistent facts)."""
     details: dict[Action, str] = {}
     values: dict[str, Any] = {}
     checkpoint = ""
     acts = set(plan.actions)
+    if Action.WARN in acts and signal is Signal.LOSS_SCALE_COLLAPSE and engine.scale_watch is not None:
+        left = engine.scale_watch.collapses_left()
+        budget = "" if left is None else f"; {left} more collapses allowed"
+        details[Action.WARN] = f"kept training (on_collapse={engine.scale_watch.on_collapse!r}{budget})"
+    elif Action.WARN in acts and engine.guard is not None:
+        setting = "on_spike" if signal in _SPIKES else "on_nonfinite"
+        value = engine.guard.on_spike if setting == "on_spike" else engine.guard.on_nonfinite
+        details[Action.WARN] = f"let the update through ({setting}={value!r})"
     if Action.QUARANTINE in acts and engine.quarantine is not None:
         details[Action.QUARANTINE] = engine.quarantine.add(trainer, engine.batch, diagnosis.rows, step)
     if Action.ROLLBACK in acts and engine.restorer is not None:
@@ -153,7 +165,10 @@ def _act(
         else:
             details[Action.ROLLBACK] = _restored_text(restored)
             values.update(
-                restored_from_step=restored.step, rollback_source=restored.source, steps_lost=step - restored.step
+                restored_from_step=restored.step,
+                rollback_source=restored.source,
+                steps_lost=step - restored.step,
+                recurrence=restored.recurrence,
             )
             if restored.path:
                 values["checkpoint"] = restored.path
@@ -163,6 +178,7 @@ def _act(
         lr = Action.BACKOFF in acts
         eps = Action.EPS_BACKOFF in acts or (lr and engine.backoff.eps_applies(trainer))
         changed = engine.backoff.back_off(trainer, lr=lr, eps=eps, cause=diagnosis.cause.value)
+        engine.recent_skips.clear()  # the skips behind this backoff are answered: count afresh
         values.update(changed)
         if lr:
             details[Action.BACKOFF] = str(changed.get("lr_text", "lowered the learning rate"))
@@ -184,9 +200,21 @@ def _remedy_facts(engine: Engine, trainer: pl.Trainer, facts: EventFacts, diagno
     # Under 16-mixed with a LossScaleWatchdog, a run of overflows is the watchdog's (its collapse rule); otherwise
     # GradNormMonitor's max_consecutive_skips counts every dropped step.
     routine = facts.scaler_overflow and facts.state_ok and engine.scale_watch is not None
-    max_skips = None if guard is None or routine else guard.max_consecutive_skips
+    if routine:
+        max_skips = None
+    elif guard is not None:
+        max_skips = guard.max_consecutive_skips
+    else:  # AutoRollback alone still escalates a run of dropped updates (GradNormMonitor's default budget)
+        max_skips = DEFAULT_MAX_CONSECUTIVE_SKIPS if restorer is not None else None
     recent = 0
-    if backoff is not None and not diagnosis.cause.data_caused and facts.signal is not Signal.NONFINITE_STATE:
+    # Skips that count toward a backoff: not the data's fault, and not a damaged state (a rollback is its remedy).
+    if (
+        backoff is not None
+        and not diagnosis.cause.data_caused
+        and diagnosis.cause is not Cause.CORRUPT_STATE
+        and facts.state_ok
+        and facts.signal is not Signal.NONFINITE_STATE
+    ):
         engine.recent_skips.append(step)
         recent = sum(1 for s in engine.recent_skips if step - s < backoff.skip_window)
     module = diagnosis.module
@@ -282,9 +310,12 @@ def _bad_ranks(trainer: pl.Trainer, event: PendingEvent) -> list[int]:
     import math
 
     local = [r.local.detach().float().cpu().tolist() if r.local is not None else [] for r in event.readings]
-    bad_here = any(not all(math.isfinite(v) for v in vec) for vec in local)
-    gathered = _distributed.all_gather_objects(trainer, bad_here)
-    ranks = [i for i, bad in enumerate(gathered) if bad]
+    # This rank's own loss (never reduced) names the rank best: gradients are all-reduced in the backward, so every
+    # rank sees another rank's NaN gradient; a gradient that went bad after the reduction is this rank's own.
+    loss_bad = any(len(vec) > 1 and not math.isfinite(vec[1]) for vec in local)
+    any_bad = any(not all(math.isfinite(v) for v in vec) for vec in local)
+    gathered = _distributed.all_gather_objects(trainer, (loss_bad, any_bad))
+    ranks = [i for i, (lb, _) in enumerate(gathered) if lb] or [i for i, (_, ab) in enumerate(gathered) if ab]
     return ranks or list(range(trainer.world_size))
 
 

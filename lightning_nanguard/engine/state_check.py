@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 from lightning_nanguard import _distributed
 from lightning_nanguard.signals.tensors import all_finite
 
-__all__ = ["model_finite", "nonfinite_names"]
+__all__ = ["model_finite", "nonfinite_names", "state_before_update"]
 
 
 def _model_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
@@ -54,3 +54,12 @@ def _bad(t: Tensor) -> bool:
     if not t.is_floating_point() or t.numel() == 0:
         return False
     return not bool(torch.isfinite(t).all())
+
+
+def state_before_update(trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[bool, list[str]]:
+    """The state check of a bad step, taken before its update (collective: every rank calls it, rank-reduced)."""
+    optimizers = list(trainer.optimizers)
+    if model_finite(trainer, pl_module, optimizers):
+        return True, []
+    gathered = _distributed.all_gather_objects(trainer, nonfinite_names(pl_module, optimizers))
+    return False, sorted({n for part in gathered for n in part})  # type: ignore[attr-defined]

@@ -171,6 +171,10 @@ def _collapse(f: RemedyFacts) -> Plan:
     if mode == "auto":
         mode = "rollback" if f.installed.rollback else "stop"
     if mode == "warn":
+        if f.collapse_budget_left <= 0:
+            return _stop(
+                [Action.SCALER_SKIP], "the loss-scale collapse budget (LossScaleWatchdog max_collapses) ran out"
+            )
         return Plan((Action.SCALER_SKIP, Action.WARN), 'LossScaleWatchdog(on_collapse="warn") keeps training')
     if mode == "stop" or not f.installed.rollback:
         why = (

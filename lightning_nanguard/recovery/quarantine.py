@@ -120,10 +120,14 @@ class Quarantine:
                 BatchSampler.__iter__ = _PATCH["original"]  # type: ignore[method-assign]
                 _PATCH["original"] = None
 
-    def attach(self, trainer: pl.Trainer) -> None:
-        """Each epoch start: hook the training loaders' batch samplers (adopting what they yielded already)."""
-        if self._log_path is None and trainer.is_global_zero and trainer.loggers and trainer.log_dir:
-            self._log_path = os.path.join(trainer.log_dir, QUARANTINE_FILE)
+    def attach(self, trainer: pl.Trainer, log_dir: str | None) -> None:
+        """Each epoch start: hook the training loaders' batch samplers (adopting what they yielded already).
+
+        ``log_dir`` is the incident sink's (rank 0 only): ``trainer.log_dir`` is a broadcast, a collective that one
+        rank must never call alone.
+        """
+        if self._log_path is None and log_dir:
+            self._log_path = os.path.join(log_dir, QUARANTINE_FILE)
         for sampler in _lightning_compat.train_batch_samplers(trainer):
             if not isinstance(sampler, BatchSampler) or sampler.__dict__.get("_nanguard_hook") is not None:
                 continue

@@ -69,10 +69,12 @@ def incident_message(
     diagnosis: Diagnosis,
     plan: Plan,
     details: Mapping[Action, str],
+    why: str = "",
 ) -> str:
     """One incident in a sentence or three."""
     done = actions_phrase(plan.actions, details) or "nothing was done"
-    text = f"{signal_text(signal)} at {where}. Cause: {cause_text(diagnosis)}. Done: {done}."
+    why = f": {why}" if why else ""
+    text = f"{signal_text(signal)} at {where}{why}. Cause: {cause_text(diagnosis)}. Done: {done}."
     if diagnosis.hint and not plan.stop:
         text += f" Hint: {diagnosis.hint}."
     return text
@@ -105,11 +107,13 @@ def stop_message(
     tried: str,
     state_now: str,
     checkpoint: str = "",
+    why: str = "",
 ) -> str:
     """The stop error: what happened, where, the cause, what was tried, why it stopped, the state, what to try."""
     done = actions_phrase(plan.actions, details)
+    why = f": {why}" if why else ""
     lines = [
-        f"nanguard stopped training: {signal_text(signal)} at {where}.",
+        f"nanguard stopped training: {signal_text(signal)} at {where}{why}.",
         f"Cause: {cause_text(diagnosis)}.",
         f"Tried in this run: {tried}" + (f"; for this event: {done}" if done else "") + ".",
         f"Why it stopped: {plan.reason}.",
@@ -151,4 +155,5 @@ def values_of(readings: Sequence[Any]) -> dict[str, Any]:
             out["loss"] = r.loss
         if r.scale is not None:
             out["loss_scale"] = r.scale
+        out.update(r.extras.get("zscores", {}))
     return out

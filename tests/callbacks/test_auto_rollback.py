@@ -9,7 +9,6 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
-from torch.optim import Optimizer
 
 from lightning_nanguard import (
     AutoRollback,
@@ -19,7 +18,8 @@ from lightning_nanguard import (
     UnsupportedSetupError,
 )
 from lightning_nanguard.checkpoints import verify_checkpoint, write_sidecar
-from lightning_nanguard.context import get_context
+from lightning_nanguard.contract import RestoreSource, StateRestored
+from lightning_nanguard.engine import get_engine
 from lightning_nanguard.testing import FaultInjector
 from tests.helpers import TinyModel, all_finite, loggers, make_trainer, params_of, tb_scalars
 
@@ -32,8 +32,8 @@ class StateSpy(pl.Callback):
         self.moments: dict[int, list[torch.Tensor]] = {}
         self.restored: list[dict[str, Any]] = []
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        get_context(trainer).subscribe("restored", lambda trainer, **kw: self.restored.append(kw))
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        get_engine(trainer).bus.subscribe(StateRestored, lambda trainer, event: self.restored.append(event))
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
         self.params[trainer.global_step] = params_of(pl_module)
@@ -43,52 +43,58 @@ class StateSpy(pl.Callback):
         ]
 
 
-class Requester(pl.Callback):
-    """Asks AutoRollback for a rollback at ``step`` (as a spike detector would), dropping the update itself."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, opt: Optimizer) -> None:
-        if trainer.global_step == self.step:
-            ctx = get_context(trainer)
-            ctx.skip_step(trainer, opt, ctx.step_health(trainer, pl_module, opt), "Requester")
-            ctx.request(trainer, "rollback", trigger="loss_spike", source="Requester")
-
-
 def rollbacks(trainer: pl.Trainer) -> list[Any]:
-    return [r for r in get_context(trainer).incidents.records if r.action == "rollback"]
+    return [r for r in get_engine(trainer).sink.records if r.action == "rollback"]
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize(
-    ("precision", "target", "trigger"),
-    [
-        ("32-true", "grad", "nonfinite_grads"),
-        ("bf16-mixed", "loss", "nonfinite_loss_and_grads"),
-        ("16-mixed", "param", "nonfinite_params"),
-    ],
-)
-def test_fault_restores_newest_snapshot_bit_for_bit(tmp_path: Any, precision: str, target: str, trigger: str) -> None:
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
+def test_damaged_state_restores_newest_snapshot_bit_for_bit(tmp_path: Any, precision: str) -> None:
     spy, model = StateSpy(), TinyModel()
     rb = AutoRollback(every_n_steps=2, quiet_steps=0)
-    trainer = make_trainer(tmp_path, precision, callbacks=[spy, FaultInjector(target, steps=[5]), rb], max_steps=8)
+    trainer = make_trainer(tmp_path, precision, callbacks=[spy, FaultInjector("param", steps=[5]), rb], max_steps=8)
     trainer.fit(model)
     (incident,) = rollbacks(trainer)
     assert incident.step == 5
     assert incident.values["restored_from_step"] == 4
-    assert incident.trigger == trigger
+    assert incident.cause == "corrupt_state"
+    assert "body.0.weight" in incident.where
     # The state entering step 6 is the snapshot of step 4: weights and optimizer moments, bit for bit.
     assert same(spy.params[6], spy.params[4])
     assert not same(spy.params[5], spy.params[4])
     assert all(torch.equal(a, b) for a, b in zip(spy.moments[6], spy.moments[4], strict=True))
-    assert spy.restored == [{"from_step": 4, "source": "memory"}]
+    assert spy.restored == [StateRestored(4, RestoreSource.MEMORY)]
     assert all_finite(model)
     assert trainer.global_step == 8
     assert rb.rollbacks == 1
+
+
+@pytest.mark.parametrize("target", ["grad", "loss"])
+def test_one_bad_step_with_intact_state_is_dropped_not_rolled_back(tmp_path: Any, target: str) -> None:
+    # Rolling back for one bad gradient would throw away good steps: dropping the update is the whole remedy.
+    spy, model = StateSpy(), TinyModel()
+    rb = AutoRollback(every_n_steps=2, quiet_steps=0)
+    trainer = make_trainer(tmp_path, callbacks=[spy, FaultInjector(target, steps=[5]), rb], max_steps=8)
+    trainer.fit(model)
+    (incident,) = get_engine(trainer).sink.records
+    assert (incident.step, incident.actions) == (5, ["skip"])
+    assert rb.rollbacks == 0
+    assert same(spy.params[6], spy.params[5])
+    assert all_finite(model)
+
+
+def test_recurring_bad_steps_escalate_to_a_rollback_without_gradnormmonitor(tmp_path: Any) -> None:
+    # AutoRollback alone: a run of dropped updates is not dropped forever; it escalates, then stops on its budget.
+    rb = AutoRollback(every_n_steps=2, quiet_steps=0, max_rollbacks=1)
+    trainer = make_trainer(tmp_path, callbacks=[FaultInjector("grad", steps=range(3, 60)), rb], max_steps=60)
+    with pytest.raises(RecoveryBudgetExhausted, match=r"rolled back 1 time.*rollback budget"):
+        trainer.fit(TinyModel())
+    # The escalation's rollback, then the one that ran out the budget: it restores before stopping, so the final
+    # checkpoint holds a verified state.
+    assert rb.rollbacks == 2
 
 
 def test_gradscaler_overflow_is_left_to_the_scaler_and_its_lower_scale_is_kept(tmp_path: Any) -> None:
@@ -120,7 +126,7 @@ def test_gradscaler_overflow_is_left_to_the_scaler_and_its_lower_scale_is_kept(t
 def test_recurrence_restores_an_older_snapshot(tmp_path: Any) -> None:
     spy, model = StateSpy(), TinyModel()
     rb = AutoRollback(every_n_steps=2, num_snapshots=3, quiet_steps=0, recurrence_steps=5)
-    faults = FaultInjector("loss", steps=[5, 7])
+    faults = FaultInjector("param", steps=[5, 7])
     trainer = make_trainer(tmp_path, callbacks=[spy, faults, rb], max_steps=10)
     trainer.fit(model)
     assert [r.values["restored_from_step"] for r in rollbacks(trainer)] == [4, 2]
@@ -132,17 +138,19 @@ def test_recurrence_restores_an_older_snapshot(tmp_path: Any) -> None:
 def test_budget_exhausted_stops_with_a_verified_final_checkpoint(tmp_path: Any) -> None:
     model = TinyModel()
     rb = AutoRollback(every_n_steps=2, quiet_steps=0, max_rollbacks=1, checkpoint_dir=str(tmp_path / "ckpt"))
-    trainer = make_trainer(tmp_path, callbacks=[FaultInjector("grad", steps=[3, 5]), rb], max_steps=20)
-    with pytest.raises(RecoveryBudgetExhausted, match=r"global_step=5.*max_rollbacks=1.*learning rate") as err:
+    trainer = make_trainer(tmp_path, callbacks=[FaultInjector("param", steps=[3, 5]), rb], max_steps=20)
+    with pytest.raises(
+        RecoveryBudgetExhausted, match=r"global_step=5.*rollback budget.*max_rollbacks.*lower the learning rate"
+    ) as err:
         trainer.fit(model)
     path = str(tmp_path / "ckpt" / "nanguard-final-step=5.ckpt")
     assert path in str(err.value)
     assert verify_checkpoint(path).ok
     assert all_finite(model)
     assert trainer.global_step == 6
-    stop = get_context(trainer).incidents.records[-1]
+    stop = get_engine(trainer).sink.records[-1]
     assert stop.action == "stop"
-    assert stop.values["checkpoint"] == path
+    assert stop.values["final_checkpoint"] == path
 
 
 def test_fp16_true_eps_underflow_is_caught_and_rolled_back(tmp_path: Any) -> None:
@@ -155,25 +163,13 @@ def test_fp16_true_eps_underflow_is_caught_and_rolled_back(tmp_path: Any) -> Non
     done = rollbacks(trainer)
     assert done[0].step == 1
     assert done[0].values["restored_from_step"] == 0
-    assert {r.trigger for r in done} <= {"nonfinite_params", "nonfinite_loss_and_grads", "nonfinite_loss"}
+    assert {r.trigger for r in done} <= {"nonfinite_state", "nonfinite_loss_and_grads", "nonfinite_loss"}
     assert all_finite(model)
-
-
-@pytest.mark.parametrize("requester_first", [True, False])
-def test_rollback_requested_by_another_callback(tmp_path: Any, requester_first: bool) -> None:
-    spy, rb, req = StateSpy(), AutoRollback(every_n_steps=2, quiet_steps=0), Requester(step=3)
-    callbacks = [spy, req, rb] if requester_first else [spy, rb, req]
-    trainer = make_trainer(tmp_path, callbacks=callbacks, max_steps=5)
-    trainer.fit(TinyModel())
-    (incident,) = rollbacks(trainer)
-    assert incident.trigger == "loss_spike"
-    assert incident.values["requested_by"] == "Requester"
-    assert same(spy.params[4], spy.params[2])
 
 
 def test_skip_batches_after_rollback_drops_their_updates(tmp_path: Any) -> None:
     spy, rb = StateSpy(), AutoRollback(every_n_steps=2, quiet_steps=0, skip_batches=2)
-    trainer = make_trainer(tmp_path, callbacks=[spy, FaultInjector("loss", steps=[3]), rb], max_steps=8)
+    trainer = make_trainer(tmp_path, callbacks=[spy, FaultInjector("param", steps=[3]), rb], max_steps=8)
     trainer.fit(TinyModel())
     assert rb.skipped_batches == 2
     assert same(spy.params[4], spy.params[2])
@@ -181,44 +177,48 @@ def test_skip_batches_after_rollback_drops_their_updates(tmp_path: Any) -> None:
     assert not same(spy.params[7], spy.params[6])
 
 
-def test_tensorboard_forgets_the_abandoned_steps(tmp_path: Any) -> None:
+def test_tensorboard_keeps_the_history_and_marks_the_rollback(tmp_path: Any) -> None:
     rb = AutoRollback(every_n_steps=4, quiet_steps=0)
     trainer = make_trainer(
         tmp_path,
         logger=loggers(tmp_path),
-        callbacks=[FaultInjector("loss", steps=[7]), GradNormMonitor(), rb],
+        callbacks=[FaultInjector("param", steps=[7]), GradNormMonitor(), rb],
         max_steps=10,
     )
     trainer.fit(TinyModel())
     scalars = tb_scalars(os.path.join(str(tmp_path), "tb", "version_0"))
-    # Snapshot at step 4, NaN at step 7: steps 5 and 6 were abandoned; step 7 stays as the incident's marker.
-    assert [s for s, _ in scalars["nanguard/rollbacks"]] == [0, 1, 2, 3, 4, 7, 8, 9]
-    assert [s for s, _ in scalars["nanguard/grad_norm"]] == [0, 1, 2, 3, 4, 7, 8, 9]
-    assert scalars["nanguard/restored_from_step"] == [(7, 4.0)]
+    # global_step is never rewound: nothing is purged, the history that explains the incident stays, and the
+    # rollback is a marker at its own step.
+    assert [s for s, _ in scalars["nanguard/rollbacks"]] == list(range(10))
+    assert [v for s, v in scalars["nanguard/rollbacks"] if s >= 7] == [1.0, 1.0, 1.0]
+    assert [s for s, _ in scalars["nanguard/incident/rollback"]] == [7]
 
 
-def test_disk_source_restores_the_newest_verified_checkpoint(tmp_path: Any) -> None:
-    good = _good_checkpoint(tmp_path)
+def test_disk_source_restores_the_newest_verified_checkpoint_at_or_before_the_step(tmp_path: Any) -> None:
+    good = _good_checkpoint(tmp_path, steps=2)
     ckpt_dir = tmp_path / "ckpts"
     torch.save({"not": "a checkpoint"}, str(ckpt_dir / "newer-unverified.ckpt"))  # no sidecar: must be ignored
+    future = _good_checkpoint(tmp_path / "other", steps=9)  # verified, but from a step after the fault
+    os.replace(future, ckpt_dir / "future.ckpt")
+    os.replace(future + ".sha256", str(ckpt_dir / "future.ckpt") + ".sha256")
     saved = torch.load(good, weights_only=True)
 
     spy, model = StateSpy(), TinyModel(lr=0.01)
     rb = AutoRollback(source="disk", num_snapshots=0, checkpoint_dir=str(ckpt_dir))
-    trainer = make_trainer(tmp_path, callbacks=[spy, FaultInjector("loss", steps=[2]), rb], max_steps=4)
+    trainer = make_trainer(tmp_path, callbacks=[spy, FaultInjector("param", steps=[4]), rb], max_steps=6)
     trainer.fit(model)
     (incident,) = rollbacks(trainer)
-    assert incident.values["source"] == "disk"
+    assert incident.values["rollback_source"] == "disk"
     assert incident.values["checkpoint"] == good
-    assert incident.values["restored_from_step"] == 6
-    assert all(torch.equal(spy.params[3][k], saved["state_dict"][k]) for k in spy.params[3])
-    assert spy.restored == [{"from_step": 6, "source": "disk"}]
+    assert incident.values["restored_from_step"] == 2
+    assert all(torch.equal(spy.params[5][k], saved["state_dict"][k]) for k in spy.params[5])
+    assert spy.restored == [StateRestored(2, RestoreSource.DISK)]
     assert trainer.optimizers[0].param_groups[0]["lr"] == 0.01  # the live hyperparameters win over the file's
 
 
 def test_state_round_trips_through_a_weights_only_checkpoint(tmp_path: Any) -> None:
     rb = AutoRollback(every_n_steps=2, quiet_steps=0, skip_batches=1)
-    trainer = make_trainer(tmp_path, callbacks=[FaultInjector("loss", steps=[3]), rb], max_steps=8)
+    trainer = make_trainer(tmp_path, callbacks=[FaultInjector("param", steps=[3]), rb], max_steps=8)
     trainer.fit(TinyModel())
     path = str(tmp_path / "state.ckpt")
     trainer.save_checkpoint(path)
@@ -246,7 +246,7 @@ def test_state_round_trips_through_a_weights_only_checkpoint(tmp_path: Any) -> N
         ({"rollback_window": 1.5}, r"AutoRollback\(rollback_window=1.5\): must be an int >= 1"),
         ({"skip_batches": -1}, r"AutoRollback\(skip_batches=-1\): must be an int >= 0"),
         ({"source": "cloud"}, r"AutoRollback\(source='cloud'\): must be one of \['disk', 'memory'\]"),
-        ({"checkpoint_dir": 3}, r"AutoRollback\(checkpoint_dir=3\): must be a str path or None"),
+        ({"checkpoint_dir": 3}, r"AutoRollback\(checkpoint_dir=3\): must be a path \(str or os.PathLike\) or None"),
     ],
 )
 def test_constructor_validation(kwargs: dict[str, Any], message: str) -> None:
@@ -254,8 +254,8 @@ def test_constructor_validation(kwargs: dict[str, Any], message: str) -> None:
         AutoRollback(**kwargs)
 
 
-def _good_checkpoint(tmp_path: Any) -> str:
-    trainer = make_trainer(tmp_path, max_steps=6)
+def _good_checkpoint(tmp_path: Any, steps: int = 6) -> str:
+    trainer = make_trainer(tmp_path, max_steps=steps)
     trainer.fit(TinyModel())
     path = str(tmp_path / "ckpts" / "good.ckpt")
     trainer.save_checkpoint(path)
@@ -268,10 +268,10 @@ def test_memory_falls_back_to_disk_when_no_older_snapshot_exists(tmp_path: Any) 
     rb = AutoRollback(
         every_n_steps=2, num_snapshots=1, quiet_steps=0, recurrence_steps=5, checkpoint_dir=os.path.dirname(good)
     )
-    trainer = make_trainer(tmp_path, callbacks=[FaultInjector("loss", steps=[5, 7]), rb], max_steps=9)
+    trainer = make_trainer(tmp_path, callbacks=[FaultInjector("param", steps=[5, 7]), rb], max_steps=9)
     trainer.fit(TinyModel())
     # One slot: the recurrence at 7 wants something older than step 4, which only the checkpoint (step 6) is.
-    assert [(r.values["source"], r.values["restored_from_step"]) for r in rollbacks(trainer)] == [
+    assert [(r.values["rollback_source"], r.values["restored_from_step"]) for r in rollbacks(trainer)] == [
         ("memory", 4),
         ("disk", 6),
     ]
@@ -290,7 +290,7 @@ def test_same_run_whatever_the_callback_order(tmp_path: Any) -> None:
         model = TinyModel()
         pair = [GradNormMonitor(), AutoRollback(every_n_steps=2, quiet_steps=0)]
         trainer = make_trainer(
-            tmp_path / str(order), callbacks=[FaultInjector("grad", steps=[3]), *pair[:: 1 - 2 * order]], max_steps=6
+            tmp_path / str(order), callbacks=[FaultInjector("param", steps=[3]), *pair[:: 1 - 2 * order]], max_steps=6
         )
         trainer.fit(model)
         assert [r.values["restored_from_step"] for r in rollbacks(trainer)] == [2]
@@ -300,7 +300,7 @@ def test_same_run_whatever_the_callback_order(tmp_path: Any) -> None:
 
 def test_gradient_accumulation_rolls_back_the_whole_window(tmp_path: Any) -> None:
     spy, rb = StateSpy(), AutoRollback(every_n_steps=2, quiet_steps=0)
-    faults = FaultInjector("loss", steps=[3])  # both micro-batches of step 3
+    faults = FaultInjector("param", steps=[3])  # at the first micro-batch of step 3
     trainer = make_trainer(tmp_path, callbacks=[spy, faults, rb], max_steps=5, accumulate_grad_batches=2)
     trainer.fit(TinyModel())
     (incident,) = rollbacks(trainer)

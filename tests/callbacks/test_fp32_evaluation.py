@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, EarlyStopping
 
 from lightning_nanguard import FP32Evaluation, NanGuardConfigError
-from lightning_nanguard.reporting.incidents import IncidentLog
+from lightning_nanguard.engine import get_engine
 from tests.fp32_eval_models import HalfOverflowModel
 from tests.helpers import make_trainer, params_of
 
@@ -84,7 +84,8 @@ def test_training_trajectory_is_bit_identical(tmp_path: Any, precision: str, mod
 def test_on_nonfinite_reruns_exactly_the_nonfinite_batches(tmp_path: Any, precision: str) -> None:
     model = HalfOverflowModel(bad_batches=(1, 3))
     callback = FP32Evaluation("on_nonfinite")
-    out = _eval_trainer(tmp_path, precision, [callback]).validate(model, verbose=False)[0]
+    trainer = _eval_trainer(tmp_path, precision, [callback])
+    out = trainer.validate(model, verbose=False)[0]
 
     half = HALF[precision]
     assert [(i, dtype) for i, dtype, _ in model.eval_calls] == [
@@ -102,7 +103,7 @@ def test_on_nonfinite_reruns_exactly_the_nonfinite_batches(tmp_path: Any, precis
     assert all(math.isfinite(v) for v in kept.values())
     assert out["val_loss"] == pytest.approx(sum(kept.values()) / len(kept), rel=1e-6)
 
-    incidents = IncidentLog.read(os.path.join(str(tmp_path), "nanguard", "incidents.jsonl"))
+    incidents = get_engine(trainer).sink.records
     name = str(half).replace("torch.", "")
     assert [i.message for i in incidents] == [
         f"validation batch 1 overflowed in {name}; finite in float32",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 from lightning_nanguard import GradNormMonitor, NanGuardConfigError, NonFiniteTrainingError
-from lightning_nanguard.context import get_context
+from lightning_nanguard.engine import get_engine
 from lightning_nanguard.testing import FaultInjector
 from tests.helpers import (
     PRECISIONS,
@@ -65,7 +67,7 @@ def test_bad_step_is_skipped_and_recorded(tmp_path: Any, precision: str, value: 
     assert spy.adam_steps[3] == spy.adam_steps[2], "Adam's step count moved on a skipped step"
     assert all_finite(model)
     assert monitor.skipped_steps == 1
-    records = get_context(trainer).incidents.records
+    records = get_engine(trainer).sink.records
     assert [(r.step, r.action) for r in records] == [(2, "scaler_skip" if precision == "16-mixed" else "skip")]
     assert records[0].trigger.startswith("nonfinite")
 
@@ -76,21 +78,23 @@ def test_bad_step_is_skipped_and_recorded(tmp_path: Any, precision: str, value: 
     assert lines[0]["step"] == 2
     assert lines[0]["ranks"] == [0]
     assert lines[0]["batch_idx"] == 2
-    assert lines[0]["source"] == "GradNormMonitor"
+    # Who dropped the update: the GradScaler itself under 16-mixed (its found_inf), GradNormMonitor otherwise.
+    assert lines[0]["source"] == ("GradScaler" if precision == "16-mixed" else "GradNormMonitor")
     assert {"step", "epoch", "batch_idx", "ranks", "trigger", "values", "action", "budget_left"} <= lines[0].keys()
 
     scalars = tb_scalars(tb_dir)
     assert [v for _, v in scalars["nanguard/skipped_steps"]][-1] == 1.0
-    assert len(scalars["nanguard/grad_norm"]) == 6
-    assert any(math.isinf(v) or math.isnan(v) for _, v in scalars["nanguard/grad_norm"])
-    assert [v for _, v in scalars["nanguard/nonfinite_grads"]].count(0.0) == 5
+    # The last finite norm on every healthy step; the interval's max is inf at the bad step, so it is never hidden.
+    assert [s for s, _ in scalars["nanguard/grad_norm"]] == [0, 1, 3, 4, 5]
+    assert [s for s, v in scalars["nanguard/grad_norm_max"] if math.isinf(v)] == [2]
+    assert [v for _, v in scalars["nanguard/nonfinite_steps"]] == [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]
     assert "nanguard/incident/" + records[0].action in scalars
     assert "nanguard/incidents/text_summary" in tb_tags(tb_dir)["tensors"]
 
     rows = csv_metrics(os.path.join(tmp_path, "csv", "version_0"))
     skipped = [float(r["nanguard/skipped_steps"]) for r in rows if r.get("nanguard/skipped_steps")]
     assert skipped[-1] == 1.0
-    assert sum(1 for r in rows if r.get("nanguard/grad_norm")) == 6
+    assert sum(1 for r in rows if r.get("nanguard/grad_norm_max")) == 6
 
 
 @pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
@@ -113,12 +117,12 @@ def test_budget_exhausted_stops_with_error_and_finite_weights(tmp_path: Any) -> 
     trainer = make_trainer(tmp_path, max_steps=10, callbacks=[FaultInjector("loss", steps=range(3, 10)), monitor])
     model = TinyModel()
     with pytest.raises(
-        NonFiniteTrainingError, match=r"global_step=5.*3 non-finite steps in a row.*max_consecutive_skips=2"
+        NonFiniteTrainingError, match=r"global_step=5.*3 dropped updates in a row.*max_consecutive_skips=2"
     ):
         trainer.fit(model)
     assert trainer.global_step == 6  # stopped after the batch that exhausted the budget
     assert all_finite(model)
-    actions = [r.action for r in get_context(trainer).incidents.records]
+    actions = [r.action for r in get_engine(trainer).sink.records]
     assert actions == ["skip", "skip", "stop"]
 
 
@@ -135,9 +139,18 @@ def test_stop_mode_stops_at_first_bad_step(tmp_path: Any) -> None:
 def test_warn_mode_lets_update_through_and_warns(tmp_path: Any) -> None:
     trainer = make_trainer(tmp_path, callbacks=[FaultInjector("loss", steps=[2]), GradNormMonitor("warn")])
     model = TinyModel()
-    with pytest.warns(UserWarning, match="on_nonfinite='warn' lets this update through"):
-        trainer.fit(model)
-    assert not all_finite(model)  # documented: warn is for diagnosis only
+    # Documented: warn is for diagnosis only. The update lands, and a fit never returns non-finite weights.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(NonFiniteTrainingError, match="training ended with non-finite parameters"):
+            trainer.fit(model)
+    said = [str(w.message) for w in caught if "let the update through" in str(w.message)]
+    assert said
+    assert re.search(r"global_step=2.*let the update through \(on_nonfinite='warn'\)", said[0])
+    assert not all_finite(model)
+    first = get_engine(trainer).sink.records[0]
+    assert (first.step, first.actions) == (2, ["warn"])
+    assert first.cause != "corrupt_state"  # judged on the state before the update it let through
 
 
 @pytest.mark.parametrize("precision", ["32-true", "16-mixed", "bf16-mixed"])
@@ -205,13 +218,11 @@ def test_state_round_trips_through_weights_only_checkpoint(tmp_path: Any) -> Non
     ckpt = torch.load(path, weights_only=True)
     state = ckpt["callbacks"][monitor.state_key]
     assert state["skipped_steps"] == 2
-    assert state["streak"] == 1
 
     resumed = GradNormMonitor(max_consecutive_skips=3)
     trainer2 = make_trainer(tmp_path, max_steps=12, callbacks=[resumed])
     trainer2.fit(TinyModel(), ckpt_path=path, weights_only=True)
     assert resumed.skipped_steps == 2
-    assert resumed.state_dict()["streak"] == 0  # healthy steps after the resume reset the streak
 
 
 def test_manual_optimization_skip(tmp_path: Any) -> None:
@@ -243,7 +254,7 @@ def test_manual_optimization_skip(tmp_path: Any) -> None:
             {"on_nonfinite": "ignore"},
             r"GradNormMonitor\(on_nonfinite='ignore'\): must be one of \['skip', 'stop', 'warn'\]",
         ),
-        ({"max_consecutive_skips": -1}, r"GradNormMonitor\(max_consecutive_skips=-1\): must be an int >= 0"),
+        ({"max_consecutive_skips": 0}, r"GradNormMonitor\(max_consecutive_skips=0\): must be an int >= 1"),
         ({"layer_depth": 0}, r"GradNormMonitor\(layer_depth=0\): must be an int or None >= 1"),
         ({"log_every_n_steps": 2.5}, r"GradNormMonitor\(log_every_n_steps=2.5\): must be an int or None >= 1"),
         ({"histogram": "yes"}, r"GradNormMonitor\(histogram='yes'\)"),

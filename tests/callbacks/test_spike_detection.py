@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_nanguard import AutoRollback, GradNormMonitor, NanGuardConfigError
-from lightning_nanguard.context import get_context
+from lightning_nanguard.engine import get_engine
 from lightning_nanguard.testing import FaultInjector
 from tests.callbacks.test_grad_norm_monitor import ParamsAtBatchStart, _same
 from tests.helpers import TinyModel, all_finite, make_trainer, params_of
@@ -34,7 +34,7 @@ def _incidents(trainer: pl.Trainer) -> list[tuple[int, str, str]]:
     # magnitude, so its loss z-score stays lower than the gradient norm's): assert that a spike was seen.
     return [
         (i.step, i.action, "spike" if i.trigger.endswith("spike") else i.trigger)
-        for i in get_context(trainer).incidents.records
+        for i in get_engine(trainer).sink.records
     ]
 
 
@@ -43,7 +43,7 @@ def test_spike_is_skipped_at_its_step_and_nowhere_else(tmp_path: Any) -> None:
     monitor = GradNormMonitor(spike_zscore=6.0, spike_warmup=10, on_spike="skip")
     trainer, _ = _fit(tmp_path, [monitor, spy])
     assert _incidents(trainer) == [(SPIKE_AT, "skip", "spike")]
-    record = get_context(trainer).incidents.records[0]
+    record = get_engine(trainer).sink.records[0]
     assert max(record.values["loss_zscore"], record.values["grad_norm_zscore"]) > 6.0
     assert _same(spy.at[SPIKE_AT], spy.at[SPIKE_AT + 1])
     assert monitor.skipped_steps == 1
@@ -70,16 +70,16 @@ def test_rollback_mode_hands_the_spike_to_autorollback(tmp_path: Any, monitor_fi
     monitor = GradNormMonitor(spike_zscore=6.0, spike_warmup=10, on_spike="rollback")
     rollback = AutoRollback(every_n_steps=4, quiet_steps=0)
     trainer, model = _fit(tmp_path, [monitor, rollback, spy] if monitor_first else [rollback, monitor, spy])
-    actions = [(s, a) for s, a, _ in _incidents(trainer)]
-    assert actions == [(SPIKE_AT, "skip"), (SPIKE_AT, "rollback")]
-    restored = get_context(trainer).incidents.records[1].values["restored_from_step"]
+    (incident,) = get_engine(trainer).sink.records  # one event, one incident, both actions
+    assert (incident.step, incident.actions) == (SPIKE_AT, ["skip", "rollback"])
+    restored = incident.values["restored_from_step"]
     assert restored == 28  # the newest snapshot before the spike (every 4 steps)
     assert _same(spy.at[restored], spy.at[SPIKE_AT + 1])
     assert all_finite(model)
 
 
 def test_rollback_mode_without_autorollback_warns_at_setup(tmp_path: Any) -> None:
-    with pytest.warns(UserWarning, match="AutoRollback is not installed"):
+    with pytest.warns(UserWarning, match="AutoRollback, which is not installed"):
         _fit(tmp_path, [GradNormMonitor(spike_zscore=6.0, on_spike="rollback")], steps=2, spike=False)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_nanguard import AutoRollback
-from lightning_nanguard.context import get_context
+from lightning_nanguard.engine import get_engine
 from lightning_nanguard.testing import FaultInjector
 from tests.helpers import TinyModel, make_trainer
 
@@ -26,7 +26,7 @@ class DumpPerRank(pl.Callback):
         rank = trainer.global_rank
         params = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
         torch.save(params, os.path.join(self.out_dir, f"params-{rank}.pt"))
-        records = [r.to_dict() for r in get_context(trainer).incidents.records if r.action == "rollback"]
+        records = [r.to_dict() for r in get_engine(trainer).sink.records if r.action == "rollback"]
         with open(os.path.join(self.out_dir, f"rollbacks-{rank}.json"), "w", encoding="utf-8") as f:
             json.dump(records, f)
 
@@ -35,7 +35,7 @@ class DumpPerRank(pl.Callback):
 def test_nan_on_one_rank_rolls_back_every_rank_to_the_same_snapshot(tmp_path: Any) -> None:
     out = str(tmp_path)
     callbacks = [
-        FaultInjector("grad", steps=[3], ranks=[1]),
+        FaultInjector("param", steps=[3], ranks=[1]),  # rank 1's weights are damaged: every rank restores
         AutoRollback(every_n_steps=2, quiet_steps=0),
         DumpPerRank(out),
     ]

@@ -9,9 +9,10 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.loggers import CSVLogger
 
 from lightning_nanguard import GradNormMonitor
-from lightning_nanguard.context import get_context
+from lightning_nanguard.engine import get_engine
 from lightning_nanguard.testing import FaultInjector
 from tests.helpers import TinyModel, make_trainer
 
@@ -25,7 +26,7 @@ class DumpPerRank(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
         r = trainer.global_rank
         torch.save({n: p.detach().clone() for n, p in pl_module.named_parameters()}, f"{self.out_dir}/rank{r}.pt")
-        records = [i.to_dict() for i in get_context(trainer).incidents.records]
+        records = [i.to_dict() for i in get_engine(trainer).sink.records]
         with open(f"{self.out_dir}/rank{r}.json", "w") as f:
             json.dump({"incidents": records}, f)
 
@@ -37,6 +38,7 @@ def test_nan_on_one_rank_is_skipped_on_both(tmp_path: Any) -> None:
         strategy="ddp_spawn",
         devices=2,
         max_steps=5,
+        logger=CSVLogger(str(tmp_path), name="csv", version=0),
         callbacks=[FaultInjector("grad", steps=[2], ranks=[1]), GradNormMonitor(), DumpPerRank(str(tmp_path))],
     )
     trainer.fit(TinyModel())
@@ -47,5 +49,5 @@ def test_nan_on_one_rank_is_skipped_on_both(tmp_path: Any) -> None:
         with open(f"{tmp_path}/rank{r}.json") as f:
             incidents = json.load(f)["incidents"]
         assert [(i["step"], i["action"], i["ranks"]) for i in incidents] == [(2, "skip", [1])]
-    with open(os.path.join(tmp_path, "nanguard", "incidents.jsonl")) as f:
+    with open(os.path.join(tmp_path, "csv", "version_0", "nanguard", "incidents.jsonl")) as f:
         assert len(f.readlines()) == 1  # rank 0 alone writes the file

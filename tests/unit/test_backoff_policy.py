@@ -17,44 +17,18 @@ def test_parse_triggers() -> None:
         parse_triggers("rolback")
 
 
-def test_rollback_backs_off_each_time_down_to_the_floor() -> None:
+def test_each_backoff_multiplies_the_scale_down_to_the_floor() -> None:
     p = BackoffPolicy(lr_factor=0.5, min_lr_scale=0.2)
-    scales = []
-    for step in range(4):
-        change = p.observe("rollback", "nonfinite_grads", step)
-        assert change is not None
-        assert change.cause == "rollback"
-        scales.append(change.after)
+    scales = [p.back_off("gradient_explosion").after for _ in range(4)]
     assert scales == [0.5, 0.25, 0.2, 0.2]
-    assert p.backoffs == 3
-
-
-def test_skips_back_off_only_as_a_streak_within_the_window() -> None:
-    p = BackoffPolicy(skips_before_backoff=3, skip_window=10)
-    assert p.observe("skip", "nonfinite_loss", 0) is None
-    assert p.observe("skip", "nonfinite_loss", 5) is None
-    assert p.observe("skip", "nonfinite_loss", 20) is None  # 0 and 5 fell out of the window
-    assert p.observe("skip", "nonfinite_loss", 21) is None
-    change = p.observe("skip", "nonfinite_loss", 22)
-    assert change is not None
-    assert change.after == 0.5
-    assert p.observe("skip", "nonfinite_loss", 23) is None  # the count starts again after a backoff
-
-
-def test_triggers_select_incidents() -> None:
-    p = BackoffPolicy(on=parse_triggers("loss_scale_collapse"))
-    assert p.observe("rollback", "nonfinite_grads", 1) is None
-    assert p.observe("skip", "nonfinite_grads", 1) is None
-    assert p.observe("warn", "loss_scale_collapse", 2) is not None  # by trigger, whatever the action
-    q = BackoffPolicy()
-    assert q.observe("scaler_skip", "nonfinite_grads", 1) is None  # GradScaler skips are routine: not by default
-    assert q.observe("backoff", "rollback", 1) is None
+    assert p.backoffs == 3  # the last one was at the floor: nothing changed
 
 
 @pytest.mark.parametrize("recover_steps", [1, 2, 3])
 def test_recovery_climbs_back_in_notches_after_healthy_steps(recover_steps: int) -> None:
     p = BackoffPolicy(lr_factor=0.5, recover_after=4, recover_steps=recover_steps)
-    p.observe("rollback", "x", 10)  # stamped with the pre-step global_step 10
+    p.back_off("x")
+    p.last_event_step = 10  # the event's pre-step global_step
     scales = []
     for gs in range(11, 40):  # post-step global_step at on_train_batch_end
         change = p.tick(gs)
@@ -65,11 +39,12 @@ def test_recovery_climbs_back_in_notches_after_healthy_steps(recover_steps: int)
     assert scales[0][1] == pytest.approx(0.5 * 2 ** (1 / recover_steps))
 
 
-def test_an_incident_resets_recovery() -> None:
+def test_an_event_resets_recovery() -> None:
     p = BackoffPolicy(recover_after=3)
-    p.observe("rollback", "x", 0)
+    p.back_off("x")
+    p.last_event_step = 0
     assert p.tick(3) is None
-    p.observe("skip", "x", 3)  # a lone skip: no backoff, but the run is not healthy
+    p.last_event_step = 3  # a lone skip: no backoff, but the run is not healthy
     assert p.tick(4) is None
     assert p.tick(6) is None
     assert p.tick(7) is not None
@@ -83,8 +58,8 @@ def test_an_incident_resets_recovery() -> None:
 )
 def test_scale_is_factor_power_clamped_at_the_floor(factor: float, floor: float, n: int) -> None:
     p = BackoffPolicy(lr_factor=factor, min_lr_scale=floor)
-    for step in range(n):
-        p.observe("rollback", "x", step)
+    for _ in range(n):
+        p.back_off("x")
     assert p.scale == pytest.approx(max(factor**n, floor), rel=1e-9)
     assert floor <= p.scale <= 1.0
 

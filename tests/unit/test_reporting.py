@@ -30,7 +30,8 @@ def test_incident_log_writes_json_lines_with_nonfinite_values_as_strings(tmp_pat
 
 def test_summary_is_short_and_names_counts() -> None:
     text = format_summary([_incident(i) for i in range(30)], ["GradNormMonitor"], "/x/incidents.jsonl")
-    assert "incidents: 30  skip=30" in text
+    assert "incidents: 30 " in text
+    assert "actions: skip=30" in text
     assert "... 22 more ..." in text
     assert len(text.splitlines()) < 20
     assert "no incidents" in format_summary([], ["GradNormMonitor"], None)
