@@ -7,7 +7,7 @@ made by every rank in the same order, so every rank acts identically and nothing
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
@@ -314,8 +314,8 @@ def _bad_ranks(trainer: pl.Trainer, event: PendingEvent) -> list[int]:
     # rank sees another rank's NaN gradient; a gradient that went bad after the reduction is this rank's own.
     loss_bad = any(len(vec) > 1 and not math.isfinite(vec[1]) for vec in local)
     any_bad = any(not all(math.isfinite(v) for v in vec) for vec in local)
-    gathered = _distributed.all_gather_objects(trainer, (loss_bad, any_bad))
-    ranks = [i for i, (lb, _) in enumerate(gathered) if lb] or [i for i, (_, ab) in enumerate(gathered) if ab]
+    gathered = [cast(tuple[bool, bool], g) for g in _distributed.all_gather_objects(trainer, (loss_bad, any_bad))]
+    ranks = [i for i, g in enumerate(gathered) if g[0]] or [i for i, g in enumerate(gathered) if g[1]]
     return ranks or list(range(trainer.world_size))
 
 
