@@ -38,8 +38,9 @@ class CheckpointGuard(NanGuardCallback):
       ``torch.load(weights_only=True)``, finiteness. A missing file raises ``FileNotFoundError``, as in plain
       Lightning. A failure raises ``CheckpointVerificationError`` naming the file, the reason and what to try; with
       ``fallback=True`` the newest verified checkpoint of the same directory is loaded instead, always with
-      ``weights_only=True``, and a ``fallback`` incident names both files (``trainer.ckpt_path`` still shows the
-      requested one).
+      ``weights_only=True`` and never of a later step than the ``step=N`` in the requested name (resuming from an
+      older file is how one leaves a trajectory that went bad), and a ``fallback`` incident names both files
+      (``trainer.ckpt_path`` still shows the requested one).
 
     ``weights_only=True`` refuses pickled custom objects in hyperparameters (``pathlib.Path``, ``argparse.Namespace``,
     numpy scalars): allow-list them with ``torch.serialization.add_safe_globals([...])``, or pass
@@ -53,7 +54,8 @@ class CheckpointGuard(NanGuardCallback):
         require_sidecar: refuse to load a file without its ``.sha256`` sidecar (written by CheckpointGuard or by
             ``nanguard verify --write-sidecar``). ``False`` checks such files for zip CRC-32s, readability and
             finiteness only.
-        fallback: on a failed verification, resume from the newest verified checkpoint of the same directory.
+        fallback: on a failed verification, resume from the newest verified checkpoint of the same directory, at or
+            before the requested file's step.
         tag_last_good: keep ``nanguard-last-good.ckpt`` pointing at the newest good checkpoint of each directory.
 
     Logged keys:

@@ -17,7 +17,7 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -29,6 +29,7 @@ from lightning_nanguard.checkpoints import (
     LAST_GOOD_NAME,
     SIDECAR_SUFFIX,
     checkpoint_files,
+    checkpoint_step,
     last_good_checkpoint,
     nonfinite_tensors,
     verify_and_load,
@@ -36,7 +37,7 @@ from lightning_nanguard.checkpoints import (
 )
 from lightning_nanguard.exceptions import CheckpointVerificationError
 
-__all__ = ["STALE_TMP_SECONDS", "CheckpointEvent", "VerifyingCheckpointIO", "remove_stale_tmp_files"]
+__all__ = ["STALE_TMP_SECONDS", "CheckpointEvent", "VerifyingCheckpointIO", "remove_stale_tmp_files", "step_in_name"]
 
 EventKind = Literal["saved", "refused_save", "loaded", "refused_load", "fallback", "unverified", "kept"]
 
@@ -49,6 +50,7 @@ _SIDECAR_TMP_RE = re.compile(r"^(?P<base>.+\.ckpt)" + re.escape(SIDECAR_SUFFIX) 
 # A temporary file from another host (or of unknown origin) is left alone until it is this old: a save in progress
 # elsewhere is never touched.
 STALE_TMP_SECONDS = 3600.0
+_STEP_RE = re.compile(r"(?:^|[^A-Za-z0-9])step=(\d+)(?![0-9])")
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ class VerifyingCheckpointIO(CheckpointIO):
     zip CRC-32s without one), load with ``weights_only=True`` (unless the caller passed ``False`` for the file it
     named), check finiteness; on failure raise ``CheckpointVerificationError`` or, with ``fallback``, load the newest
     verified checkpoint of the same directory instead: always with ``weights_only=True``, whatever the caller
-    allowed for its own file.
+    allowed for its own file, and never one of a later step than the ``step=N`` in the requested file's name.
 
     Args:
         checkpoint_io: the IO to wrap (Lightning's ``TorchCheckpointIO`` or a user plugin that writes one file).
@@ -193,17 +195,28 @@ class VerifyingCheckpointIO(CheckpointIO):
         if result.ok:
             self._notify(CheckpointEvent("loaded", requested))
             return checkpoint
+        later: list[str] = []
         if self.fallback:
+            limit = step_in_name(requested)
             for candidate in checkpoint_files(os.path.dirname(os.path.abspath(requested))):
                 # Only the requested name is skipped: a hard link to the same content (the tag) has its own
                 # sidecar, and re-verifying it is what lets a file that merely lost its sidecar fall back to its tag.
                 if os.path.abspath(candidate) == os.path.abspath(requested):
                     continue
                 found, checkpoint = verify_and_load(candidate, require_sidecar=self.require_sidecar, load=load_safe)
-                if found.ok:
-                    self._notify(CheckpointEvent("fallback", requested, result.reason, substitute=candidate))
-                    return checkpoint
-        message = self._load_error(requested, result.reason)
+                if not found.ok:
+                    continue
+                step = checkpoint_step(checkpoint)
+                if step is None:  # not a Lightning checkpoint: nothing to resume from
+                    continue
+                if limit is not None and step > limit:
+                    # Never forward past the step asked for: resuming from an older file is how a user leaves a
+                    # trajectory that went bad, and its newer files are that trajectory.
+                    later.append(candidate)
+                    continue
+                self._notify(CheckpointEvent("fallback", requested, result.reason, substitute=candidate))
+                return checkpoint
+        message = self._load_error(requested, result.reason, later)
         self._notify(CheckpointEvent("refused_load", requested, result.reason))
         raise CheckpointVerificationError(message)
 
@@ -268,20 +281,25 @@ class VerifyingCheckpointIO(CheckpointIO):
         self._tell_remote(path, "not a local file: finiteness checked, checksum not (checksums are local-only)")
         return checkpoint
 
-    def _load_error(self, path: str, reason: str) -> str:
+    def _load_error(self, path: str, reason: str, later: Sequence[str] = ()) -> str:
         directory = os.path.dirname(os.path.abspath(path))
         tries: list[str] = []
+        if later:
+            shown = ", ".join(os.path.basename(p) for p in later[:3]) + (" ..." if len(later) > 3 else "")
+            tries.append(
+                f"no checkpoint of {directory} at or before step {step_in_name(path)} verifies; the newer verified "
+                f"ones ({shown}) were not used, as a fallback never moves past the step you asked for: pass one as "
+                "ckpt_path if you mean to resume from it"
+            )
         good = (
             last_good_checkpoint(directory, require_sidecar=self.require_sidecar)
             if _is_local_file_protocol(path)
             else None
         )
-        if good is not None and os.path.abspath(good) != os.path.abspath(path):
-            tries.append(
-                f"resume from the newest verified checkpoint of that directory, {good} (or pass "
-                "CheckpointGuard(fallback=True) to do so automatically)"
-            )
-        elif self.fallback:
+        if not later and good is not None and os.path.abspath(good) != os.path.abspath(path):
+            auto = "" if self.fallback else " (or pass CheckpointGuard(fallback=True) to do so automatically)"
+            tries.append(f"resume from the newest verified checkpoint of that directory, {good}{auto}")
+        elif self.fallback and not later:
             tries.append(f"no other checkpoint in {directory} verifies either, so there is nothing to fall back to")
         if "no checksum sidecar" in reason:
             tries.append(
@@ -293,6 +311,15 @@ class VerifyingCheckpointIO(CheckpointIO):
             f"nanguard: checkpoint {path} failed verification: {reason}. No weights were loaded from it. "
             f"What to try: {hint}."
         )
+
+
+def step_in_name(path: str) -> int | None:
+    """The ``step=N`` of a checkpoint's file name (ModelCheckpoint's default ``epoch=E-step=S.ckpt``), or ``None``.
+
+    The name is all there is to go by when the file itself cannot be read.
+    """
+    found = _STEP_RE.search(os.path.basename(path))
+    return int(found.group(1)) if found else None
 
 
 def _fsync_and_hash(path: str) -> str:

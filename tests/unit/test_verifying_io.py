@@ -195,8 +195,8 @@ def test_fallback_candidates_load_weights_only_whatever_the_caller_passed(tmp_pa
 
     io = VerifyingCheckpointIO(Recording(), fallback=True, tag_last_good=False)
     good, mine = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
-    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, good)
-    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, mine)
+    io.save_checkpoint({"global_step": 1, "state_dict": {"w": torch.ones(2)}}, good)
+    io.save_checkpoint({"global_step": 2, "state_dict": {"w": torch.ones(2)}}, mine)
     pathlib.Path(mine).write_bytes(pathlib.Path(mine).read_bytes()[:100])  # damaged: its sha256 fails first
     os.utime(good, ns=(10**19, 10**19))
     assert io.load_checkpoint(mine, weights_only=False)["state_dict"]["w"].tolist() == [1.0, 1.0]
@@ -246,10 +246,31 @@ def test_ddp_spawn_weight_transfer_passes_through_untouched() -> None:
 def test_dangling_symlink_is_a_failed_verification_so_fallback_applies(tmp_path: pathlib.Path) -> None:
     io = VerifyingCheckpointIO(TorchCheckpointIO(), tag_last_good=False)
     good = str(tmp_path / "a.ckpt")
-    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, good)
+    io.save_checkpoint({"global_step": 1, "state_dict": {"w": torch.ones(2)}}, good)
     link = tmp_path / "last.ckpt"  # save_last="link" pointing at a save that was refused
     os.symlink("refused.ckpt", link)
     with pytest.raises(CheckpointVerificationError, match=r"symlink to refused\.ckpt, which does not exist"):
         io.load_checkpoint(str(link))
     io.fallback = True
     assert io.load_checkpoint(str(link))["state_dict"]["w"].tolist() == [1.0, 1.0]
+
+
+def test_fallback_never_moves_past_the_step_asked_for(tmp_path: pathlib.Path) -> None:
+    io = VerifyingCheckpointIO(TorchCheckpointIO(), fallback=True, tag_last_good=False)
+    paths = {step: str(tmp_path / f"epoch=0-step={step}.ckpt") for step in (2, 4, 30)}
+    for step, path in paths.items():
+        io.save_checkpoint({"global_step": step, "state_dict": {"w": torch.full((2,), float(step))}}, path)
+    torch.save({"w": torch.ones(2)}, tmp_path / "plain.ckpt")  # no global_step: never a resume fallback
+    checkpoints.write_sidecar(str(tmp_path / "plain.ckpt"))
+    # Resuming from step 4 to leave what came later: step 4 is damaged, so step 2 it is, never step 30.
+    pathlib.Path(paths[4]).write_bytes(pathlib.Path(paths[4]).read_bytes()[:50])
+    assert io.load_checkpoint(paths[4])["global_step"] == 2
+    pathlib.Path(paths[2]).write_bytes(pathlib.Path(paths[2]).read_bytes()[:50])
+    with pytest.raises(CheckpointVerificationError) as info:
+        io.load_checkpoint(paths[4])
+    assert "no checkpoint of" in str(info.value)
+    assert "at or before step 4 verifies; the newer verified ones (epoch=0-step=30.ckpt) were not used" in str(
+        info.value
+    )
+    assert verifying_io.step_in_name("last.ckpt") is None
+    assert verifying_io.step_in_name("model-global_step=7-v1.ckpt") == 7
