@@ -11,8 +11,9 @@ Variants (each a real ``Trainer.fit``, 16-mixed with the CPU GradScaler, ``log_e
     only one on logging steps and one at train start);
   * ``watchdog``: LossScaleWatchdog alone (it then pays the shared step health itself).
 
-Host reads are counted by wrapping ``Tensor.item``/``tolist``/``__bool__``/``__float__``/``__int__`` during the fit,
-so Lightning's own reads are in every row; compare rows. Times are process CPU time with torch on 1 thread
+Host reads are counted with ``lightning_nanguard.testing.HostReadCounter`` (``Tensor.item``/``tolist``/``numpy``/
+``bool()``/``float()``/``int()`` by anyone, nanguard's own pinned host buffers excepted) over the whole fit, divided by
+the steps, so Lightning's own reads and the once-per-fit ones are in every row; compare rows. Times are process CPU time with torch on 1 thread
 (PERFORMANCE.md: wall time on this shared box is meaningless), median ms/step over rounds, variants rotated.
 """
 
@@ -21,8 +22,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -32,6 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import GradNormMonitor, LossScaleWatchdog
+from lightning_nanguard.testing import HostReadCounter
 
 
 class MLP(pl.LightningModule):
@@ -64,30 +64,6 @@ class StepClock(pl.Callback):
         self.marks.append(time.process_time())
 
 
-_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
-
-
-@contextmanager
-def count_host_reads() -> Iterator[list[int]]:
-    counter = [0]
-    saved = {name: getattr(torch.Tensor, name) for name in _READS}
-
-    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        def inner(self: torch.Tensor, *a: Any, **k: Any) -> Any:
-            counter[0] += 1
-            return fn(self, *a, **k)
-
-        return inner
-
-    for name, fn in saved.items():
-        setattr(torch.Tensor, name, wrap(fn))
-    try:
-        yield counter
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.Tensor, name, fn)
-
-
 def run(variant: str, steps: int, width: int, depth: int) -> tuple[float, float]:
     callbacks: list[pl.Callback] = {
         "bare": [],
@@ -110,10 +86,10 @@ def run(variant: str, steps: int, width: int, depth: int) -> tuple[float, float]
         enable_model_summary=False,
     )
     pl.seed_everything(0, verbose=False)
-    with count_host_reads() as reads:
+    with HostReadCounter() as reads:
         trainer.fit(MLP(width, depth))
     deltas = [b - a for a, b in zip(clock.marks[2:], clock.marks[3:], strict=False)]  # skip 2 warm-up steps
-    return statistics.median(deltas) * 1e3, reads[0] / steps
+    return statistics.median(deltas) * 1e3, reads.count / steps
 
 
 def main() -> None:
