@@ -18,6 +18,7 @@ from lightning_nanguard.exceptions import (
     UnsupportedSetupError,
 )
 from lightning_nanguard.policies.verdict import Action
+from lightning_nanguard.preset import default_callbacks
 from lightning_nanguard.reporting.incidents import Incident
 
 __version__ = "0.1.0.dev0"
@@ -37,6 +38,7 @@ __all__ = [
     "OptimizerBackoff",
     "RecoveryBudgetExhausted",
     "UnsupportedSetupError",
+    "default_callbacks",
     "last_good_checkpoint",
     "verify_checkpoint",
 ]

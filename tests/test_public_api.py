@@ -19,6 +19,7 @@ EXPECTED = {
     "OptimizerBackoff",
     "RecoveryBudgetExhausted",
     "UnsupportedSetupError",
+    "default_callbacks",
     "last_good_checkpoint",
     "verify_checkpoint",
 }

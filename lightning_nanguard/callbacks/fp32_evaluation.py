@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from typing_extensions import override
 
 from lightning_nanguard import _distributed
-from lightning_nanguard._validation import check_choice
+from lightning_nanguard._validation import check_choice, check_int
 from lightning_nanguard.callbacks._common import check_strategy_supported, make_incident
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.policies.verdict import Action
@@ -26,6 +26,7 @@ from lightning_nanguard.recovery.eval_precision import (
     default_dtype,
     nonfinite_flag,
 )
+from lightning_nanguard.recovery.promote import promote
 from lightning_nanguard.reporting import keys
 
 __all__ = ["FP32Evaluation"]
@@ -61,9 +62,18 @@ class FP32Evaluation(Callback):
     for the first attempt). Limits: ``torchmetrics`` objects updated inside the step see both calls of a re-run batch
     (use ``mode="always"`` for such modules); a ``dataloader_iter`` step cannot be re-run (warned, left as is).
 
+    With ``promote_after=N`` it also remedies training: once forensics has named the same training module as the
+    site of a half-precision overflow ``N`` times (under ``*-mixed``), that module runs in float32 from then on
+    (autocast off for its forward, its inputs cast to float32; ``recovery/promote.py``). The promotion is an incident,
+    is kept in the callback state and re-applied when training resumes from a checkpoint. Under ``*-true`` the
+    parameters are half precision and there is no autocast to switch off: nothing is promoted, and the overflows are
+    skipped and reported (train under ``*-mixed`` to use this remedy).
+
     Args:
         mode: ``"always"`` runs every validation and test step in float32; ``"on_nonfinite"`` re-runs only the
             non-finite batches in float32.
+        promote_after: half-precision overflows attributed to one training module before it runs in float32;
+            ``None`` (default): never.
 
     Logged keys:
         ``nanguard/eval/fp32_reruns``      batches re-run in float32 in this evaluation epoch (``"on_nonfinite"``)
@@ -81,9 +91,14 @@ class FP32Evaluation(Callback):
         >>> trainer = Trainer(precision="bf16-mixed", callbacks=[FP32Evaluation(mode="on_nonfinite")])
     """
 
-    def __init__(self, mode: Literal["always", "on_nonfinite"] = "always") -> None:
+    owner = "FP32Evaluation"
+
+    def __init__(self, mode: Literal["always", "on_nonfinite"] = "always", promote_after: int | None = None) -> None:
         check_choice(type(self).__name__, "mode", mode, ("always", "on_nonfinite"))
+        check_int(type(self).__name__, "promote_after", promote_after, minimum=1, allow_none=True)
         self.mode = mode
+        self.promote_after = promote_after
+        self.promoted: list[str] = []  # training modules running in float32, in promotion order
         self.fp32_reruns = 0  # batches re-run in float32, over the callback's lifetime (and across resumes)
         self._kind: Literal["mixed", "true", "none"] = "none"
         self._half: torch.dtype = torch.float16
@@ -110,7 +125,29 @@ class FP32Evaluation(Callback):
                 "(16-mixed, bf16-mixed, 16-true or bf16-true). Evaluation runs unchanged; remove the callback or "
                 "train in half precision."
             )
-        get_engine(trainer).join(trainer, self, fit=False)
+        engine = get_engine(trainer)
+        engine.join(trainer, self, fit=False)
+        if stage == "fit" and self.promote_after is not None:
+            engine.set_promoter(self)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Promotions restored from a checkpoint (load_state_dict ran before this hook) are re-applied.
+        if self._kind == "mixed":
+            for path in self.promoted:
+                _promote(pl_module.get_submodule(path), trainer)
+
+    def promote(self, trainer: pl.Trainer, pl_module: pl.LightningModule, module: str) -> str:
+        """The engine's Promoter: run ``module`` (a path in the LightningModule) in float32 from now on."""
+        try:
+            target = pl_module.get_submodule(module)
+        except AttributeError:
+            return f"could not move {module} to float32: no such module"
+        if self._kind != "mixed":
+            return f"{module} was not moved to float32: under {trainer.precision!r} there is no autocast to switch off"
+        if _promote(target, trainer) and module not in self.promoted:
+            self.promoted.append(module)
+        return f"moved {module} to float32 from now on (autocast off for its forward)"
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -156,11 +193,12 @@ class FP32Evaluation(Callback):
     # ------------------------------------------------------------------ state
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"version": 1, "fp32_reruns": self.fp32_reruns}
+        return {"version": 2, "fp32_reruns": self.fp32_reruns, "promoted": list(self.promoted)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.fp32_reruns = int(state_dict.get("fp32_reruns", 0))
+        self.promoted = [str(p) for p in state_dict.get("promoted", [])]
 
     # ------------------------------------------------------------------ patching
     def _begin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step_name: str) -> None:
@@ -292,6 +330,10 @@ class FP32Evaluation(Callback):
         if not self._warned:
             self._warned = True
             rank_zero_warn(message)
+
+
+def _promote(module: torch.nn.Module, trainer: pl.Trainer) -> bool:
+    return promote(module, str(getattr(trainer.precision_plugin, "device", "cpu")))
 
 
 def _identity(data: Any) -> Any:

@@ -120,6 +120,7 @@ class Promoter(Protocol):
 
     owner: str
     promote_after: int | None
+    promoted: list[str]  # modules already running in float32
 
     def promote(self, trainer: pl.Trainer, pl_module: pl.LightningModule, module: str) -> str: ...
 

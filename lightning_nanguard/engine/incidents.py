@@ -186,6 +186,8 @@ def _act(
             details[Action.EPS_BACKOFF] = str(changed["eps_text"])
     if Action.PROMOTE in acts and engine.promoter is not None and plan.promote_module:
         details[Action.PROMOTE] = engine.promoter.promote(trainer, pl_module, plan.promote_module)
+    if acts & {Action.PROMOTE, Action.ROLLBACK, Action.EPS_BACKOFF}:
+        engine.diagnoses.clear()  # the model or optimizer changed: a cached verdict no longer describes it
     if plan.stop and Action.ROLLBACK in acts and engine.restorer is not None:
         save = getattr(engine.restorer, "save_final", None)
         if callable(save):
@@ -247,7 +249,11 @@ def _remedy_facts(engine: Engine, trainer: pl.Trainer, facts: EventFacts, diagno
         skips_before_backoff=backoff.skips_before_backoff if backoff is not None else 3,
         module=module,
         module_overflows=engine.module_overflows.get(module, 0),
-        promote_after=engine.promoter.promote_after if engine.promoter is not None else None,
+        promote_after=(
+            engine.promoter.promote_after
+            if engine.promoter is not None and module not in engine.promoter.promoted
+            else None
+        ),
         true_half=_lightning_true_half(trainer),
         can_restore=restorer is not None and restorer.can_restore(trainer),
         rollback_budget_left=restorer.budget_left(step) if restorer is not None else 1,

@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_nanguard.reporting import emit
+from lightning_nanguard.reporting.dashboard import write_layout
 from lightning_nanguard.reporting.incidents import Incident, IncidentLog
 from lightning_nanguard.reporting.keys import key
 from lightning_nanguard.reporting.summary import format_summary
@@ -44,6 +45,7 @@ class IncidentSink:
             self.log_dir = log_dir
             self.log.path = os.path.join(log_dir, INCIDENTS_FILE)
             self.log.touch()
+            write_layout(trainer)
 
     def record(self, trainer: pl.Trainer, incident: Incident) -> None:
         """Log an incident: the JSON line (rank 0), ``nanguard/incident/<action>`` scalars, a TensorBoard text."""

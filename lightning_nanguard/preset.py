@@ -1,0 +1,61 @@
+"""The whole suite in one line, configured for unattended recovery: ``default_callbacks()``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+from lightning_nanguard.callbacks import (
+    AutoRollback,
+    CheckpointGuard,
+    FP32Evaluation,
+    GradNormMonitor,
+    LossScaleWatchdog,
+    OptimizerBackoff,
+)
+from lightning_nanguard.exceptions import NanGuardConfigError
+
+__all__ = ["PRESET", "default_callbacks"]
+
+# Each callback's arguments in the preset (the constructors' defaults where not named). Kept in step with
+# examples/cli/preset.yaml by a test.
+PRESET: dict[type[Callback], dict[str, Any]] = {
+    GradNormMonitor: {},
+    AutoRollback: {},
+    OptimizerBackoff: {},
+    LossScaleWatchdog: {},  # on_collapse="auto": a collapse goes to AutoRollback
+    CheckpointGuard: {"fallback": True},  # a corrupt resume continues from the newest verified checkpoint
+    FP32Evaluation: {"mode": "on_nonfinite", "promote_after": 2},
+}
+
+
+def default_callbacks(**overrides: dict[str, Any] | bool) -> list[Callback]:
+    """The six nanguard callbacks, configured to save a run unattended wherever a remedy exists.
+
+    Each keyword is a callback's class name: ``False`` leaves it out (an ablation removes only its remedy), a dict
+    overrides some of its arguments, ``True`` keeps the preset.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> trainer = Trainer(callbacks=default_callbacks(AutoRollback={"every_n_steps": 100}, FP32Evaluation=False))
+
+    Raises:
+        NanGuardConfigError: an unknown callback name, or a value that is neither a bool nor a dict.
+    """
+    names = {cls.__name__: cls for cls in PRESET}
+    for name, value in overrides.items():
+        if name not in names:
+            raise NanGuardConfigError(f"default_callbacks({name}=...): unknown callback; one of {sorted(names)}.")
+        if not isinstance(value, (bool, dict)):
+            raise NanGuardConfigError(
+                f"default_callbacks({name}={value!r}): must be False (leave it out), True, or a dict of arguments."
+            )
+    callbacks: list[Callback] = []
+    for cls, kwargs in PRESET.items():
+        choice = overrides.get(cls.__name__, True)
+        if choice is False:
+            continue
+        callbacks.append(cls(**{**kwargs, **(choice if isinstance(choice, dict) else {})}))
+    return callbacks

@@ -1,0 +1,48 @@
+"""Run one training module in float32 from now on: autocast off for its forward, its inputs cast to float32.
+
+The remedy for a half-precision overflow that keeps recurring in the same module under ``*-mixed`` (what the VMamba
+authors did by hand for their selective scan). The module's parameters are float32 already under autocast, so nothing
+is cast but its floating-point inputs; its outputs are float32 and the surrounding autocast region takes them as
+they are. Under ``*-true`` the parameters themselves are half precision: there is nothing to switch off, and the
+remedy policy never plans a promotion there.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map
+
+__all__ = ["is_promoted", "promote"]
+
+_MARK = "_nanguard_fp32_forward"
+
+
+def is_promoted(module: nn.Module) -> bool:
+    return bool(module.__dict__.get(_MARK))
+
+
+def promote(module: nn.Module, device_type: str) -> bool:
+    """Wrap ``module.forward`` (an instance attribute: the class is untouched). False if it already was."""
+    if is_promoted(module):
+        return False
+    original = module.forward
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type=device_type, enabled=False):
+            args, kwargs = tree_map(_to_float32, (args, kwargs))
+            return original(*args, **kwargs)
+
+    module.forward = forward  # type: ignore[method-assign]
+    module.__dict__[_MARK] = True
+    return True
+
+
+def _to_float32(value: Any) -> Any:
+    if isinstance(value, Tensor) and value.is_floating_point() and value.dtype != torch.float32:
+        return value.float()
+    return value
