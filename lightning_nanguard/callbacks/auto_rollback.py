@@ -8,9 +8,10 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lightning_nanguard import _lightning_compat
+from lightning_nanguard import _distributed, _lightning_compat
 from lightning_nanguard._validation import check_choice, check_int, check_path
 from lightning_nanguard.callbacks._base import NanGuardCallback
+from lightning_nanguard.checkpoints import last_good_checkpoint
 from lightning_nanguard.contract import Cause
 from lightning_nanguard.engine import Engine
 from lightning_nanguard.engine.capabilities import Restored
@@ -113,6 +114,12 @@ class AutoRollback(NanGuardCallback):
         if source == "memory" and num_snapshots == 0:
             raise NanGuardConfigError(f"{owner}(num_snapshots=0): must be >= 1 with source='memory'.")
         check_path(owner, "checkpoint_dir", checkpoint_dir)
+        if source == "disk" and checkpoint_dir is not None and not os.path.isdir(checkpoint_dir):
+            raise NanGuardConfigError(
+                f"{owner}(source='disk', checkpoint_dir={os.fspath(checkpoint_dir)!r}): must be an existing directory "
+                "(the verified checkpoints a rollback restores from). Leave checkpoint_dir unset to use "
+                "ModelCheckpoint's dirpath."
+            )
         self.every_n_steps = every_n_steps
         self.num_snapshots = num_snapshots
         self.quiet_steps = quiet_steps
@@ -177,11 +184,14 @@ class AutoRollback(NanGuardCallback):
         )
         return True
 
-    def can_restore(self, trainer: pl.Trainer) -> bool:
+    def can_restore(self, trainer: pl.Trainer, step: int) -> bool:
+        """A verified snapshot, or a verified checkpoint of a step at or before ``step``, exists (every rank agrees:
+        rank 0 looks at the files and broadcasts; a collective, on the incident path only)."""
         if self.ring.steps():
             return True
         dirpath = checkpoint_dir(trainer, self.checkpoint_dir)
-        return dirpath is not None and _has_checkpoint(dirpath)
+        found = dirpath is not None and trainer.is_global_zero and last_good_checkpoint(dirpath, at_or_before_step=step)
+        return bool(_distributed.broadcast_object(trainer, bool(found)))
 
     def budget_left(self, step: int) -> int:
         recent = [s for s in self.policy.history if step - s < self.policy.window]
@@ -246,9 +256,3 @@ class AutoRollback(NanGuardCallback):
         self.policy.last_restored_step = None if last is None else int(last)
         self.skipped_batches = int(state_dict.get("skipped_batches", 0))
         self._skip_left = int(state_dict.get("skip_left", 0))
-
-
-def _has_checkpoint(dirpath: str) -> bool:
-    from lightning_nanguard.checkpoints import checkpoint_files
-
-    return bool(checkpoint_files(dirpath))

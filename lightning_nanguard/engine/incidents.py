@@ -255,7 +255,7 @@ def _remedy_facts(engine: Engine, trainer: pl.Trainer, facts: EventFacts, diagno
             else None
         ),
         true_half=_lightning_true_half(trainer),
-        can_restore=restorer is not None and restorer.can_restore(trainer),
+        can_restore=restorer is not None and restorer.can_restore(trainer, step),
         rollback_budget_left=restorer.budget_left(step) if restorer is not None else 1,
         collapse_budget_left=collapse.budget_left if collapse is not None else 1,
     )
@@ -269,7 +269,7 @@ def final_check(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModu
     gathered = _distributed.all_gather_objects(trainer, nonfinite_names(pl_module))
     names = sorted({n for part in gathered for n in part})  # type: ignore[attr-defined]
     restorer = engine.restorer
-    if restorer is not None and restorer.can_restore(trainer):
+    if restorer is not None and restorer.can_restore(trainer, trainer.global_step):
         restored = restorer.restore(trainer, pl_module, trainer.global_step)
         if restored is not None and model_finite(trainer, pl_module):
             engine.final_state = (

@@ -12,6 +12,7 @@ import lightning.pytorch as pl
 
 from lightning_nanguard import _distributed, _lightning_compat
 from lightning_nanguard.checkpoints import last_good_checkpoint
+from lightning_nanguard.exceptions import CheckpointVerificationError
 from lightning_nanguard.policies.rollback import RollbackDecision, RollbackPolicy
 from lightning_nanguard.recovery.disk_restore import restore_from_checkpoint
 from lightning_nanguard.recovery.snapshot import SnapshotRing
@@ -85,6 +86,9 @@ def _from_disk(trainer: pl.Trainer, dirpath: str | None, at_or_before_step: int 
     path = _distributed.broadcast_object(trainer, local)  # every rank loads the same file
     if not isinstance(path, str):
         return None
-    done = restore_from_checkpoint(trainer, path)
+    try:
+        done = restore_from_checkpoint(trainer, path)
+    except CheckpointVerificationError:
+        return None  # every rank raised together (the outcome is agreed across ranks): nothing restored
     keep_lower_scale(trainer, done.scale)
     return Restored(done.step, done.log_step, "disk", path)

@@ -247,6 +247,10 @@ def test_state_round_trips_through_a_weights_only_checkpoint(tmp_path: Any) -> N
         ({"skip_batches": -1}, r"AutoRollback\(skip_batches=-1\): must be an int >= 0"),
         ({"source": "cloud"}, r"AutoRollback\(source='cloud'\): must be one of \['disk', 'memory'\]"),
         ({"checkpoint_dir": 3}, r"AutoRollback\(checkpoint_dir=3\): must be a path \(str or os.PathLike\) or None"),
+        (
+            {"source": "disk", "num_snapshots": 0, "checkpoint_dir": "/no/such/dir"},
+            r"AutoRollback\(source='disk', checkpoint_dir='/no/such/dir'\): must be an existing directory",
+        ),
     ],
 )
 def test_constructor_validation(kwargs: dict[str, Any], message: str) -> None:
