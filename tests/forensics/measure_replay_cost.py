@@ -1,10 +1,12 @@
 """Replay cost on the incident path, measured on the benchmarks' small GPT (not a test: run it by hand).
 
-    python tests/forensics/measure_replay_cost.py [--steps 12] [--precision 32-true bf16-mixed]
+    python tests/forensics/measure_replay_cost.py [--precision 32-true bf16-mixed] [--rounds 5]
 
-For each precision: the median wall time of a healthy training step (batch start to batch end), the replay cost the
-incident records (``diagnosis.replay_ms``: a ``FaultInjector`` loss fault that does not reproduce, so one hooked
-pass), and the two passes of a reproduced half-precision incident timed directly (hooked, then float32).
+For each precision: the median wall time of a healthy training step in a fit (batch start to batch end) and the
+replay cost the incident records (``diagnosis.replay_ms``: a ``FaultInjector`` loss fault that does not reproduce, so
+one hooked pass); then, interleaved round by round so that a busy machine slows all three alike, a plain training
+step (forward, backward, AdamW step), the hooked pass and the float32 pass (the two passes of a reproduced
+half-precision incident), as medians and as multiples of that step.
 """
 
 from __future__ import annotations
@@ -45,7 +47,18 @@ class StepTimer(pl.Callback):
         self.times.append(time.perf_counter() - self._t)
 
 
-def measure(precision: str, steps: int, fault_step: int) -> dict[str, float]:
+def _manual_step(trainer: pl.Trainer, model: GPT, batch: Any, opt: torch.optim.Optimizer) -> float:
+    """One plain training step (forward, backward, optimizer step), timed, as the Trainer runs it."""
+    start = time.perf_counter()
+    with trainer.precision_plugin.train_step_context():
+        loss = model.training_step(batch, 0)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return (time.perf_counter() - start) * 1000.0
+
+
+def measure(precision: str, steps: int, fault_step: int, rounds: int) -> dict[str, float]:
     torch.manual_seed(0)
     model = GPT(SMALL, steps=steps)
     timer = StepTimer()
@@ -63,17 +76,22 @@ def measure(precision: str, steps: int, fault_step: int) -> dict[str, float]:
     )
     trainer.fit(model)
     [incident] = get_engine(trainer).sink.records
-    healthy = [t for i, t in enumerate(timer.times) if i not in (0, fault_step)]
-    step_ms = statistics.median(healthy) * 1000.0
     replay_ms = float(incident.diagnosis["replay_ms"])
-    # The two passes of a reproduced incident, timed directly on the same weights and batch.
+    fit_step_ms = statistics.median(t for i, t in enumerate(timer.times) if i not in (0, fault_step)) * 1000.0
+    # Interleaved, so that a busy machine slows the step and the passes alike: step, hooked pass, float32 pass.
     batch = next(iter(model.train_dataloader()))
+    model.log = lambda *a, **k: None  # type: ignore[method-assign]  # outside a fit: nothing to log into
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-9)
     stub = SimpleNamespace(precision_plugin=trainer.precision_plugin)
-    hooked = [run_pass(stub, model, batch, 0, float32=False).ms for _ in range(3)]  # type: ignore[arg-type]
-    fp32 = [run_pass(stub, model, batch, 0, float32=True).ms for _ in range(3)]  # type: ignore[arg-type]
+    step, hooked, fp32 = [], [], []
+    for _ in range(rounds):
+        step.append(_manual_step(trainer, model, batch, opt))
+        hooked.append(run_pass(stub, model, batch, 0, float32=False).ms)  # type: ignore[arg-type]
+        fp32.append(run_pass(stub, model, batch, 0, float32=True).ms)  # type: ignore[arg-type]
     return {
-        "step_ms": step_ms,
+        "fit_step_ms": fit_step_ms,
         "incident_replay_ms": replay_ms,
+        "step_ms": statistics.median(step),
         "hooked_ms": statistics.median(hooked),
         "fp32_ms": statistics.median(fp32),
     }
@@ -81,22 +99,24 @@ def measure(precision: str, steps: int, fault_step: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--precision", nargs="+", default=["32-true", "bf16-mixed"])
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     print(f"model {SMALL.name}: {SMALL}, torch {torch.__version__}, {torch.get_num_threads()} threads, CPU")
     print(
-        "| precision | healthy step (ms) | incident replay (ms) | x step | hooked pass | float32 pass | both, x step |"
+        "| precision | step in the fit (ms) | incident replay_ms (x that step) | step, interleaved (ms) "
+        "| hooked pass (x step) | float32 pass (x step) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for precision in args.precision:
-        r = measure(precision, args.steps, fault_step=args.steps // 2)
-        both = r["hooked_ms"] + r["fp32_ms"]
+        r = measure(precision, args.steps, fault_step=args.steps // 2, rounds=args.rounds)
+        s = r["step_ms"]
         print(
-            f"| {precision} | {r['step_ms']:.1f} | {r['incident_replay_ms']:.1f} | "
-            f"{r['incident_replay_ms'] / r['step_ms']:.2f} | {r['hooked_ms']:.1f} | {r['fp32_ms']:.1f} | "
-            f"{both / r['step_ms']:.2f} |"
+            f"| {precision} | {r['fit_step_ms']:.0f} | {r['incident_replay_ms']:.0f} "
+            f"({r['incident_replay_ms'] / r['fit_step_ms']:.2f}) | {s:.0f} | {r['hooked_ms']:.0f} "
+            f"({r['hooked_ms'] / s:.2f}) | {r['fp32_ms']:.0f} ({r['fp32_ms'] / s:.2f}) |"
         )
 
 
