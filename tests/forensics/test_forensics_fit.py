@@ -201,3 +201,23 @@ def test_labels_within_a_tied_head_are_not_blamed(tmp_path: Any) -> None:
     # Token labels up to 49 > the last Linear's 8 outputs: only the forward's real output size (50) may judge them.
     [d] = _fit(tmp_path, TiedHeadLM(), callbacks=[FaultInjector("loss", steps=[BAD_BATCH])])
     assert d["cause"] == "transient"
+
+
+class ManualNet(RegressionNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        opt.zero_grad()  # type: ignore[union-attr]
+        self.manual_backward(loss)
+        opt.step()  # type: ignore[union-attr]
+        return loss
+
+
+def test_manual_optimization_falls_back_to_cheap_evidence(tmp_path: Any) -> None:
+    [d] = _fit(tmp_path, ManualNet(), callbacks=[FaultInjector("grad", steps=[BAD_BATCH])])
+    assert not d["replayed"]
+    assert "manual optimization" in d["note"]
