@@ -1,6 +1,9 @@
 """The ``nanguard`` command.
 
-* ``nanguard report RUN_DIR`` prints a run's incidents (``RUN_DIR/nanguard/incidents.jsonl``).
+* ``nanguard report RUN_DIR [--plot out.svg]`` prints a run's incidents (``RUN_DIR/nanguard/incidents.jsonl``) and
+  plots its curves with the incidents marked; exit 3 when the run ended unrecovered.
+* ``nanguard demo`` trains a small model on a real instability, unguarded and with the preset, side by side.
+* ``nanguard ablate`` runs a grid of configurations (each stabilizer alone, all, none, or LightningCLI YAMLs).
 * ``nanguard verify PATH...`` verifies checkpoint files (or every ``*.ckpt`` of a directory).
 * ``nanguard --version`` prints the installed version.
 
@@ -16,7 +19,7 @@ from collections.abc import Sequence
 
 from lightning_nanguard.checkpoints import SIDECAR_SUFFIX, checkpoint_files, verify_checkpoint, write_sidecar
 from lightning_nanguard.engine.sink import INCIDENTS_FILE, SUMMARY_FILE
-from lightning_nanguard.reporting.incidents import IncidentLog
+from lightning_nanguard.reporting.incidents import Incident, IncidentLog
 from lightning_nanguard.reporting.summary import format_summary
 
 __all__ = ["EXIT_CODES", "build_parser", "main"]
@@ -26,6 +29,7 @@ exit codes:
   0  success: the report was printed (a run without incidents says "no incidents"), or every checkpoint verified
   1  nanguard verify: at least one checkpoint failed verification (each failure is printed with its reason)
   2  usage error, or no nanguard log where nanguard report looked (nor a run directory with nanguard's files)
+  3  nanguard report: the run ended unrecovered (nanguard stopped it, or its final parameters were non-finite)
 """
 
 
@@ -42,37 +46,59 @@ def _version() -> str:
 
 def _report(args: argparse.Namespace) -> int:
     path = args.path
+    run_dir = path
+    summary: str | None = None
     if os.path.isdir(path):
         candidates = [os.path.join(path, INCIDENTS_FILE), os.path.join(path, os.path.basename(INCIDENTS_FILE))]
+        summaries = [os.path.join(path, SUMMARY_FILE), os.path.join(path, os.path.basename(SUMMARY_FILE))]
+        summary = next((p for p in summaries if os.path.isfile(p)), None)
         found = next((c for c in candidates if os.path.isfile(c)), None)
-        if found is None:
-            # A clean run may have no incident log (an older nanguard, or one written before the first incident):
-            # its summary, or the nanguard directory, says that nanguard ran here.
-            summaries = [os.path.join(path, SUMMARY_FILE), os.path.join(path, os.path.basename(SUMMARY_FILE))]
-            summary = next((s for s in summaries if os.path.isfile(s)), None)
-            if summary is None and not os.path.isdir(os.path.join(path, os.path.dirname(INCIDENTS_FILE))):
-                print(
-                    f"nanguard report: no nanguard log in {path} (looked for {candidates[0]}); pass the log "
-                    "directory of a run that had a logger, or its incidents.jsonl",
-                    file=sys.stderr,
-                )
-                return 2
-            print(f"no incidents: nanguard recorded none in {path}")
-            if summary is not None:
-                with open(summary, encoding="utf-8") as f:
-                    print(f.read().rstrip("\n"))
-            return 0
-        path = found
-    elif not os.path.isfile(path):
+        if found is None and summary is None and not os.path.isdir(os.path.join(path, os.path.dirname(INCIDENTS_FILE))):
+            print(
+                f"nanguard report: no nanguard log in {path} (looked for {candidates[0]}); pass the log "
+                "directory of a run that had a logger, or its incidents.jsonl",
+                file=sys.stderr,
+            )
+            return 2
+        records = IncidentLog.read(found) if found is not None else []
+        shown = found or path
+    elif os.path.isfile(path):
+        records = IncidentLog.read(path)
+        shown = path
+        run_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
+        guess = os.path.join(run_dir, SUMMARY_FILE)
+        summary = guess if os.path.isfile(guess) else None
+    else:
         print(f"nanguard report: no incident log at {path}", file=sys.stderr)
         return 2
-    records = IncidentLog.read(path)
-    if not records:
-        print(f"no incidents: {path} is empty (nanguard recorded none in this run)")
-        return 0
-    sources = sorted({s.strip() for r in records for s in r.source.split(",") if s.strip()})
-    print(format_summary(records, sources, path, limit=args.limit))
-    return 0
+    if records:
+        sources = sorted({s.strip() for r in records for s in r.source.split(",") if s.strip()})
+        print(format_summary(records, sources, shown, limit=args.limit))
+    else:
+        print(f"no incidents: nanguard recorded none in {path}")
+        if summary is not None:
+            with open(summary, encoding="utf-8") as f:
+                print(f.read().rstrip("\n"))
+    if args.plot:
+        from lightning_nanguard.reporting.plot import write_plot
+
+        try:
+            write_plot(args.plot, run_dir, records)
+        except RuntimeError as err:
+            print(f"nanguard report: {err}", file=sys.stderr)
+            return 2
+        print(f"plot written to {args.plot}")
+    return 3 if _unrecovered(records, summary) else 0
+
+
+def _unrecovered(records: list[Incident], summary: str | None) -> bool:
+    """Did the run end unrecovered: stopped by nanguard, or with non-finite final parameters?"""
+    if any("stop" in (r.actions or [r.action]) for r in records):
+        return True
+    if summary is not None:
+        with open(summary, encoding="utf-8") as f:
+            return "NON-FINITE" in f.read()
+    return False
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -130,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("path", metavar="RUN_DIR_OR_FILE", help="a run's log directory, or an incidents.jsonl file")
     report.add_argument(
         "--limit", type=_limit, default=20, help="incidents to list, first and last halves (default 20; 0 lists all)"
+    )
+    report.add_argument(
+        "--plot",
+        metavar="OUT",
+        help="also write the run's loss, gradient norm, loss scale and LR scale with the incidents marked "
+        "(.svg needs nothing; .png needs matplotlib: pip install 'lightning-nanguard[plot]')",
     )
     report.set_defaults(func=_report)
     verify = sub.add_parser(
