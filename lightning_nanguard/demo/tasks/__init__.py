@@ -1,0 +1,21 @@
+"""The built-in demo tasks; importing this package registers them (in this order)."""
+
+from lightning_nanguard.demo.tasks import (
+    bad_data,
+    bn_poison,
+    corrupt_resume,
+    eps_underflow,
+    eval_overflow,
+    fp16_explosion,
+    spike_then_diverge,
+)
+
+__all__ = [
+    "bad_data",
+    "bn_poison",
+    "corrupt_resume",
+    "eps_underflow",
+    "eval_overflow",
+    "fp16_explosion",
+    "spike_then_diverge",
+]

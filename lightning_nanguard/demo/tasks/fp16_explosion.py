@@ -1,0 +1,31 @@
+"""fp16-explosion: SGD above its stability limit under 16-mixed; the weights grow until the fp16 forward overflows."""
+
+from __future__ import annotations
+
+from lightning_nanguard.demo.common import DemoModule, TensorDataModule, precision_kwargs
+from lightning_nanguard.demo.registry import Built, Task, register_task
+from lightning_nanguard.demo.tasks._data import mlp, teacher_regression
+
+HEALTHY_LR = 0.15
+FAULTY_LR = 0.3  # past 2 / lambda_max of the loss: every step overshoots further than the last
+
+
+def build(seed: int, healthy: bool, work_dir: str) -> Built:
+    x, y, xv, yv = teacher_regression(seed + 1, 512, 16)
+    module = DemoModule(mlp(16, seed=seed), lr=HEALTHY_LR if healthy else FAULTY_LR, optimizer="sgd")
+    data = TensorDataModule((x, y), (xv, yv), batch_size=32)
+    return Built(module, data, trainer_kwargs=precision_kwargs("16-mixed"))
+
+
+TASK = register_task(
+    Task(
+        name="fp16-explosion",
+        description="SGD+momentum at 2x the stable learning rate under 16-mixed: the loss grows geometrically until "
+        "the fp16 forward overflows and the GradScaler skips every step, its scale decaying towards 0",
+        failure="the loss goes to inf, every later step is skipped by the GradScaler; the run ends with an inf/NaN loss",
+        causes=("gradient_explosion",),
+        precision="16-mixed",
+        max_epochs=6,
+        build=build,
+    )
+)

@@ -1,0 +1,129 @@
+"""End-to-end scenarios: each demo task dies unguarded, and the preset (``default_callbacks()``) must save it.
+
+Per task: (a) the unguarded run fails the way the task describes; (b) with the preset it finishes with the final
+train and validation loss within 1.25x of the healthy run (the fault removed); (c) an incident names the right cause.
+Wall time is measured by ``python -m lightning_nanguard.demo.table``, never asserted here.
+
+Where the preset does not save a scenario today, the test is ``xfail(strict=True)`` with what happens instead, so the
+fix in the policy/engine turns it into an XPASS that must be promoted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+
+from lightning_nanguard.demo import RunResult, get_task
+from tests.scenarios.conftest import Runner
+
+TOLERANCE = 1.25  # final loss vs the healthy run
+
+pytestmark = [
+    # nanguard announces what it did (a preflight fix, a fallback) and what it cannot do (a GradScaler watchdog in a
+    # float32 run) with warnings; these tests judge outcomes, and a warning is an error in this suite.
+    pytest.mark.filterwarnings(
+        "ignore:(GradNormMonitor|AutoRollback|OptimizerBackoff|LossScaleWatchdog|CheckpointGuard|FP32Evaluation)"
+        ":UserWarning"
+    ),
+    # corrupt-resume: the healthy and unguarded runs resume a file CheckpointGuard wrote, without CheckpointGuard.
+    pytest.mark.filterwarnings("ignore:.*callbacks used to create the checkpoint.*"),
+    pytest.mark.timeout(120),
+]
+
+
+def _nan(v: float) -> bool:
+    return not math.isfinite(v)
+
+
+# (a) what the unguarded run does, per task (RunResult, healthy RunResult) -> bool
+UNGUARDED: dict[str, Callable[[RunResult, RunResult], bool]] = {
+    "bad-data": lambda r, h: _nan(r.train_loss) and _nan(r.val_loss),  # every weight NaN
+    "fp16-explosion": lambda r, h: _nan(r.val_loss) and r.train_loss > 1e3 * h.train_loss,  # inf loss, huge weights
+    "spike-then-diverge": lambda r, h: _nan(r.train_loss) and _nan(r.val_loss),
+    # Training is fine (the model itself is as good as the healthy one), validation is NaN.
+    "eval-overflow": lambda r, h: r.train_loss <= TOLERANCE * h.train_loss and _nan(r.val_loss),
+    "eps-underflow": lambda r, h: _nan(r.train_loss) and _nan(r.val_loss),
+    # Eval mode reads the poisoned running statistics: the probe and validation are NaN.
+    "bn-poison": lambda r, h: _nan(r.train_loss) and _nan(r.val_loss),
+    "corrupt-resume": lambda r, h: _nan(r.train_loss) and _nan(r.val_loss),
+}
+
+# What the preset does today where it does not save the run (seed 0); see the report in the scenario note.
+SAVE_XFAIL = {
+    "fp16-explosion": "no rollback: 12 incidents all cause=half_precision_overflow (scaler_skip, a backoff every 3rd) "
+    "while the weights keep growing; LR scale 0.0625 at the end, final train loss ~167 vs 0.029 healthy",
+    "spike-then-diverge": "2x transient (skip) at steps 113/121, then 20x loss_function (skip, backoff every 3rd) "
+    "from step 127 until a rollback at 147 restores the step-100 snapshot, already diverged (finite, huge); "
+    "LR at its floor 0.01, final train loss ~1.7e7 vs 0.042 healthy",
+    "bn-poison": "diagnosed corrupt_state (not input_data): scaler_skip+rollback every epoch (steps 8/24/40/56), "
+    "the shard never quarantined; each rollback loses up to 50 steps: final train loss ~0.117 vs 0.024 healthy",
+}
+CAUSE_XFAIL = {
+    "fp16-explosion": "every incident says half_precision_overflow (the GradScaler's overflow); none gradient_explosion",
+    "spike-then-diverge": "incidents say transient, then loss_function (MSE of finite, huge outputs overflows); "
+    "never gradient_explosion",
+    "eval-overflow": "FP32Evaluation's rerun incidents (trigger nonfinite_eval_output) have cause ''",
+    "eps-underflow": "OptimizerBackoff's preflight fix (trigger eps_underflow) has cause ''",
+    "bn-poison": "diagnosed corrupt_state (the buffers), not input_data (the shard that wrote them)",
+    "corrupt-resume": "CheckpointGuard's fallback incident (trigger checkpoint_verification_failed) has cause ''",
+}
+TASKS = list(UNGUARDED)
+
+
+def _params(xfails: dict[str, str]) -> list[object]:
+    return [
+        pytest.param(t, marks=pytest.mark.xfail(strict=True, reason=xfails[t])) if t in xfails else t for t in TASKS
+    ]
+
+
+def _describe(r: RunResult) -> str:
+    return (
+        f"finished={r.finished} error={r.error[:300]!r} train={r.train_loss:.4g} val={r.val_loss:.4g} "
+        f"rollbacks={r.rollbacks} lr_scale={r.lr_scale:.3g} incidents={r.actions()}"
+    )
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_unguarded_run_fails_as_described(scenario_run: Runner, task: str) -> None:
+    run, healthy = scenario_run(task, "unguarded"), scenario_run(task, "healthy")
+    assert healthy.finished, _describe(healthy)
+    assert not run.finished, _describe(run)
+    assert UNGUARDED[task](run, healthy), f"{get_task(task).failure}; got {_describe(run)}"
+
+
+@pytest.mark.parametrize("task", _params(SAVE_XFAIL))
+def test_preset_saves_the_run(scenario_run: Runner, task: str) -> None:
+    run, healthy = scenario_run(task, "preset"), scenario_run(task, "healthy")
+    assert run.finished, _describe(run)
+    assert run.train_loss <= TOLERANCE * healthy.train_loss, (healthy.train_loss, _describe(run))
+    assert run.val_loss <= TOLERANCE * healthy.val_loss, (healthy.val_loss, _describe(run))
+
+
+@pytest.mark.parametrize("task", _params(CAUSE_XFAIL))
+def test_preset_names_the_cause(scenario_run: Runner, task: str) -> None:
+    run = scenario_run(task, "preset")
+    expected = set(get_task(task).causes)
+    assert expected & {i.cause for i in run.incidents}, f"expected a cause in {sorted(expected)}: {_describe(run)}"
+
+
+# --------------------------------------------------------------------- DDP: the bad row reaches one rank only
+@pytest.mark.distributed
+def test_ddp_bad_data_unguarded_fails(scenario_run: Runner) -> None:
+    run = scenario_run("bad-data", "unguarded", devices=2)
+    assert not run.finished, _describe(run)
+    assert _nan(run.train_loss), _describe(run)
+
+
+@pytest.mark.distributed
+def test_ddp_bad_data_preset_saves_the_run(scenario_run: Runner) -> None:
+    run, healthy = scenario_run("bad-data", "preset", devices=2), scenario_run("bad-data", "healthy", devices=2)
+    assert healthy.finished, _describe(healthy)
+    assert run.finished, _describe(run)
+    assert run.train_loss <= TOLERANCE * healthy.train_loss, (healthy.train_loss, _describe(run))
+    assert run.val_loss <= TOLERANCE * healthy.val_loss, (healthy.val_loss, _describe(run))
+    data = [i for i in run.incidents if i.cause == "input_data"]
+    assert data, _describe(run)
+    assert all(len(i.ranks) == 1 for i in data), [i.ranks for i in data]  # one rank saw the bad row
+    assert not any("rollback" in i.actions for i in run.incidents), _describe(run)  # the state was never damaged
