@@ -62,69 +62,100 @@ def _to_float32(obj: Any) -> Any:
     return obj
 
 
+_Culprit = tuple[str, float | None, float | None, str]  # (module, input min, input max, output dtype)
+
+
+def _finite_flag(tensors: list[Tensor]) -> Tensor:
+    """One device bool: every element of every tensor is finite (no host read)."""
+    flags = [torch.isfinite(t.detach()).all() for t in tensors]
+    return flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).all()
+
+
+def _host_flags(flags: list[Tensor]) -> list[bool]:
+    """All the flags in one host read."""
+    if not flags:
+        return []
+    device = flags[0].device
+    return [bool(v) for v in torch.stack([f.to(device) for f in flags]).tolist()]
+
+
 class _Recorder:
-    """Forward hooks on every module and gradient hooks on their outputs and inputs; the first non-finite wins."""
+    """Forward hooks on every module and gradient hooks on their outputs and inputs, kept as device flags and read
+    once per phase (two host reads a pass, not one per module); the first non-finite wins."""
 
     def __init__(self, root: nn.Module) -> None:
         self.root = root
         self.names = {id(m): n for n, m in root.named_modules()}
-        self.first_output: tuple[str, float | None, float | None, str] | None = None
-        self.first_grad: tuple[str, float | None, float | None, str] | None = None
         self.out_size: int | None = None
         self._root_ran = False
-        self._ranges: dict[str, tuple[float | None, float | None, str]] = {}
-        self._out_grad_ok: dict[str, bool] = {}
+        # Per module call, in the order modules finish: (module, all outputs finite, its float inputs, output dtype).
+        self._forward: list[tuple[str, Tensor, list[Tensor], str]] = []
+        self._inputs: dict[str, tuple[list[Tensor], str]] = {}
+        # Per gradient, in backward order: ("out" | "in", module, all finite).
+        self._backward: list[tuple[str, str, Tensor]] = []
 
     def forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        name = self.names.get(id(module), "?") or type(module).__name__
         outs = _floats(output)
+        if not outs:
+            return
         # The model's output size: its own forward's output, else the last module to finish (a training_step that
         # calls the head directly). Targets are checked against it.
-        if outs and outs[0].dim() > 0 and (module is self.root or not self._root_ran):
+        if outs[0].dim() > 0 and (module is self.root or not self._root_ran):
             self.out_size = int(outs[0].shape[-1])
             self._root_ran = self._root_ran or module is self.root
-        ins = _floats(args)
-        lo, hi = _range(ins)
-        dtype = str(outs[0].dtype) if outs else ""
-        self._ranges[name] = (lo, hi, dtype)
         # Hooks fire as modules finish, innermost first: the first non-finite output names the deepest culprit.
         # The LightningModule itself comes last, so it is named only when its own code (not a child) went wrong.
-        if self.first_output is None and any(not _finite(t) for t in outs):
-            label = f"{type(module).__name__}.forward" if module is self.root else name
-            self.first_output = (label, lo, hi, dtype)
+        name = f"{type(module).__name__}.forward" if module is self.root else self.names.get(id(module), "?")
+        ins = [t.detach() for t in _floats(args)]
+        dtype = str(outs[0].dtype)
+        self._forward.append((name, _finite_flag(outs), ins, dtype))
+        self._inputs.setdefault(name, (ins, dtype))
         if not torch.is_grad_enabled():
             return
         for t in outs:
             if t.requires_grad:
-                t.register_hook(self._out_hook(name))  # type: ignore[no-untyped-call]
-        for t in ins:
+                t.register_hook(self._grad_hook("out", name))  # type: ignore[no-untyped-call]
+        for t in _floats(args):
             if t.requires_grad:
-                t.register_hook(self._in_hook(name))  # type: ignore[no-untyped-call]
+                t.register_hook(self._grad_hook("in", name))  # type: ignore[no-untyped-call]
 
-    def _out_hook(self, name: str) -> Any:
+    def _grad_hook(self, kind: str, name: str) -> Any:
         def hook(grad: Tensor) -> None:
-            self._out_grad_ok[name] = self._out_grad_ok.get(name, True) and _finite(grad)
+            self._backward.append((kind, name, _finite_flag([grad])))
 
         return hook
 
-    def _in_hook(self, name: str) -> Any:
-        # The module whose backward turned a finite output gradient into a non-finite input gradient.
-        def hook(grad: Tensor) -> None:
-            if self.first_grad is None and self._out_grad_ok.get(name, True) and not _finite(grad):
-                lo, hi, dtype = self._ranges.get(name, (None, None, ""))
-                self.first_grad = (name, lo, hi, dtype)
+    def first_output(self) -> _Culprit | None:
+        """The first module (in the order modules finished) whose output was non-finite."""
+        for (name, _, ins, dtype), ok in zip(
+            self._forward, _host_flags([f for _, f, _, _ in self._forward]), strict=True
+        ):
+            if not ok:
+                return (name, *_range(ins), dtype)
+        return None
 
-        return hook
+    def first_gradient(self) -> _Culprit | None:
+        """The first module (in backward order) whose backward turned finite output gradients into a non-finite input
+        gradient."""
+        out_ok: dict[str, bool] = {}
+        for (kind, name, _), ok in zip(self._backward, _host_flags([f for _, _, f in self._backward]), strict=True):
+            if kind == "out":
+                out_ok[name] = out_ok.get(name, True) and ok
+            elif not ok and out_ok.get(name, True):
+                ins, dtype = self._inputs.get(name, ([], ""))
+                return (name, *_range(ins), dtype)
+        return None
 
     def install(self) -> list[Any]:
         return [m.register_forward_hook(self.forward_hook) for m in self.root.modules()]
 
 
 def _range(tensors: list[Tensor]) -> tuple[float | None, float | None]:
+    tensors = [t for t in tensors if t.numel()]
     if not tensors:
         return None, None
-    lo = min(float(t.detach().float().amin()) for t in tensors if t.numel())
-    hi = max(float(t.detach().float().amax()) for t in tensors if t.numel())
+    lo = min(float(t.float().amin()) for t in tensors)
+    hi = max(float(t.float().amax()) for t in tensors)
     return lo, hi
 
 
@@ -218,9 +249,9 @@ def run_pass(
                     stack.enter_context(torch.enable_grad())  # the caller's grad mode may be off
                     target = loss * scale if scale is not None and not float32 else loss
                     grads = torch.autograd.grad(target, [p for _, p in params], allow_unused=True)
-                    for (name, _), g in zip(params, grads, strict=True):
-                        if g is not None and not _finite(g):
-                            bad_params.append(name)
+                    present = [(name, g) for (name, _), g in zip(params, grads, strict=True) if g is not None]
+                    flags = _host_flags([_finite_flag([g]) for _, g in present])
+                    bad_params = [name for (name, _), ok in zip(present, flags, strict=True) if not ok]
                     grads_finite = not bad_params
     except Exception as exc:  # a replay must never take training down with it
         error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
@@ -228,14 +259,15 @@ def run_pass(
         for h in handles:
             h.remove()
     ms = (time.perf_counter() - start) * 1000.0
-    first, kind = recorder.first_output, "output"
-    if first is None and recorder.first_grad is not None:
-        first, kind = recorder.first_grad, "gradient"
+    first_output = recorder.first_output()
+    first, kind = first_output, "output"
+    if first is None:
+        first, kind = recorder.first_gradient(), "gradient"
     if first is None and bad_params:
         owner = bad_params[0].rsplit(".", 1)[0] if "." in bad_params[0] else bad_params[0]
         first, kind = (owner, None, None, ""), "parameter gradient"
     name, lo, hi, dtype = first if first is not None else ("", None, None, "")
-    outputs_finite = recorder.first_output is None
+    outputs_finite = first_output is None
     return PassResult(
         reproduced=not error and not (loss_finite and outputs_finite and grads_finite),
         loss_finite=loss_finite,

@@ -4,9 +4,10 @@
 
 For each precision: the median wall time of a healthy training step in a fit (batch start to batch end) and the
 replay cost the incident records (``diagnosis.replay_ms``: a ``FaultInjector`` loss fault that does not reproduce, so
-one hooked pass); then, interleaved round by round so that a busy machine slows all three alike, a plain training
-step (forward, backward, AdamW step), the hooked pass and the float32 pass (the two passes of a reproduced
-half-precision incident), as medians and as multiples of that step.
+one hooked pass); then, interleaved round by round and in process CPU time (steadier than wall time on a shared
+machine), a plain training step (forward, backward, AdamW step), the hooked pass and the float32 pass (the two passes
+of a reproduced half-precision incident), as medians and as multiples of that step. ``--threads 1`` makes CPU time
+the work itself.
 """
 
 from __future__ import annotations
@@ -47,15 +48,20 @@ class StepTimer(pl.Callback):
         self.times.append(time.perf_counter() - self._t)
 
 
-def _manual_step(trainer: pl.Trainer, model: GPT, batch: Any, opt: torch.optim.Optimizer) -> float:
-    """One plain training step (forward, backward, optimizer step), timed, as the Trainer runs it."""
-    start = time.perf_counter()
+def _cpu_ms(fn: Any) -> float:
+    """The process CPU time ``fn`` takes (ms): on a shared machine, far steadier than wall time."""
+    start = time.process_time()
+    fn()
+    return (time.process_time() - start) * 1000.0
+
+
+def _manual_step(trainer: pl.Trainer, model: GPT, batch: Any, opt: torch.optim.Optimizer) -> None:
+    """One plain training step (forward, backward, optimizer step), as the Trainer runs it."""
     with trainer.precision_plugin.train_step_context():
         loss = model.training_step(batch, 0)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return (time.perf_counter() - start) * 1000.0
 
 
 def measure(precision: str, steps: int, fault_step: int, rounds: int) -> dict[str, float]:
@@ -85,9 +91,9 @@ def measure(precision: str, steps: int, fault_step: int, rounds: int) -> dict[st
     stub = SimpleNamespace(precision_plugin=trainer.precision_plugin)
     step, hooked, fp32 = [], [], []
     for _ in range(rounds):
-        step.append(_manual_step(trainer, model, batch, opt))
-        hooked.append(run_pass(stub, model, batch, 0, float32=False).ms)  # type: ignore[arg-type]
-        fp32.append(run_pass(stub, model, batch, 0, float32=True).ms)  # type: ignore[arg-type]
+        step.append(_cpu_ms(lambda: _manual_step(trainer, model, batch, opt)))
+        hooked.append(_cpu_ms(lambda: run_pass(stub, model, batch, 0, float32=False)))  # type: ignore[arg-type]
+        fp32.append(_cpu_ms(lambda: run_pass(stub, model, batch, 0, float32=True)))  # type: ignore[arg-type]
     return {
         "fit_step_ms": fit_step_ms,
         "incident_replay_ms": replay_ms,
@@ -102,12 +108,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--precision", nargs="+", default=["32-true", "bf16-mixed"])
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     print(f"model {SMALL.name}: {SMALL}, torch {torch.__version__}, {torch.get_num_threads()} threads, CPU")
     print(
-        "| precision | step in the fit (ms) | incident replay_ms (x that step) | step, interleaved (ms) "
-        "| hooked pass (x step) | float32 pass (x step) |"
+        "| precision | step in the fit, wall (ms) | incident replay_ms, wall (x that step) | step, CPU (ms) "
+        "| hooked pass, CPU (x step) | float32 pass, CPU (x step) |"
     )
     print("|---|---|---|---|---|---|")
     for precision in args.precision:
