@@ -139,7 +139,8 @@ def _limit(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nanguard",
-        description="lightning_nanguard tools: report a run's incidents, verify checkpoint files.",
+        description="lightning_nanguard tools: report a run's incidents, verify checkpoint files, run the demo and "
+        "ablation grids.",
         epilog=EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -186,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="for a file without a sidecar whose contents verify, write the sidecar (trusting the file as it is now)",
     )
     verify.set_defaults(func=_verify)
+    from lightning_nanguard.commands import ablate, demo
+
+    demo.add_parser(sub)
+    ablate.add_parser(sub)
     return parser
 
 

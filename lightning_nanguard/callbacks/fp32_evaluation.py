@@ -120,11 +120,15 @@ class FP32Evaluation(Callback):
         self._stage = stage
         self._kind, self._half = _precision_kind(trainer.precision_plugin)
         if self._kind == "none":
-            self._warn_once(
+            message = (
                 f"FP32Evaluation has nothing to do: the Trainer evaluates in {trainer.precision!r}, not half precision "
-                "(16-mixed, bf16-mixed, 16-true or bf16-true). Evaluation runs unchanged; remove the callback or "
-                "train in half precision."
+                "(16-mixed, bf16-mixed, 16-true or bf16-true). Evaluation runs unchanged"
             )
+            if self.mode == "always":  # asked for float32 evaluation explicitly: say it is moot, as a warning
+                self._warn_once(message + "; remove the callback or train in half precision.")
+            elif not self._warned:  # "on_nonfinite" (the preset's) is a natural no-op in full precision
+                self._warned = True
+                rank_zero_info(message + ".")
         engine = get_engine(trainer)
         engine.join(trainer, self, fit=False)
         if stage == "fit" and self.promote_after is not None:

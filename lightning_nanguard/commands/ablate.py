@@ -1,0 +1,185 @@
+"""``nanguard ablate``: a grid of configurations x seeds, one process per run, and the table that compares them.
+
+Two sources of runs:
+
+* the demo tasks (``--task``), each under the configurations ``none``, ``all`` (the preset) and each stabilizer alone
+  (``--configs`` picks a subset);
+* your own LightningCLI entry point (``--entry train.py --yaml a.yaml b.yaml``): each YAML is one configuration, run
+  as ``python train.py fit --config [BASE] --config a.yaml --seed_everything S --trainer.default_root_dir DIR``; the
+  table is read back from the run's files (exit status, nanguard's incident log, the TensorBoard scalars).
+
+Every run is its own TensorBoard run named ``<config>-seed<S>`` under ``--out``, so they overlay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+from lightning_nanguard.commands.table import Row, markdown, write_csv
+
+__all__ = ["add_parser", "run_one"]
+
+STABILIZERS = (
+    "GradNormMonitor",
+    "AutoRollback",
+    "OptimizerBackoff",
+    "LossScaleWatchdog",
+    "CheckpointGuard",
+    "FP32Evaluation",
+)
+
+
+def _callbacks(config: str) -> list[object]:
+    import lightning_nanguard as ng
+
+    if config == "none":
+        return []
+    if config == "all":
+        return list(ng.default_callbacks())
+    if config in STABILIZERS:  # the stabilizer alone, configured as in the preset
+        return list(ng.default_callbacks(**{name: name == config for name in STABILIZERS}))
+    raise ValueError(f"unknown configuration {config!r}: none, all, or one of {', '.join(STABILIZERS)}")
+
+
+def run_one(task: str, config: str, seed: int, root: str, out_json: str) -> None:
+    """One demo run in this process; its row goes to ``out_json``."""
+    from lightning_nanguard.commands.demo import row_of
+    from lightning_nanguard.demo import run_task
+
+    result = run_task(task, _callbacks(config), seed=seed, root_dir=root, config=config)  # type: ignore[arg-type]
+    with open(out_json, "w", encoding="utf-8") as f:
+        json.dump(vars(row_of(result)), f)
+
+
+def _user_row(entry: str, base: str | None, yaml: str, seed: int, out: str) -> Row:
+    """Run the user's LightningCLI entry point with one configuration and read the outcome from its files."""
+    config = os.path.splitext(os.path.basename(yaml))[0]
+    run_dir = os.path.join(out, f"{config}-seed{seed}")
+    cmd = [sys.executable, entry, "fit", *(["--config", base] if base else []), "--config", yaml]
+    cmd += ["--seed_everything", str(seed), "--trainer.default_root_dir", run_dir]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - start
+    row = Row("(entry)", config, seed, finished=proc.returncode == 0, wall_time=wall, log_dir=run_dir)
+    if proc.returncode != 0:
+        row.error = (proc.stderr.strip().splitlines() or ["exit status " + str(proc.returncode)])[-1]
+    from lightning_nanguard.reporting.incidents import IncidentLog
+
+    incidents = [
+        i
+        for p in glob.glob(os.path.join(run_dir, "**", "incidents.jsonl"), recursive=True)
+        for i in IncidentLog.read(p)
+    ]
+    row.incidents_by_cause = dict(Counter(i.cause or i.trigger for i in incidents))
+    row.rollbacks = sum(1 for i in incidents if "rollback" in (i.actions or [i.action]))
+    scalars = _last_scalars(run_dir)
+    row.train_loss = next((v for k, v in scalars.items() if "train" in k and k.endswith("loss")), math.nan)
+    row.val_loss = next((v for k, v in scalars.items() if "val" in k and k.endswith("loss")), math.nan)
+    row.skipped_steps = int(scalars.get("nanguard/skipped_steps", 0))
+    row.lr_scale = scalars.get("nanguard/lr_scale", 1.0)
+    return row
+
+
+def _last_scalars(run_dir: str) -> dict[str, float]:
+    files = glob.glob(os.path.join(run_dir, "**", "events.out.tfevents.*"), recursive=True)
+    if not files:
+        return {}
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(os.path.dirname(files[0]), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {t: acc.Scalars(t)[-1].value for t in acc.Tags()["scalars"]}
+
+
+def _grid(args: argparse.Namespace) -> list[tuple[str, str, int]]:
+    configs = args.configs.split(",") if args.configs else ["none", *STABILIZERS, "all"]
+    return [(task, config, seed) for task in args.task for config in configs for seed in args.seeds]
+
+
+def _run(args: argparse.Namespace) -> int:
+    out = os.path.abspath(args.out)
+    os.makedirs(out, exist_ok=True)
+    rows: list[Row] = []
+    if args.entry:
+        if not args.yaml:
+            print("nanguard ablate: --entry needs --yaml CONFIG [CONFIG ...]", file=sys.stderr)
+            return 2
+        user_jobs = [(y, s) for y in args.yaml for s in args.seeds]
+        for n, (yaml, seed) in enumerate(user_jobs, 1):
+            print(f"[{n}/{len(user_jobs)}] {os.path.basename(yaml)} seed={seed} ...", end=" ", flush=True)
+            row = _user_row(args.entry, args.base, yaml, seed, out)
+            print(f"{'finished' if row.finished else 'FAILED'} in {row.wall_time:.1f}s", flush=True)
+            rows.append(row)
+    else:
+        from lightning_nanguard.demo import task_names
+
+        unknown = [t for t in args.task if t not in task_names()]
+        if unknown:
+            print(f"nanguard ablate: unknown --task {unknown}; one of {', '.join(task_names())}", file=sys.stderr)
+            return 2
+        jobs = _grid(args)
+        for n, (task, config, seed) in enumerate(jobs, 1):
+            print(f"[{n}/{len(jobs)}] {task} {config} seed={seed} ...", end=" ", flush=True)
+            result = os.path.join(out, f".{task}-{config}-seed{seed}.json")
+            cmd = [sys.executable, "-m", "lightning_nanguard.commands.ablate", task, config, str(seed), out, result]
+            start = time.perf_counter()
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if proc.returncode != 0 or not os.path.isfile(result):
+                last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                row = Row(task, config, seed, finished=False, wall_time=time.perf_counter() - start, error=last)
+            else:
+                with open(result, encoding="utf-8") as f:
+                    row = Row.from_dict(json.load(f))
+                os.remove(result)
+            print(f"{'finished' if row.finished else 'FAILED'} in {row.wall_time:.1f}s", flush=True)
+            rows.append(row)
+    table = markdown(rows)
+    print()
+    print(table)
+    with open(os.path.join(out, "ablation.md"), "w", encoding="utf-8") as f:
+        f.write(table + "\n")
+    write_csv(os.path.join(out, "ablation.csv"), rows)
+    print(f"\nwritten: {os.path.join(out, 'ablation.md')}, {os.path.join(out, 'ablation.csv')}")
+    print(f"overlay the runs:  tensorboard --logdir {out}")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "ablate",
+        help="run a grid of configurations (none, each stabilizer alone, all, or your YAMLs) and compare them",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--task", nargs="+", default=["bad-data"], help="demo task(s) (default bad-data)")
+    p.add_argument(
+        "--configs",
+        default="",
+        help="comma list among none, all, " + ", ".join(STABILIZERS) + " (default: none, each alone, all)",
+    )
+    p.add_argument("--seeds", type=int, nargs="+", default=[0], help="seeds (default 0)")
+    p.add_argument("--entry", help="your LightningCLI script (python ENTRY fit --config ...)")
+    p.add_argument("--base", help="a base config passed before each --yaml")
+    p.add_argument("--yaml", nargs="+", default=[], help="one LightningCLI config per configuration")
+    p.add_argument(
+        "--out", default="lightning_logs/ablation", help="output directory (default ./lightning_logs/ablation)"
+    )
+    p.set_defaults(func=_run)
+
+
+def _main(argv: Sequence[str]) -> None:
+    task, config, seed, root, out_json = argv
+    run_one(task, config, int(seed), root, out_json)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
