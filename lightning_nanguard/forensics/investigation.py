@@ -60,7 +60,9 @@ def investigate(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModu
     findings = _check_targets(engine, trainer, findings, replays)
     ms = round(ms, 3)  # the slowest rank's time, the same number on every rank
     engine.replay_ms += ms
-    engine.diagnoses[key] = (event_step(trainer, facts), replays)
+    if any(r.hooked is not None and r.hooked.reproduced for r in replays):
+        # Only a reproduced fault establishes a cause worth reusing: "did not reproduce" says nothing of the next one.
+        engine.diagnoses[key] = (event_step(trainer, facts), replays)
     undone = ""
     if facts.readings and not all(r.dropped for r in facts.readings):
         undone = "the update was applied: replayed on the post-update weights"

@@ -126,29 +126,23 @@ def test_one_off_fault_that_does_not_reproduce_is_transient(tmp_path: Any) -> No
     assert "replay_not_reproduced" in _kinds(d)
 
 
-def test_first_reuses_the_replay_every_replays_each_off_never(tmp_path: Any) -> None:
-    steps = [1, 3]
-    first = _fit(tmp_path, RegressionNet(), callbacks=[FaultInjector("loss", steps=steps)], max_steps=5)
-    assert [d["cause"] for d in first] == ["transient", "transient"]
+def test_first_reuses_a_reproduced_cause_every_replays_each_off_never(tmp_path: Any) -> None:
+    hot = (1 * BATCH + 2, 3 * BATCH + 5)  # the same mechanism at steps 1 and 3
+    first = _fit(tmp_path / "first", HandBCE(hot_rows=hot), max_steps=5)
+    assert [d["cause"] for d in first] == ["loss_function", "loss_function"]
     assert [d["replayed"] for d in first] == [True, False]
     assert "reused the replay of step 1" in first[1]["note"]
-    every = _fit(
-        tmp_path,
-        RegressionNet(),
-        callbacks=[FaultInjector("loss", steps=steps)],
-        monitor=GradNormMonitor(forensics="every"),
-        max_steps=5,
-    )
-    assert [d["replayed"] for d in every] == [True, True]
-    off = _fit(
-        tmp_path,
-        RegressionNet(),
-        callbacks=[FaultInjector("loss", steps=steps)],
-        monitor=GradNormMonitor(forensics="off"),
-        max_steps=5,
-    )
+    every = _fit(tmp_path / "every", HandBCE(hot_rows=hot), monitor=GradNormMonitor(forensics="every"), max_steps=5)
+    assert [(d["cause"], d["replayed"]) for d in every] == [("loss_function", True)] * 2
+    off = _fit(tmp_path / "off", HandBCE(hot_rows=hot), monitor=GradNormMonitor(forensics="off"), max_steps=5)
     assert [(d["cause"], d["replayed"]) for d in off] == [("unknown", False)] * 2
     assert "forensics='off'" in off[0]["note"]
+
+
+def test_first_replays_again_after_a_transient(tmp_path: Any) -> None:
+    # A replay that did not reproduce establishes no cause: the next event of the same kind is replayed too.
+    ds = _fit(tmp_path, RegressionNet(), callbacks=[FaultInjector("loss", steps=[1, 3])], max_steps=5)
+    assert [(d["cause"], d["replayed"]) for d in ds] == [("transient", True)] * 2
 
 
 def test_gradient_accumulation_falls_back_to_cheap_evidence(tmp_path: Any) -> None:
