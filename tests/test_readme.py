@@ -50,3 +50,25 @@ def test_documented_defaults_are_real(name: str, call: ast.Call) -> None:
     for kw in call.keywords:
         assert kw.arg in params, f"README shows {name}({kw.arg}=...), which does not exist"
         assert ast.literal_eval(kw.value) == params[kw.arg].default, f"README default of {name}({kw.arg}) is stale"
+
+
+@pytest.mark.parametrize(("name", "call"), CALLS, ids=[n for n, _ in CALLS])
+def test_every_constructor_argument_is_documented(name: str, call: ast.Call) -> None:
+    params = set(inspect.signature(getattr(lightning_nanguard, name)).parameters)
+    shown = {kw.arg for kw in call.keywords}
+    assert params == shown, f"README's {name}(...) block misses {sorted(params - shown)}"
+
+
+def test_every_logged_tag_is_documented() -> None:
+    from lightning_nanguard.reporting import keys
+
+    tags = [getattr(keys, k) for k in keys.__all__ if k.isupper() and k != "PREFIX"]
+    missing = [t for t in tags if f"`{t}" not in README]
+    assert not missing, f"README does not mention {missing}"
+
+
+def test_every_incident_action_is_documented() -> None:
+    from lightning_nanguard.contract import Action
+
+    missing = [a.value for a in Action if a is not Action.NONE and f"`{a.value}`" not in README]
+    assert not missing, f"README does not list the incident action(s) {missing}"
