@@ -9,6 +9,7 @@ all-gather makes it everyone's, so ``policies.diagnosis.classify`` decides the s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -86,9 +87,12 @@ def gather_findings(engine: Engine, trainer: pl.Trainer, pl_module: pl.Lightning
     optimizers = list(trainer.optimizers)
     local_batch = read_batch(engine.batch)
     local_state = None if facts.state_ok else read_state(pl_module, optimizers, nonfinite_names(pl_module, optimizers))
-    gathered: list[Any] = _distributed.all_gather_objects(trainer, (local_batch, local_state))
-    batches: tuple[BatchFindings, ...] = tuple(b for b, _ in gathered)
-    state = _merge_states([s for _, s in gathered if s is not None], facts.state_names)
+    # Each rank's clock too: a budget decided from one rank's step time could send the ranks different ways.
+    local = (local_batch, local_state, float(engine.step_seconds))
+    gathered: list[Any] = _distributed.all_gather_objects(trainer, local)
+    batches: tuple[BatchFindings, ...] = tuple(b for b, _, _ in gathered)
+    state = _merge_states([s for _, s, _ in gathered if s is not None], facts.state_names)
+    clocks = [t for _, _, t in gathered if math.isfinite(t) and t > 0]
     step = event_step(trainer, facts)
     history = list(engine.history)
     scale = next((r.scale for r in facts.readings if r.scale is not None), None)
@@ -108,6 +112,7 @@ def gather_findings(engine: Engine, trainer: pl.Trainer, pl_module: pl.Lightning
         scaler_overflow=facts.scaler_overflow,
         half_precision=is_half(precision),
         precision=precision,
+        step_seconds=max(clocks) if clocks else math.nan,
     )
 
 

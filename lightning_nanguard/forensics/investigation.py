@@ -72,7 +72,7 @@ def investigate(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModu
             replay=replays,
             replayed_now=True,
             replay_ms=ms,
-            replay_steps=replay_steps(ms, engine.step_seconds),
+            replay_steps=replay_steps(ms, findings.step_seconds),
             note=undone,
         )
     )
@@ -94,12 +94,13 @@ def _check_targets(engine: Engine, trainer: pl.Trainer, f: Findings, replays: tu
     return dataclasses.replace(f, batch=tuple(gathered))
 
 
-def _budget_ms(engine: Engine) -> float:
-    """Replay time allowed in this fit (inf while the step time is unknown)."""
+def _budget_ms(engine: Engine, f: Findings) -> float:
+    """Replay time allowed in this fit (inf while the step time is unknown). Rank-consistent: the gathered step time
+    and ``engine.replay_ms``, which only ever grows by gathered amounts."""
     limit = engine.guard.max_replay_steps if engine.guard is not None else 20.0
-    if not math.isfinite(engine.step_seconds) or engine.step_seconds <= 0:
+    if not math.isfinite(f.step_seconds) or f.step_seconds <= 0:
         return math.inf
-    return limit * engine.step_seconds * 1000.0
+    return limit * f.step_seconds * 1000.0
 
 
 def _why_not(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModule, f: Findings, facts: EventFacts) -> str:
@@ -113,7 +114,7 @@ def _why_not(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModule,
         return "no training step at hand"
     if not f.batch or not all(b.replayable for b in f.batch):
         return "the batch cannot be replayed"
-    if engine.replay_ms >= _budget_ms(engine):
+    if engine.replay_ms >= _budget_ms(engine, f):
         limit = engine.guard.max_replay_steps if engine.guard is not None else 20.0
         return f"the replay budget is spent: {engine.replay_ms:.0f} ms, max_replay_steps={limit:g}"
     return ""
@@ -129,7 +130,7 @@ def _replay(
     ms = max(p.ms for p in first)
     fp32: list[PassResult | None] = [None] * len(first)
     # The float32 pass costs about what the first did: run it only when that still fits the budget.
-    if f.half_precision and any(p.reproduced for p in first) and engine.replay_ms + 2 * ms <= _budget_ms(engine):
+    if f.half_precision and any(p.reproduced for p in first) and engine.replay_ms + 2 * ms <= _budget_ms(engine, f):
         mine = run_pass(trainer, pl_module, engine.batch, engine.batch_idx, float32=True)
         gathered: list[PassResult] = _distributed.all_gather_objects(trainer, mine)  # type: ignore[assignment]
         fp32 = list(gathered)

@@ -122,6 +122,7 @@ class Findings:
     replayed_now: bool = False  # a replay ran for this event (not a cached one)
     replay_ms: float | None = None
     replay_steps: float | None = None
+    step_seconds: float = math.nan  # one training step's time, the slowest rank's (NaN: unknown)
     note: str = ""  # why no replay, or whose replay is reused
 
 
