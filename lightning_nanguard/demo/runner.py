@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -60,7 +61,8 @@ class RunResult:
         lr_scale: OptimizerBackoff's learning-rate scale at the end (1.0 without it).
         wall_time: seconds in ``Trainer.fit``.
         log_dir: the TensorBoard run directory.
-        steps: optimizer steps taken (``global_step``).
+        steps: optimizer steps taken (``global_step``; ``-1`` under multi-process strategies, whose loops die with
+            the worker processes).
     """
 
     task: str
@@ -109,7 +111,8 @@ def run_task(
         name: a registered task (``lightning_nanguard.demo.task_names()``).
         callbacks: the nanguard (or any) callbacks to install; ``[]`` for the unguarded run.
         seed: seeds the data, the initial weights and Lightning.
-        root_dir: the TensorBoard root; the run writes ``<root_dir>/<task>/<config>-seed<seed>``.
+        root_dir: the TensorBoard root; the run writes ``<root_dir>/<task>/<config>-seed<seed>`` (and
+            ``...-work`` for checkpoints), replacing what a previous run of the same name left there.
         max_epochs: overrides the task's default length.
         max_steps: optimizer steps limit (``-1``: none).
         healthy: run the task with its fault removed (the reference).
@@ -125,6 +128,8 @@ def run_task(
     config = config or ("healthy" if healthy else ("unguarded" if not callbacks else "custom"))
     version = f"{config}-seed{seed}"
     work_dir = os.path.join(root_dir, name, f"{version}-work")
+    for stale in (os.path.join(root_dir, name, version), work_dir):  # a rerun replaces its run, never appends to it
+        shutil.rmtree(stale, ignore_errors=True)
     pl.seed_everything(seed, verbose=False)
     built = task.build(seed, healthy, work_dir)
     logger = TensorBoardLogger(root_dir, name=name, version=version, default_hp_metric=False)
@@ -180,7 +185,7 @@ def run_task(
         lr_scale=lr_scale_of(trainer.optimizers[0]) if single and trainer.optimizers else _lr_scale(incidents),
         wall_time=wall,
         log_dir=log_dir,
-        steps=trainer.global_step,
+        steps=trainer.global_step if single else -1,
     )
 
 

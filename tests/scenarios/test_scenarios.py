@@ -55,21 +55,24 @@ UNGUARDED: dict[str, Callable[[RunResult, RunResult], bool]] = {
 
 # What the preset does today where it does not save the run (seed 0); see the report in the scenario note.
 SAVE_XFAIL = {
-    "fp16-explosion": "no rollback: 12 incidents all cause=half_precision_overflow (scaler_skip, a backoff every 3rd) "
-    "while the weights keep growing; LR scale 0.0625 at the end, final train loss ~167 vs 0.029 healthy",
-    "spike-then-diverge": "2x transient (skip) at steps 113/121, then 20x loss_function (skip, backoff every 3rd) "
-    "from step 127 until a rollback at 147 restores the step-100 snapshot, already diverged (finite, huge); "
-    "LR at its floor 0.01, final train loss ~1.7e7 vs 0.042 healthy",
-    "bn-poison": "diagnosed corrupt_state (not input_data): scaler_skip+rollback every epoch (steps 8/24/40/56), "
-    "the shard never quarantined; each rollback loses up to 50 steps: final train loss ~0.117 vs 0.024 healthy",
+    "fp16-explosion": "never rolled back: 12 incidents (steps 12-59), every one cause=half_precision_overflow, "
+    "actions scaler_skip (+ backoff every 3rd: LR scale 0.5 -> 0.0625), while the weights keep the growth they "
+    "already had; final train loss ~167 vs 0.029 healthy (val ~178 vs 0.034)",
+    "spike-then-diverge": "steps 56/60 transient (skip), then steps 66-86 cause=loss_function (skip; backoff every "
+    "3rd down to the 0.01 floor at step 84) until a rollback at step 86 restores the step-50 snapshot, which is "
+    "finite but already diverged; final train loss ~8e12 vs 0.027 healthy",
+    "bn-poison": "cause=corrupt_state at steps 8/24/40/56 (the shard's batch each epoch), actions scaler_skip + "
+    "rollback, each restoring the step-0 snapshot (init weights); the shard is never quarantined, so each epoch "
+    "starts over: final train loss ~0.117 vs 0.024 healthy (val 0.132 vs 0.044)",
 }
 CAUSE_XFAIL = {
-    "fp16-explosion": "every incident says half_precision_overflow (the GradScaler's overflow); none gradient_explosion",
-    "spike-then-diverge": "incidents say transient, then loss_function (MSE of finite, huge outputs overflows); "
-    "never gradient_explosion",
-    "eval-overflow": "FP32Evaluation's rerun incidents (trigger nonfinite_eval_output) have cause ''",
-    "eps-underflow": "OptimizerBackoff's preflight fix (trigger eps_underflow) has cause ''",
-    "bn-poison": "diagnosed corrupt_state (the buffers), not input_data (the shard that wrote them)",
+    "fp16-explosion": "every incident says half_precision_overflow (the GradScaler's overflow); none "
+    "gradient_explosion, although the loss grew geometrically before the first overflow",
+    "spike-then-diverge": "incidents say transient (2), then loss_function (21: 'every module output finite', the "
+    "MSE of huge outputs overflows); never gradient_explosion",
+    "eval-overflow": "FP32Evaluation's 8 rerun incidents (trigger nonfinite_eval_output) have cause ''",
+    "eps-underflow": "OptimizerBackoff's preflight fix (trigger eps_underflow, action fix) has cause ''",
+    "bn-poison": "diagnosed corrupt_state (the BatchNorm buffers), not input_data (the x1e5 shard that wrote them)",
     "corrupt-resume": "CheckpointGuard's fallback incident (trigger checkpoint_verification_failed) has cause ''",
 }
 TASKS = list(UNGUARDED)

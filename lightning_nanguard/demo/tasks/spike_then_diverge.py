@@ -7,8 +7,8 @@ from lightning_nanguard.demo.registry import Built, Task, register_task
 from lightning_nanguard.demo.tasks._data import mlp, teacher_regression
 
 WARMUP_STEPS = 40
-HEALTHY_PEAK = 0.1
-FAULTY_PEAK = 0.2
+HEALTHY_PEAK = 0.075
+FAULTY_PEAK = 0.3
 
 
 def _warmup(step: int) -> float:
@@ -27,7 +27,7 @@ def build(seed: int, healthy: bool, work_dir: str) -> Built:
 TASK = register_task(
     Task(
         name="spike-then-diverge",
-        description="SGD+momentum warmed up to 2x the stable learning rate (fp32): as the warmup crosses the "
+        description="SGD+momentum warmed up to 4x the stable learning rate (fp32): as the warmup crosses the "
         "stability edge the loss spikes, then the oscillation grows until it overflows",
         failure="loss spikes during warmup, then grows without bound to inf/NaN",
         causes=("gradient_explosion",),
