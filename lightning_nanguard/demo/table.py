@@ -66,7 +66,9 @@ def _ratio(value: float, ref: float) -> str:
 
 def format_table(grid: dict[str, list[RunResult]]) -> str:
     """The Markdown table of ``run_grid``'s results, then each preset run's incidents."""
-    lines = [
+    lines = [f"- **{name}** ({get_task(name).precision}): {get_task(name).description}" for name in grid]
+    lines += [
+        "",
         "| task | config | finished | train vs healthy | val vs healthy | incidents (by cause) | rollbacks "
         "| LR scale | wall vs healthy |",
         "|---|---|---|---|---|---|---|---|---|",
