@@ -41,9 +41,10 @@ class PowerFeatures(nn.Module):
 class OverflowNet(_Base):
     """Regression whose ``power`` layer overflows in fp16 on a batch at 1000x the usual input scale."""
 
-    def __init__(self, **kw: Any) -> None:
+    def __init__(self, bad_batches: tuple[int, ...] = (BAD_BATCH,), **kw: Any) -> None:
         x = _x()
-        x[BAD_BATCH * BATCH : (BAD_BATCH + 1) * BATCH] *= 1000.0  # a whole shard at another scale: not an outlier row
+        for b in bad_batches:
+            x[b * BATCH : (b + 1) * BATCH] *= 1000.0  # a whole shard at another scale: not an outlier row
         super().__init__(x, x[:, :1] * 0.5, **kw)
         self.encoder = nn.Linear(8, 16)
         self.power = PowerFeatures()

@@ -215,3 +215,16 @@ def test_manual_optimization_falls_back_to_cheap_evidence(tmp_path: Any) -> None
     [d] = _fit(tmp_path, ManualNet(), callbacks=[FaultInjector("grad", steps=[BAD_BATCH])])
     assert not d["replayed"]
     assert "manual optimization" in d["note"]
+
+
+def test_a_recurring_fp16_overflow_promotes_the_named_module(tmp_path: Any) -> None:
+    from lightning_nanguard import FP32Evaluation
+
+    model = OverflowNet(bad_batches=(1, 3))
+    fp32 = FP32Evaluation(promote_after=2)
+    trainer = make_trainer(tmp_path, "16-mixed", max_steps=5, callbacks=[fp32, GradNormMonitor()])
+    trainer.fit(model)
+    records = get_engine(trainer).sink.records
+    assert [(r.cause, r.diagnosis["module"]) for r in records] == [("half_precision_overflow", "power")] * 2
+    assert "promote" in records[1].actions
+    assert fp32.promoted == ["power"]
