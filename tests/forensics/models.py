@@ -27,7 +27,7 @@ class _Base(pl.LightningModule):
             return torch.optim.AdamW(self.parameters(), lr=self.lr, **self.opt_kw)
         return torch.optim.SGD(self.parameters(), lr=self.lr, **self.opt_kw)
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> DataLoader[Any]:
         return DataLoader(TensorDataset(self.x, self.y), batch_size=BATCH, shuffle=False)
 
 
@@ -103,12 +103,13 @@ class HandBCE(_Base):
             x[r] = x[r].abs() * 60.0  # saturates the sigmoid, ~60x the usual rows (well below the 1e3 outlier bar)
             y[r] = 1.0
         super().__init__(x, y, **kw)
-        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+        first = nn.Linear(8, 16)
+        self.body = nn.Sequential(first, nn.ReLU())
         self.head = nn.Linear(16, 1)
         self.prob = nn.Sigmoid()
         with torch.no_grad():
             self.head.weight.abs_()
-            self.body[0].weight.abs_()
+            first.weight.abs_()
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch

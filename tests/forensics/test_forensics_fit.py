@@ -186,7 +186,7 @@ class TiedHeadLM(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> DataLoader[Any]:
         data = torch.randint(0, 50, (32, 7), generator=torch.Generator().manual_seed(0))
         return DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=BATCH)
 

@@ -28,6 +28,11 @@ class Net(pl.LightningModule):
         return ((self.head(self.drop(self.norm(self.encoder(x)))).float() - y.float()) ** 2).mean()
 
 
+def _trainer(plugin: Any) -> Any:
+    """The only part of a Trainer a replay pass uses."""
+    return SimpleNamespace(precision_plugin=plugin)
+
+
 def _snapshot(m: nn.Module) -> dict[str, Any]:
     return {
         "params": {n: (p.detach().clone(), p.dtype, p.data_ptr()) for n, p in m.named_parameters()},
@@ -68,11 +73,12 @@ def test_replay_leaves_no_trace(plugin: Any, dtype: torch.dtype, float32: bool) 
     model.train()
     model.frozen.eval()  # a mixed-mode model: each module's mode is restored, not just the root's
     batch = (torch.randn(6, 4, dtype=dtype), torch.randn(6, 1))
-    model.training_step(batch, 0).backward()  # real gradients in .grad, as at the incident
-    model.norm.running_mean.fill_(0.5)
+    model.training_step(batch, 0).backward()  # type: ignore[no-untyped-call]  # real gradients in .grad
+    with torch.no_grad():
+        model.norm.running_mean.fill_(0.5)  # type: ignore[union-attr]
     before = _snapshot(model)
     with torch.no_grad():  # the caller's grad mode is restored too
-        result = run_pass(SimpleNamespace(precision_plugin=plugin), model, batch, 0, float32=float32, scale=1024.0)
+        result = run_pass(_trainer(plugin), model, batch, 0, float32=float32, scale=1024.0)
     assert result.error == ""
     assert not result.reproduced
     assert result.ms > 0
@@ -84,7 +90,7 @@ def test_replay_names_the_first_nonfinite_module_and_its_input_range() -> None:
     with torch.no_grad():
         model.encoder.weight[0, 0] = 1e38
     x = torch.full((4, 4), 10.0)
-    result = run_pass(SimpleNamespace(precision_plugin=Precision()), model, (x, torch.zeros(4, 1)), 0, float32=False)
+    result = run_pass(_trainer(Precision()), model, (x, torch.zeros(4, 1)), 0, float32=False)
     assert result.reproduced
     assert (result.first_module, result.first_kind) == ("encoder", "output")
     assert (result.input_min, result.input_max) == (10.0, 10.0)
@@ -109,7 +115,7 @@ def test_replay_names_the_module_whose_backward_goes_nonfinite() -> None:
     with torch.no_grad():
         model.lin.weight.zero_()
         model.lin.bias.zero_()
-    result = run_pass(SimpleNamespace(precision_plugin=Precision()), model, torch.ones(3, 2), 0, float32=False)
+    result = run_pass(_trainer(Precision()), model, torch.ones(3, 2), 0, float32=False)
     assert result.reproduced
     assert (result.loss_finite, result.outputs_finite, result.grads_finite) == (True, True, False)
     assert (result.first_module, result.first_kind) == ("norm", "gradient")
@@ -125,6 +131,6 @@ def test_a_replay_that_raises_is_reported_not_raised() -> None:
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             raise RuntimeError("needs the dataloader's side channel")
 
-    result = run_pass(SimpleNamespace(precision_plugin=Precision()), Broken(), torch.ones(1, 2), 0, float32=False)
+    result = run_pass(_trainer(Precision()), Broken(), torch.ones(1, 2), 0, float32=False)
     assert result.error == "RuntimeError: needs the dataloader's side channel"
     assert not result.reproduced

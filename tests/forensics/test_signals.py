@@ -27,7 +27,9 @@ def test_batch_rows_outliers_and_targets() -> None:
 
 def test_targets_come_from_a_label_key_not_integer_inputs() -> None:
     ids = torch.randint(0, 30000, (2, 5))
-    assert target_tensor({"input_ids": ids, "labels": torch.tensor([1, 0])}).tolist() == [1, 0]
+    labels = target_tensor({"input_ids": ids, "labels": torch.tensor([1, 0])})
+    assert labels is not None
+    assert labels.tolist() == [1, 0]
     assert target_tensor({"input_ids": ids}) is None
     assert read_batch({"input_ids": ids}, 2).target_rows == ()
 
