@@ -84,6 +84,7 @@ def _check_targets(engine: Engine, trainer: pl.Trainer, f: Findings, replays: tu
     size = next((r.hooked.out_size for r in replays if r.hooked is not None and r.hooked.out_size), None)
     if size is None:
         return f
+    f = dataclasses.replace(f, output_size=size)
     suspect = any(
         b.target_min is not None and b.target_max is not None and (b.target_min < 0 or b.target_max >= size)
         for b in f.batch

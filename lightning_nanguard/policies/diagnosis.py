@@ -123,6 +123,7 @@ class Findings:
     replay_ms: float | None = None
     replay_steps: float | None = None
     step_seconds: float = math.nan  # one training step's time, the slowest rank's (NaN: unknown)
+    output_size: int | None = None  # the model's output size as a replay saw it
     note: str = ""  # why no replay, or whose replay is reused
 
 
@@ -140,11 +141,16 @@ def needs_replay(f: Findings) -> bool:
 def classify(f: Findings) -> Diagnosis:
     """The diagnosis of one event (pure: the same ``Findings`` give the same ``Diagnosis`` on every rank)."""
     d = _cheap_cause(f) or _replay_cause(f) or _fallback(f)
+    evidence, hint = d.evidence, d.hint or HINTS[d.cause]
+    head = _head_oversized(f)
+    if head is not None:  # context for any cause, never a cause by itself: one batch's labels are not all labels
+        evidence = (*evidence, head)
+        hint = f"{hint}; {head.summary}: check num_classes"
     return Diagnosis(
         d.cause,
         where=d.where,
-        evidence=d.evidence,
-        hint=d.hint or HINTS[d.cause],
+        evidence=evidence,
+        hint=hint,
         ranks=d.ranks or f.ranks,
         module=d.module,
         rows=d.rows,
@@ -158,6 +164,26 @@ def classify(f: Findings) -> Diagnosis:
 
 
 # ---------------------------------------------------------------------------------------------- cheap evidence
+HEAD_RATIO = 10  # a head at least this many times the largest label in use (and >= HEAD_MIN outputs) is oversized
+HEAD_MIN = 100
+
+
+def _head_oversized(f: Findings) -> Evidence | None:
+    """The model's head is far larger than the labels in use (a 1000-class head on 10-class data)."""
+    size = f.output_size
+    labels = [b.target_max for b in f.batch if b.target_max is not None]
+    if size is None or not labels or size < HEAD_MIN:
+        return None
+    used = max(labels) + 1
+    if used * HEAD_RATIO > size:
+        return None
+    return Evidence(
+        EvidenceKind.HEAD_OVERSIZED,
+        f"the model has {size} outputs and the batch's labels use at most {used}",
+        {"output_size": size, "labels_used": used},
+    )
+
+
 def _rows_by_rank(f: Findings, attr: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     ranks = tuple(r for r, b in enumerate(f.batch) if getattr(b, attr))
     rows = tuple(sorted({i for b in f.batch for i in getattr(b, attr)}))

@@ -166,3 +166,15 @@ def test_diagnosis_is_json_ready_and_costed() -> None:
     assert d.replay_steps == pytest.approx(2.5)
     json.dumps(d.to_dict())
     assert replay_steps(1.0, float("nan")) is None
+
+
+def test_a_head_far_larger_than_the_labels_is_context_not_a_cause() -> None:
+    batch = (BatchFindings(target_min=0, target_max=9),)
+    replay = (_replay(PassResult(reproduced=True, loss_finite=False, grads_finite=False)),)
+    d = classify(Findings(BAD, batch=batch, replay=replay, output_size=1000))
+    assert d.cause is Cause.LOSS_FUNCTION  # decided by the replay; the head is context
+    assert d.evidence[-1].kind is EvidenceKind.HEAD_OVERSIZED
+    assert "1000 outputs and the batch's labels use at most 10" in d.hint
+    assert EvidenceKind.HEAD_OVERSIZED not in [
+        e.kind for e in classify(Findings(BAD, batch=batch, replay=replay, output_size=50)).evidence
+    ]
