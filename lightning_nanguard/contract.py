@@ -140,6 +140,8 @@ class Diagnosis:
         state_damaged: parameters, buffers or optimizer state are non-finite now (a rollback is needed).
         replayed: a replay ran; ``replay_ms`` its cost and ``replay_steps`` that cost as a multiple of one step.
         note: anything a reader must know (e.g. "replay skipped: gradient accumulation").
+        caused_by_data: the batch rows in ``rows`` caused a cause that is not itself a data cause (a forward on them
+            wrote non-finite BatchNorm statistics: ``corrupt_state``): quarantine them as well as restoring.
     """
 
     cause: Cause
@@ -156,6 +158,7 @@ class Diagnosis:
     replay_ms: float | None = None
     replay_steps: float | None = None
     note: str = ""
+    caused_by_data: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready values (for incident records)."""
@@ -173,6 +176,7 @@ class Diagnosis:
             "replay_ms": self.replay_ms,
             "replay_steps": self.replay_steps,
             "note": self.note,
+            "caused_by_data": self.caused_by_data,
             "evidence": [{"kind": e.kind.value, "summary": e.summary, **dict(e.values)} for e in self.evidence],
         }
 

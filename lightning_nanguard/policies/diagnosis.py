@@ -16,6 +16,7 @@ targets                      class targets < 0 or >= the output size the replay 
 input data                   a row ``1e3`` x larger than the batch's median row
 half-precision overflow      a GradScaler overflow with a finite loss (no replay needed: routine for 16-mixed)
 transient                    the replay (pre-update weights, same batch) was finite on every rank
+gradient explosion           the replay: every module output finite but one reached 1e15, the loss not (divergence)
 loss function                the replay reproduced a non-finite loss while every module output was finite
 half-precision overflow      the replay names a module under a half precision and the float32 replay is finite
 gradient explosion           the replay is non-finite in float32 too (divergence), module named
@@ -86,6 +87,8 @@ class PassResult:
     dtype: str = ""  # the first module's output dtype
     grad_params: tuple[str, ...] = ()  # parameters with non-finite gradients (the first few)
     out_size: int | None = None  # the last dim of the LightningModule's own forward output
+    max_abs_output: float = 0.0  # the largest finite |value| any module output held
+    max_abs_module: str = ""  # ... and the module that output it
     ms: float = 0.0
     error: str = ""  # the pass raised: the exception, in one line
 
@@ -160,10 +163,12 @@ def classify(f: Findings) -> Diagnosis:
         replay_ms=f.replay_ms,
         replay_steps=f.replay_steps,
         note="; ".join(x for x in (d.note, f.note) if x),
+        caused_by_data=d.caused_by_data,
     )
 
 
 # ---------------------------------------------------------------------------------------------- cheap evidence
+HUGE_OUTPUT = 1e15  # a finite activation this large is divergence (its square is within 1e8 of float32's max)
 HEAD_RATIO = 10  # a head at least this many times the largest label in use (and >= HEAD_MIN outputs) is oversized
 HEAD_MIN = 100
 
@@ -334,6 +339,7 @@ def _state_cause(f: Findings) -> Diagnosis:
         rows=rows,
         state_tensors=names,
         state_damaged=True,
+        caused_by_data=bool(rows),
     )
 
 
@@ -370,6 +376,23 @@ def _replay_cause(f: Findings) -> Diagnosis | None:
     ranks = tuple(r for r, _, _ in hits)
     rank, hooked, _ = hits[0]
     on = f" on rank {rank}" if len(f.replay) > 1 else ""
+    if not hooked.loss_finite and hooked.outputs_finite and hooked.max_abs_output >= HUGE_OUTPUT:
+        # Finite outputs so large that squaring them overflows: the model diverged, the loss only showed it.
+        size = f"{hooked.max_abs_output:.3g}"
+        return Diagnosis(
+            Cause.GRADIENT_EXPLOSION,
+            where=f"{hooked.max_abs_module}{on} (outputs up to {size}: the loss overflowed from their size)",
+            evidence=(
+                Evidence(
+                    EvidenceKind.REPLAY_LOSS_ONLY,
+                    f"every module output was finite but reached {size}, the loss was not finite",
+                    {"max_abs_output": hooked.max_abs_output, "module": hooked.max_abs_module},
+                ),
+                Evidence(EvidenceKind.HISTORY_RISING, f.history.summary()),
+            ),
+            ranks=ranks,
+            module=hooked.max_abs_module,
+        )
     if not hooked.loss_finite and hooked.outputs_finite:
         return Diagnosis(
             Cause.LOSS_FUNCTION,

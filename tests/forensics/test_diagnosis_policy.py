@@ -178,3 +178,14 @@ def test_a_head_far_larger_than_the_labels_is_context_not_a_cause() -> None:
     assert EvidenceKind.HEAD_OVERSIZED not in [
         e.kind for e in classify(Findings(BAD, batch=batch, replay=replay, output_size=50)).evidence
     ]
+
+
+def test_finite_but_huge_outputs_with_a_nonfinite_loss_are_divergence_not_the_loss() -> None:
+    huge = PassResult(
+        reproduced=True, loss_finite=False, grads_finite=False, max_abs_output=3e20, max_abs_module="head"
+    )
+    d = classify(Findings(BAD, batch=(BatchFindings(),), replay=(_replay(huge),)))
+    assert d.cause is Cause.GRADIENT_EXPLOSION
+    assert d.where == "head (outputs up to 3e+20: the loss overflowed from their size)"
+    small = PassResult(reproduced=True, loss_finite=False, grads_finite=False, max_abs_output=1.0)
+    assert classify(Findings(BAD, batch=(BatchFindings(),), replay=(_replay(small),))).cause is Cause.LOSS_FUNCTION

@@ -100,6 +100,7 @@ def test_batchnorm_statistics_poisoned_by_a_forward_are_corrupt_state(tmp_path: 
     assert d["where"].startswith("norm.running_var, written by the forward of norm on batch 2 rows [2]")
     assert d["rows"] == [2]
     assert "batch_magnitude" in _kinds(d)
+    assert d["caused_by_data"]  # the rows that wrote the statistics: quarantine them, not only restore
 
 
 def test_resumed_checkpoint_with_nan_weights_is_corrupt_state_loaded_from_file(tmp_path: Any) -> None:
