@@ -10,20 +10,72 @@ from lightning_nanguard.exceptions import UnsupportedSetupError
 from lightning_nanguard.policies.verdict import Action
 from lightning_nanguard.reporting.incidents import Incident
 
-__all__ = ["check_strategy_supported", "make_incident"]
+__all__ = ["check_strategy_supported", "make_incident", "refusal_reason"]
 
-_UNSUPPORTED = ("FSDPStrategy", "DeepSpeedStrategy", "ModelParallelStrategy", "XLAStrategy")
+# Why a strategy is refused, per strategy (its class name or a base's); ``"*"``: every callback.
+_REFUSED: dict[str, dict[str, str]] = {
+    "FSDPStrategy": {
+        "*": (
+            "FSDPStrategy (FSDP1) flattens parameters into FlatParameters and shards them outside DTensor, so neither "
+            "the per-parameter reading nor the snapshots can see which piece a rank holds; nanguard's sharded support "
+            "is built and tested for FSDP2 only, and FSDPStrategy cannot run on CPU to be tested here. Use "
+            "strategy=ModelParallelStrategy() with torch.distributed.fsdp.fully_shard in configure_model (FSDP2), "
+            "or strategy='ddp'"
+        ),
+    },
+    "DeepSpeedStrategy": {
+        "*": (
+            "DeepSpeed's engine owns the step: ZeRO partitions and reduces the gradients in its own buckets, keeps "
+            "its own loss scaler and decides its own overflow skips, so a reading or a skip in "
+            "on_before_optimizer_step does not reach it. Use ModelParallelStrategy with fully_shard (FSDP2), or "
+            "strategy='ddp'"
+        ),
+    },
+    "XLAStrategy": {
+        "*": (
+            "XLA tensors are lazy: the per-step host read would cut and compile the step's graph, and the fused "
+            "foreach kernels and collectives nanguard uses are untested on XLA. Train on GPU/CPU"
+        ),
+    },
+    "ModelParallelStrategy": {
+        "FP32Evaluation": (
+            "under ModelParallelStrategy the mixed-precision policy belongs to fully_shard(mp_policy=...), which "
+            "FP32Evaluation does not control (untested). Evaluate without it, or set the policy's param_dtype to "
+            "float32 for evaluation yourself"
+        ),
+        "CheckpointGuard": (
+            "ModelParallelStrategy saves distributed checkpoints (a directory of shard files) that CheckpointGuard "
+            "does not checksum or verify yet (docs/SHARDED.md). Remove the callback, or use "
+            "ModelParallelStrategy(save_distributed_checkpoint=False) without CheckpointGuard"
+        ),
+    },
+}
+
+
+def refusal_reason(strategy_names: set[str], owner: str) -> tuple[str, str] | None:
+    """``(strategy, why)`` if ``owner`` refuses one of ``strategy_names`` (a strategy's MRO class names)."""
+    for strategy in sorted(strategy_names.intersection(_REFUSED)):
+        reasons = _REFUSED[strategy]
+        why = reasons.get(owner, reasons.get("*"))
+        if why is not None:
+            return strategy, why
+    return None
 
 
 def check_strategy_supported(trainer: pl.Trainer, owner: str) -> None:
-    """Refuse sharded strategies: their gradients and optimizer state are sharded and their scalers are their own."""
-    names = {cls.__name__ for cls in type(trainer.strategy).__mro__}
-    hit = sorted(names.intersection(_UNSUPPORTED))
-    if hit:
-        raise UnsupportedSetupError(
-            f"{owner} does not support {hit[0]} yet: its gradients and optimizer state are sharded, so a local "
-            "reading would be wrong. Use strategy='ddp' (or single device), or remove the callback."
-        )
+    """Refuse a strategy ``owner`` does not support (docs/SHARDED.md has the table).
+
+    Single device and DDP are supported by every callback; ModelParallelStrategy (FSDP2 ``fully_shard``, DTensor
+    parameters) by GradNormMonitor, AutoRollback, OptimizerBackoff and LossScaleWatchdog (tested on 2 CPU ranks);
+    FSDPStrategy (FSDP1), DeepSpeedStrategy and XLAStrategy by none, each for the reason in its message.
+
+    Raises:
+        UnsupportedSetupError: ``owner`` does not support the Trainer's strategy.
+    """
+    hit = refusal_reason({cls.__name__ for cls in type(trainer.strategy).__mro__}, owner)
+    if hit is not None:
+        strategy, why = hit
+        raise UnsupportedSetupError(f"{owner} does not support {strategy}: {why}, or remove the callback.")
 
 
 def make_incident(

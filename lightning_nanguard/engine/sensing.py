@@ -14,6 +14,15 @@ Two ways the vector reaches the host:
   is handed to the optimizer (``found_inf``), which skips the update itself; the vector is copied into a host mirror
   (pinned memory, non-blocking) and read at the batch end, after the GradScaler's own read has synchronized it
   (or, for a fused optimizer alone, once its CUDA event has completed). Zero extra host reads per healthy step.
+
+**Sharded parameters** (``DTensor``: ModelParallelStrategy with FSDP2's ``fully_shard``, tensor parallelism): each
+rank holds different pieces of the gradients, so the vector carries *squared* norms instead, in float64:
+``[squared total, loss, scale, squared norm of each gradient...]``, where each rank's local squared norms are
+weighted by their share of the world (``signals/sharded.py``). The same single SUM all-reduce then gives the global
+squared norms (the square root is taken after it), the summed loss and scale (divided by the world size as under
+DDP), and, from the per-gradient entries, the global per-tensor norms behind the per-layer norms, still on the
+device. One host read of the head of the vector, as before; no gradient is gathered. Under plain DDP (no
+``DTensor``) the vector is exactly as above.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_nanguard import _distributed, _lightning_compat
-from lightning_nanguard.signals.gradients import GradNorms, ParamIndex, grad_norms
+from lightning_nanguard.signals.gradients import GradNorms, ParamIndex, grad_norms, weighted_squares
 
 __all__ = ["HostMirror", "Reading", "Sensor", "wrapper_prefixes"]
 
@@ -127,6 +136,7 @@ class Sensor:
 
     def __init__(self) -> None:
         self.layer_depth = 1
+        self.world_size = 1  # set per measurement: the shares of sharded parameters depend on it
         self._indexes: dict[int, ParamIndex] = {}
         self._positions: dict[int, int] = {}  # id(optimizer) -> index in trainer.optimizers
         self._mirrors: dict[int, HostMirror] = {}
@@ -159,7 +169,11 @@ class Sensor:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             names = {id(p): n for n, p in pl_module.named_parameters()}
             index = ParamIndex(
-                params, [names.get(id(p), "") for p in params], self.layer_depth, wrapper_prefixes(pl_module)
+                params,
+                [names.get(id(p), "") for p in params],
+                self.layer_depth,
+                wrapper_prefixes(pl_module),
+                world_size=self.world_size,
             )
             self._indexes[opt_idx] = index
         return index
@@ -198,13 +212,33 @@ class Sensor:
                 needs host values before the update, e.g. dropping a spike).
         """
         opt_idx = self.optimizer_index(trainer, optimizer)
+        self.world_size = trainer.world_size
         index = self.param_index(pl_module, optimizer, opt_idx)
         path = self.path(trainer, optimizer)
+        if index.sharded and path == "fused":
+            # A fused kernel over DTensors is handed no plain found_inf tensor: drop on the host (grads to None).
+            path = self._device_path[id(optimizer)] = "host"
         scaler = _lightning_compat.get_scaler(trainer) if path == "scaler" else None
         scale = _lightning_compat.scale_tensor(scaler) if scaler is not None else None
         # Fused optimizers under a GradScaler are not unscaled before this hook: their norm is divided here.
         fused_scaled = scale is not None and _lightning_compat.optimizer_handles_unscaling(optimizer)
         norms = grad_norms(index, scale=scale if fused_scaled else None)
+        if index.sharded:
+            return self._measure_sharded(
+                trainer,
+                pl_module,
+                optimizer,
+                index,
+                norms,
+                losses,
+                scaler,
+                scale,
+                path,
+                opt_idx,
+                step,
+                batch,
+                host_only,
+            )
         parts: list[Tensor] = []
         if norms is not None:
             parts.append(norms.total)
@@ -246,7 +280,74 @@ class Sensor:
         if mirror is None:
             mirror = self._mirrors[opt_idx] = HostMirror(4, vec.device)
         mirror.fill(vec)
-        reading.extras["pending"] = (mirror, vec.numel(), world, loss is not None, scale is not None)
+        reading.extras["pending"] = (mirror, vec.numel(), world, loss is not None, scale is not None, False)
+        return reading
+
+    def _measure_sharded(
+        self,
+        trainer: pl.Trainer,
+        pl_module: nn.Module,
+        optimizer: Optimizer,
+        index: ParamIndex,
+        norms: GradNorms | None,
+        losses: list[Tensor],
+        scaler: Any,
+        scale: Tensor | None,
+        path: str,
+        opt_idx: int,
+        step: int,
+        batch: int,
+        host_only: bool,
+    ) -> Reading:
+        """``measure`` for sharded gradients: squared norms in float64, one SUM all-reduce, sqrt afterwards."""
+        device = norms.total.device if norms is not None else _first_device(pl_module)
+        squares = weighted_squares(index, norms, device)
+        loss = _loss_sum(losses)
+        head = [squares.sum(), torch.zeros((), device=device) if loss is None else loss]
+        if scale is not None:
+            head.append(scale)
+        k = len(head)
+        local = torch.stack([h.to(device=device, dtype=torch.float64).reshape(()) for h in head])
+        vec = torch.cat([local, squares])
+        world = trainer.world_size
+        if world > 1:
+            vec = _distributed.sum_across_ranks(trainer, vec)
+        reduced: GradNorms | None = None
+        if norms is not None:
+            per_tensor = vec[k:].sqrt().float()
+            if norms.present is not None:
+                per_tensor = per_tensor.index_select(
+                    0, torch.tensor(norms.present, dtype=torch.long, device=per_tensor.device)
+                )
+            reduced = GradNorms(total=vec[0].sqrt().float(), tensor_norms=per_tensor, present=norms.present)
+        reading = Reading(
+            step=step,
+            optimizer_idx=opt_idx,
+            batch=batch,
+            grad_norm=math.nan,
+            loss=None,
+            scale=None,
+            has_grads=norms is not None,
+            norms=reduced,
+            index=index,
+            local=local,
+        )
+        reading.extras["path"] = path
+        head_vec = vec[:k]
+        if host_only or path == "host":
+            # The step's one host read: the head only; the per-tensor norms stay on the device.
+            self.fill(reading, head_vec.tolist(), world, loss is not None, scale is not None, squared=True)
+            return reading
+        bad = ~torch.isfinite(head_vec).all()
+        if path == "scaler":
+            _lightning_compat.or_into_found_inf(scaler, optimizer, bad)
+        else:  # pragma: no cover - measure() sends sharded fused optimizers down the host path
+            _lightning_compat.set_found_inf(optimizer, bad)
+        mirror = self._mirrors.get(opt_idx)
+        if mirror is None:
+            mirror = self._mirrors[opt_idx] = HostMirror(4, head_vec.device)
+        mirror.fill(head_vec)
+        reading.extras["pending"] = (mirror, k, world, loss is not None, scale is not None, True)
         return reading
 
     @staticmethod
@@ -255,14 +356,23 @@ class Sensor:
         pending = reading.extras.pop("pending", None)
         if pending is None:
             return False
-        mirror, n, world, has_loss, has_scale = pending
-        Sensor.fill(reading, mirror.values(n), world, has_loss, has_scale)
+        mirror, n, world, has_loss, has_scale, squared = pending
+        Sensor.fill(reading, mirror.values(n), world, has_loss, has_scale, squared=squared)
         reading.device_skipped = reading.bad
         return True
 
     @staticmethod
-    def fill(reading: Reading, values: list[float], world: int, has_loss: bool, has_scale: bool) -> None:
-        grad_norm, loss = values[0] / world, values[1] / world
+    def fill(
+        reading: Reading, values: list[float], world: int, has_loss: bool, has_scale: bool, *, squared: bool = False
+    ) -> None:
+        """Host values from the reduced vector. ``squared``: ``values[0]`` is the global squared norm (sharded)."""
+        if squared:
+            # Already global (shares weighted): no division by the world size. NaN stays NaN; +inf stays +inf.
+            values = [math.sqrt(values[0]) if values[0] >= 0 else math.nan, *values[1:]]
+            world_norm = 1
+        else:
+            world_norm = world
+        grad_norm, loss = values[0] / world_norm, values[1] / world
         scale = values[2] / world if has_scale else None
         if scale is not None and scale > 0 and math.isfinite(scale):
             loss = loss / scale  # on_before_backward saw the scaled loss

@@ -2,6 +2,10 @@
 
 One fused pass per (device, dtype) group and one host read; the verdict is reduced across ranks so every rank acts
 on it together. The names of the non-finite tensors are found only when the verdict is bad.
+
+Sharded tensors (``DTensor``: FSDP2, tensor parallelism) are checked through their local shards: each rank checks
+its own pieces and the reduction makes the verdict global, with no ``DTensor`` op (which could start a collective on
+one rank only).
 """
 
 from __future__ import annotations
@@ -14,13 +18,16 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_nanguard import _distributed
+from lightning_nanguard.signals.sharded import local_tensor
 from lightning_nanguard.signals.tensors import all_finite
 
 __all__ = ["model_finite", "nonfinite_names", "state_before_update"]
 
 
 def _model_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
-    return [(n, p) for n, p in module.named_parameters()] + [(n, b) for n, b in module.named_buffers()]
+    """Parameters then buffers by name, as this rank's local tensors (the local shard of a ``DTensor``)."""
+    named = [*module.named_parameters(), *module.named_buffers()]
+    return [(n, local_tensor(t)) for n, t in named]
 
 
 def model_finite(trainer: pl.Trainer, module: nn.Module, optimizers: Sequence[Optimizer] = ()) -> bool:
@@ -28,7 +35,7 @@ def model_finite(trainer: pl.Trainer, module: nn.Module, optimizers: Sequence[Op
     tensors = [t for _, t in _model_tensors(module)]
     for opt in optimizers:
         for state in opt.state.values():
-            tensors.extend(v for v in state.values() if isinstance(v, Tensor))
+            tensors.extend(local_tensor(v) for v in state.values() if isinstance(v, Tensor))
     local_bad = ~all_finite(tensors, wide=True)
     return not _distributed.any_rank(trainer, local_bad)
 
@@ -43,7 +50,7 @@ def nonfinite_names(module: nn.Module, optimizers: Sequence[Optimizer] = (), lim
     for i, opt in enumerate(optimizers):
         for p, state in opt.state.items():
             for k, v in state.items():
-                if isinstance(v, Tensor) and _bad(v):
+                if isinstance(v, Tensor) and _bad(local_tensor(v)):
                     out.append(f"optimizer{i}.{names.get(id(p), '?')}.{k}")
     return out[:limit] + ([f"... {len(out) - limit} more"] if len(out) > limit else [])
 

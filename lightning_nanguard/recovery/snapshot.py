@@ -9,6 +9,11 @@ cheaper and far steadier than ``clone``/``deepcopy``, which page-fault fresh mem
 live tensors, so nothing ever aliases a snapshot (``Optimizer.load_state_dict`` would). Lazily created optimizer
 state (before the first step) is handled: a restore removes state the snapshot did not have and recreates state it
 had.
+
+Sharded state (``DTensor`` parameters and optimizer state: FSDP2, tensor parallelism) is snapshotted as each rank's
+local shards, into buffers of the local shapes: each rank keeps its own pieces, nothing is gathered, and a restore
+copies them back into the same local storage (``to_local()`` is a view of it). Optimizer state that has to be
+recreated on restore is rebuilt as a ``DTensor`` of the recorded layout around the restored local tensor.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_nanguard.signals.sharded import dtensor_spec, from_local_like, local_tensor
 from lightning_nanguard.signals.tensors import all_finite
 
 __all__ = ["Snapshot", "SnapshotRing", "model_tensors"]
@@ -30,14 +36,19 @@ EntryKey = tuple[int, int, str]  # (optimizer index, parameter index within that
 
 
 def model_tensors(module: nn.Module) -> list[Tensor]:
-    """The module's parameters then buffers, deduplicated (tied weights once), in a stable order."""
-    return [p for _, p in module.named_parameters()] + [b for _, b in module.named_buffers()]
+    """The module's parameters then buffers, deduplicated (tied weights once), in a stable order; this rank's local
+    tensors (the local shard of a ``DTensor``, sharing its storage)."""
+    return [local_tensor(t) for t in (*module.parameters(), *module.buffers())]
 
 
-def _optimizer_entries(optimizers: Sequence[Optimizer]) -> tuple[list[EntryKey], list[Tensor], dict[EntryKey, Any]]:
+def _optimizer_entries(
+    optimizers: Sequence[Optimizer],
+) -> tuple[list[EntryKey], list[Tensor], dict[EntryKey, Any], dict[int, Any]]:
+    """The optimizers' tensor state (local tensors), the non-tensor state, and the layout of each DTensor entry."""
     keys: list[EntryKey] = []
     tensors: list[Tensor] = []
     extras: dict[EntryKey, Any] = {}
+    specs: dict[int, Any] = {}  # entry position -> DTensor layout (absent for plain tensors)
     for i, opt in enumerate(optimizers):
         for j, p in enumerate(p for group in opt.param_groups for p in group["params"]):
             state = opt.state.get(p)
@@ -45,11 +56,14 @@ def _optimizer_entries(optimizers: Sequence[Optimizer]) -> tuple[list[EntryKey],
                 continue
             for k, v in state.items():
                 if isinstance(v, Tensor):
+                    spec = dtensor_spec(v)
+                    if spec is not None:
+                        specs[len(tensors)] = spec
                     keys.append((i, j, k))
-                    tensors.append(v)
+                    tensors.append(local_tensor(v))
                 else:
                     extras[(i, j, k)] = copy.deepcopy(v)
-    return keys, tensors, extras
+    return keys, tensors, extras, specs
 
 
 def _signature(tensors: Sequence[Tensor]) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
@@ -68,6 +82,7 @@ class Snapshot:
     opt: list[Tensor] = field(default_factory=list)
     opt_devices: list[torch.device] = field(default_factory=list)
     opt_extras: dict[EntryKey, Any] = field(default_factory=dict)
+    opt_specs: dict[int, Any] = field(default_factory=dict)  # DTensor layout of sharded optimizer entries
     scale: float | None = None  # the GradScaler's scale at capture (restored only downward)
     _signature: tuple[Any, ...] = ()
 
@@ -128,7 +143,7 @@ class SnapshotRing:
         """Copy the live state into the oldest (or an empty) slot. The caller has verified the state is finite."""
         slot = min(self.slots, key=lambda s: (s.valid, s.step))
         model = model_tensors(module)
-        keys, opt, extras = _optimizer_entries(optimizers)
+        keys, opt, extras, specs = _optimizer_entries(optimizers)
         signature = (_signature(model), tuple(keys), _signature(opt))
         if signature != slot._signature:
             slot.valid = False
@@ -141,6 +156,7 @@ class SnapshotRing:
         slot.opt_keys = keys
         slot.opt_devices = [t.device for t in opt]
         slot.opt_extras = extras
+        slot.opt_specs = specs
         slot.step, slot.log_step, slot.scale = step, log_step, scale
         slot.valid = True
         return slot
@@ -174,11 +190,13 @@ class SnapshotRing:
                 for n in entries:
                     k, buf = snapshot.opt_keys[n][2], snapshot.opt[n]
                     live = state.get(k)
-                    if isinstance(live, Tensor) and live.shape == buf.shape and live.dtype == buf.dtype:
+                    live = local_tensor(live) if isinstance(live, Tensor) else None
+                    if live is not None and live.shape == buf.shape and live.dtype == buf.dtype:
                         dst.append(live)
                         src.append(buf)
                     else:
-                        state[k] = buf.to(device=snapshot.opt_devices[n], copy=True)
+                        restored = buf.to(device=snapshot.opt_devices[n], copy=True)
+                        state[k] = from_local_like(restored, snapshot.opt_specs.get(n))
                 for k, v in extra.items():
                     state[k] = copy.deepcopy(v)
         _copy(dst, src)

@@ -5,6 +5,10 @@ so that a large but finite fp16/bf16 gradient does not overflow to inf and read 
 NaN and inf, so a tensor holding either has a non-finite norm: finiteness and the total norm fall out of the same
 pass (PERFORMANCE.md, variant e/g: 1.3-1.7x one read of the gradients).
 
+Sharded parameters (``DTensor``: FSDP2, tensor parallelism) are read through their local shards, never as
+``DTensor``s (``signals/sharded.py``); ``weighted_squares`` gives each tensor's local squared norm weighted by its
+share of the world, so that one SUM all-reduce of them is the global squared norm, per tensor and in total.
+
 ``ParamIndex`` is built once per optimizer and reused every step, so the per-step work is one list of ``p.grad``
 and the kernels: the grouping by device and dtype, the names and the layer groups are computed once.
 """
@@ -18,7 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-__all__ = ["GradNorms", "ParamIndex", "grad_norms", "layer_norms", "layer_of"]
+from lightning_nanguard.signals.sharded import is_sharded, local_tensor, share_of
+
+__all__ = ["GradNorms", "ParamIndex", "grad_norms", "layer_norms", "layer_of", "weighted_squares"]
 
 
 @dataclass(frozen=True)
@@ -45,10 +51,21 @@ class ParamIndex:
         depth: module depth at which parameters are grouped into layers (``1``: top-level children).
         skip_wrappers: module prefixes that wrap the whole model (``"model"`` for ``self.model = nn.Sequential``):
             layers are grouped below them, so ``layer_grad_norm/model`` never just repeats the total.
+        world_size: the number of ranks, for the shares of sharded (``DTensor``) parameters.
+
+    Attributes:
+        sharded: some parameter is a ``DTensor``: gradients are read through their local shards and the step's
+            norms are global only after a SUM all-reduce of ``weighted_squares``.
     """
 
     def __init__(
-        self, params: Sequence[nn.Parameter], names: Sequence[str], depth: int, skip_wrappers: Sequence[str] = ()
+        self,
+        params: Sequence[nn.Parameter],
+        names: Sequence[str],
+        depth: int,
+        skip_wrappers: Sequence[str] = (),
+        *,
+        world_size: int = 1,
     ) -> None:
         self.params = list(params)
         self.names = list(names)
@@ -65,6 +82,17 @@ class ParamIndex:
         self.uniform = len(by_key) == 1
         self.key_groups = list(by_key.values())
         self.accumulate_fp32 = any(p.dtype not in (torch.float32, torch.float64) for p in self.params)
+        self.sharded = any(is_sharded(p) for p in self.params)
+        self.world_size = world_size
+        self._shares = [share_of(p, world_size) for p in self.params] if self.sharded else []
+        self._share_cache: dict[torch.device, Tensor] = {}
+
+    def shares(self, device: torch.device) -> Tensor:
+        """1-d float64: each parameter's share (``signals/sharded.share_of``), cached per device."""
+        cached = self._share_cache.get(device)
+        if cached is None:
+            cached = self._share_cache[device] = torch.tensor(self._shares, dtype=torch.float64, device=device)
+        return cached
 
     def layer_index(self, present: tuple[int, ...] | None, device: torch.device) -> Tensor:
         """The layer id of each present gradient, as a tensor cached per set of present parameters."""
@@ -114,6 +142,8 @@ def grad_norms(index: ParamIndex, scale: Tensor | None = None) -> GradNorms | No
         scale: divide the norms by this (0-d tensor), for gradients that are still loss-scaled.
     """
     grads = [p.grad for p in index.params]
+    if index.sharded:  # local shards only: a DTensor op could start a collective on this rank alone
+        grads = [None if g is None else local_tensor(g) for g in grads]
     if index.uniform and None not in grads:
         if not grads:
             return None
@@ -163,6 +193,27 @@ def layer_norms(index: ParamIndex, norms: GradNorms) -> tuple[list[str], Tensor]
     present = range(index.count) if norms.present is None else norms.present
     seen = sorted({index.layer_ids[i] for i in present})
     return [index.layer_names[k] for k in seen], squares[seen].sqrt()
+
+
+def weighted_squares(index: ParamIndex, norms: GradNorms | None, device: torch.device) -> Tensor:
+    """1-d float64 of ``index.count``: each gradient's local squared norm times its share, 0 where it has none.
+
+    Summed over ranks (one all-reduce), entry ``i`` is the global squared norm of gradient ``i`` and the sum of all
+    entries the global squared total norm (``signals/sharded.py``). Float64, so a squared norm never overflows where
+    the norm itself is finite. The layout does not depend on which gradients are present, so every rank's vector
+    has the same length.
+    """
+    out = torch.zeros(index.count, dtype=torch.float64, device=device)
+    if norms is None or index.count == 0:
+        return out
+    squares = norms.tensor_norms.to(device=device, dtype=torch.float64).square()
+    shares = index.shares(device) if index.sharded else None
+    if norms.present is None:
+        return squares * shares if shares is not None else squares
+    where = torch.tensor(norms.present, dtype=torch.long, device=device)
+    if shares is not None:
+        squares = squares * shares.index_select(0, where)
+    return out.index_copy_(0, where, squares)
 
 
 def _foreach_norm_fp32(tensors: list[Tensor]) -> Iterable[Tensor]:

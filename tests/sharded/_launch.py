@@ -1,0 +1,44 @@
+"""Run ``tests.sharded._worker`` (2 CPU ranks) in its own process group and read back what each rank wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_ranks(config: dict[str, Any], out_dir: str, timeout: float = 80.0) -> dict[str, Any]:
+    """Train with ``config`` on 2 ranks; ``{"ranks": [rank0.json, rank1.json], "params": {name: full tensor}}``.
+
+    A hung collective fails the test after ``timeout`` seconds: the whole process group (this worker and the rank it
+    launched) is killed, and the tail of its output is in the failure message.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "tests.sharded._worker", json.dumps(config), out_dir]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise AssertionError(f"2-rank run timed out after {timeout}s (a hung collective?):\n{output[-4000:]}") from None
+    if proc.returncode != 0:
+        raise AssertionError(f"2-rank run failed (exit {proc.returncode}):\n{output[-6000:]}")
+    ranks = []
+    for r in (0, 1):
+        with open(os.path.join(out_dir, f"rank{r}.json"), encoding="utf-8") as f:
+            ranks.append(json.load(f))
+    params = torch.load(os.path.join(out_dir, "params.pt"), weights_only=True)
+    return {"ranks": ranks, "params": params, "output": output}
