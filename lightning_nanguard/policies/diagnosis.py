@@ -14,6 +14,7 @@ gradient explosion           a spike or loss-scale collapse signal (the history 
 input data                   NaN/inf in an input row
 targets                      class targets < 0 or >= the output size the replay saw (ignore_index -100 excepted)
 input data                   a row ``1e3`` x larger than the batch's median row
+gradient explosion           a GradScaler overflow with a finite loss that was climbing (3x, rising 3 steps in a row)
 half-precision overflow      a GradScaler overflow with a finite loss (no replay needed: routine for 16-mixed)
 transient                    the replay (pre-update weights, same batch) was finite on every rank
 gradient explosion           the replay: every module output finite but one reached 1e15, the loss not (divergence)
@@ -262,6 +263,17 @@ def _cheap_cause(f: Findings) -> Diagnosis | None:
                 ranks=ranks,
                 rows=rows,
             )
+    if f.scaler_overflow and f.history.loss_rising:
+        # The overflows are the symptom: the loss itself was climbing into them.
+        scale = f"{f.scale:g}" if f.scale is not None else "?"
+        return Diagnosis(
+            Cause.GRADIENT_EXPLOSION,
+            where=f"gradients at loss scale {scale}, the loss climbing",
+            evidence=(
+                Evidence(EvidenceKind.HISTORY_RISING, f.history.summary()),
+                Evidence(EvidenceKind.LOSS_SCALE, f"the scaled gradients overflowed at loss scale {scale}"),
+            ),
+        )
     if f.scaler_overflow:
         scale = f"{f.scale:g}" if f.scale is not None else "?"
         return Diagnosis(

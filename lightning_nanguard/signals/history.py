@@ -28,8 +28,12 @@ class HistoryFindings:
         if not self.steps:
             return "no finite step recorded yet"
         norms = ", ".join(f"{g:.3g}" for g in self.grad_norms)
-        trend = "rising" if self.rising else "not rising"
-        return f"grad norm over the last {len(self.steps)} finite steps: {norms} ({trend})"
+        trend = "rising" if self.grad_norm_rising else "not rising"
+        text = f"grad norm over the last {len(self.steps)} finite steps: {norms} ({trend})"
+        losses = [v for v in self.losses if v is not None]
+        if losses:
+            text += f"; loss {', '.join(f'{v:.3g}' for v in losses)} ({'rising' if self.loss_rising else 'not rising'})"
+        return text
 
 
 def _rising(values: list[float], factor: float) -> bool:

@@ -189,3 +189,13 @@ def test_finite_but_huge_outputs_with_a_nonfinite_loss_are_divergence_not_the_lo
     assert d.where == "head (outputs up to 3e+20: the loss overflowed from their size)"
     small = PassResult(reproduced=True, loss_finite=False, grads_finite=False, max_abs_output=1.0)
     assert classify(Findings(BAD, batch=(BatchFindings(),), replay=(_replay(small),))).cause is Cause.LOSS_FUNCTION
+
+
+def test_scaler_overflows_into_a_climbing_loss_are_an_explosion() -> None:
+    climbing = read_history([(i, 1.0, 0.5 * 2.0**i) for i in range(6)])
+    assert climbing.loss_rising
+    f = Findings(Signal.NONFINITE_GRADS, scaler_overflow=True, scale=1024.0, history=climbing)
+    d = classify(f)
+    assert d.cause is Cause.GRADIENT_EXPLOSION
+    assert d.where == "gradients at loss scale 1024, the loss climbing"
+    assert "loss 0.5, 1, 2, 4, 8, 16 (rising)" in d.evidence[0].summary
