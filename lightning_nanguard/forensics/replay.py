@@ -250,6 +250,7 @@ def run_pass(
     start = time.perf_counter()
     handles: list[Any] = []
     loss_finite = grads_finite = True
+    max_abs_grad = 0.0
     bad_params: list[str] = []
     error = ""
     try:
@@ -274,8 +275,11 @@ def run_pass(
                     target = loss * scale if scale is not None and not float32 else loss
                     grads = torch.autograd.grad(target, [p for _, p in params], allow_unused=True)
                     present = [(name, g) for (name, _), g in zip(params, grads, strict=True) if g is not None]
-                    flags = _host_flags([_finite_flag([g]) for _, g in present])
-                    bad_params = [name for (name, _), ok in zip(present, flags, strict=True) if not ok]
+                    if present:
+                        table = torch.stack([_stats([g]).to(present[0][1].device) for _, g in present]).tolist()
+                        bad_params = [name for (name, _), (ok, _) in zip(present, table, strict=True) if not ok]
+                        unscale = scale if scale is not None and not float32 else 1.0
+                        max_abs_grad = max((big for ok, big in table if ok), default=0.0) / unscale
                     grads_finite = not bad_params
     except Exception as exc:  # a replay must never take training down with it
         error = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
@@ -305,6 +309,7 @@ def run_pass(
         grad_params=tuple(bad_params[:_GRAD_PARAMS_LISTED]),
         out_size=recorder.out_size,
         max_abs_output=max_abs,
+        max_abs_grad=max_abs_grad,
         max_abs_module=max_abs_module,
         ms=ms,
         error=error,

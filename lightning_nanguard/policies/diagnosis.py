@@ -16,6 +16,7 @@ targets                      class targets < 0 or >= the output size the replay 
 input data                   a row ``1e3`` x larger than the batch's median row
 gradient explosion           a GradScaler overflow with a finite loss that was climbing (3x, rising 3 steps in a row)
 half-precision overflow      a GradScaler overflow with a finite loss (no replay needed: routine for 16-mixed)
+gradient explosion           the replay was finite, but gradients or outputs reached 1e15 (a norm of them overflows)
 transient                    the replay (pre-update weights, same batch) was finite on every rank
 gradient explosion           the replay: every module output finite but one reached 1e15, the loss not (divergence)
 loss function                the replay reproduced a non-finite loss while every module output was finite
@@ -90,6 +91,7 @@ class PassResult:
     out_size: int | None = None  # the last dim of the LightningModule's own forward output
     max_abs_output: float = 0.0  # the largest finite |value| any module output held
     max_abs_module: str = ""  # ... and the module that output it
+    max_abs_grad: float = 0.0  # the largest finite |gradient| of any parameter (unscaled)
     ms: float = 0.0
     error: str = ""  # the pass raised: the exception, in one line
 
@@ -360,6 +362,10 @@ def _reproduced(f: Findings) -> list[tuple[int, PassResult, PassResult | None]]:
     return [(r, p.hooked, p.fp32) for r, p in enumerate(f.replay) if p.hooked is not None and p.hooked.reproduced]
 
 
+def _huge(p: PassResult) -> bool:
+    return p.max_abs_grad >= HUGE_OUTPUT or p.max_abs_output >= HUGE_OUTPUT
+
+
 def _range(p: PassResult) -> str:
     if p.input_min is None or p.input_max is None:
         return ""
@@ -374,6 +380,27 @@ def _replay_cause(f: Findings) -> Diagnosis | None:
     if errors:
         return None
     hits = _reproduced(f)
+    huge = [(r, p.hooked) for r, p in enumerate(f.replay) if p.hooked is not None and _huge(p.hooked)]
+    if not hits and huge:
+        # Everything finite, but so large that a norm or a square overflows (the step's grad norm did): divergence.
+        rank, p = huge[0]
+        on = f" on rank {rank}" if len(f.replay) > 1 else ""
+        top = max(p.max_abs_grad, p.max_abs_output)
+        return Diagnosis(
+            Cause.GRADIENT_EXPLOSION,
+            where=f"{p.max_abs_module or 'the model'}{on} (finite but huge: gradients up to {p.max_abs_grad:.3g}, "
+            f"outputs up to {p.max_abs_output:.3g})",
+            evidence=(
+                Evidence(
+                    EvidenceKind.REPLAY_FP32_NONFINITE,
+                    f"the replay's values are finite but reach {top:.3g}: their squares overflow float32",
+                    {"max_abs_grad": p.max_abs_grad, "max_abs_output": p.max_abs_output},
+                ),
+                Evidence(EvidenceKind.HISTORY_RISING, f.history.summary()),
+            ),
+            ranks=tuple(r for r, _ in huge),
+            module=p.max_abs_module,
+        )
     if not hits:
         return Diagnosis(
             Cause.TRANSIENT,

@@ -199,3 +199,10 @@ def test_scaler_overflows_into_a_climbing_loss_are_an_explosion() -> None:
     assert d.cause is Cause.GRADIENT_EXPLOSION
     assert d.where == "gradients at loss scale 1024, the loss climbing"
     assert "loss 0.5, 1, 2, 4, 8, 16 (rising)" in d.evidence[0].summary
+
+
+def test_a_finite_replay_with_huge_gradients_is_divergence_not_transient() -> None:
+    huge = PassResult(max_abs_grad=4e20, max_abs_output=1e3, max_abs_module="net.4")
+    d = classify(Findings(Signal.NONFINITE_GRADS, batch=(BatchFindings(),), replay=(_replay(huge),)))
+    assert d.cause is Cause.GRADIENT_EXPLOSION
+    assert d.where.startswith("net.4 (finite but huge: gradients up to 4e+20")
