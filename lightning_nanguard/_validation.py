@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Collection
 from typing import Any
 
@@ -20,7 +21,8 @@ def check_choice(owner: str, name: str, value: Any, choices: Collection[Any]) ->
 def check_int(owner: str, name: str, value: Any, *, minimum: int, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    # numbers.Integral: Python and numpy integers alike (a YAML or numpy-built config passes either).
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         kind = "an int" + (" or None" if allow_none else "")
         raise _fail(owner, name, value, f"must be {kind} >= {minimum}")
 

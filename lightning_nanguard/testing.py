@@ -11,7 +11,8 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+import numbers
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -68,9 +69,12 @@ class FaultInjector(Callback):
     ) -> None:
         owner = type(self).__name__
         check_choice(owner, "target", target, ("loss", "grad", "param", "input"))
-        step_list = [steps] if isinstance(steps, int) else list(steps)
-        for s in step_list:
-            check_int(owner, "steps", s, minimum=0)
+        step_list = _int_list(owner, "steps", steps)
+        rank_list = None if ranks is None else _int_list(owner, "ranks", ranks)
+        if param_name is not None and (not isinstance(param_name, str) or not param_name):
+            raise NanGuardConfigError(
+                f"{owner}(param_name={param_name!r}): must be a parameter name from named_parameters() or None."
+            )
         if isinstance(value, str):
             if value not in _VALUES:
                 raise NanGuardConfigError(f"{owner}(value={value!r}): must be 'nan', 'inf', '-inf' or a number.")
@@ -80,9 +84,9 @@ class FaultInjector(Callback):
         else:
             raise NanGuardConfigError(f"{owner}(value={value!r}): must be 'nan', 'inf', '-inf' or a number.")
         self.target: Target = target
-        self.steps = frozenset(step_list)
+        self.steps = frozenset(int(s) for s in step_list)
         self.value = number
-        self.ranks = None if ranks is None else frozenset([ranks] if isinstance(ranks, int) else ranks)
+        self.ranks = None if rank_list is None else frozenset(int(r) for r in rank_list)
         self.param_name = param_name
         self.injected: list[tuple[int, str, int]] = []
 
@@ -203,3 +207,16 @@ class HostReadCounter:
 def _host_buffer(tensor: Tensor) -> bool:
     base = tensor._base if tensor._base is not None else tensor
     return bool(getattr(base, "_nanguard_host", False))
+
+
+def _int_list(owner: str, name: str, value: Any) -> list[Any]:
+    """One int (Python or numpy) or an iterable of them, each >= 0 (a string is not an iterable of ints here)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        items: list[Any] = [value]
+    elif isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise NanGuardConfigError(f"{owner}({name}={value!r}): must be an int >= 0 or a list of them.")
+    else:
+        items = list(value)
+    for item in items:
+        check_int(owner, name, item, minimum=0)
+    return items

@@ -13,7 +13,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from typing_extensions import override
 
-from lightning_nanguard import _distributed
+from lightning_nanguard import _distributed, _lightning_compat
 from lightning_nanguard._validation import check_choice, check_int
 from lightning_nanguard.callbacks._common import check_strategy_supported, make_incident
 from lightning_nanguard.engine import get_engine
@@ -56,8 +56,10 @@ class FP32Evaluation(Callback):
     outputs or ``self.log``-ged values are non-finite; the float32 results replace the half-precision ones (what the
     step logged in the bad call is dropped, the re-run's values are logged instead), and each re-run is an incident
     (``"validation batch 3 overflowed in float16; finite in float32"``). A healthy evaluation costs one host read per
-    batch and no float32 work. Under DDP the re-run decision is reduced across ranks per batch (one all-reduce), so
-    every rank re-runs together and a step that logs with ``sync_dist=True`` cannot deadlock. Under ``16-true``/
+    batch and no float32 work. Under DDP each rank decides its re-runs alone (no collective per batch, so ranks with
+    different numbers of batches cannot deadlock; what a step logs is deferred and logged once per batch on every
+    rank, so ``sync_dist=True`` stays in step); the re-runs are gathered and recorded at the epoch end. A step that
+    runs collectives of its own (``self.all_gather``) must use ``mode="always"``. Under ``16-true``/
     ``bf16-true`` the batch reaches ``on_{validation,test}_batch_start`` in float32 (it is cast to the half dtype just
     for the first attempt). Limits: ``torchmetrics`` objects updated inside the step see both calls of a re-run batch
     (use ``mode="always"`` for such modules); a ``dataloader_iter`` step cannot be re-run (warned, left as is).
@@ -106,7 +108,7 @@ class FP32Evaluation(Callback):
         self._warned = False
         self._patches = AttributePatches()
         self._weights: Fp32Weights | None = None
-        self._epoch_reruns = 0
+        self._pending: list[tuple[str, int, bool]] = []  # this rank's re-runs of the evaluation epoch
 
     @property
     @override
@@ -207,7 +209,7 @@ class FP32Evaluation(Callback):
     # ------------------------------------------------------------------ patching
     def _begin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step_name: str) -> None:
         self._end()  # a previous evaluation that ended abnormally
-        self._epoch_reruns = 0
+        self._pending = []
         if self._kind == "none":
             return
         plugin = trainer.precision_plugin
@@ -261,13 +263,16 @@ class FP32Evaluation(Callback):
             except BaseException:
                 deferred.discard()
                 raise
-            local_bad = nonfinite_flag(output, deferred.values())
-            if not _distributed.any_rank(trainer, local_bad):  # the one host read (and all-reduce) per batch
+            # This rank decides alone (one host read, no collective): ranks may see different numbers of batches,
+            # and a per-batch collective would then wait forever. The logged values are deferred, so each rank
+            # still logs once per batch; the re-runs are gathered and recorded at the epoch end.
+            if not bool(nonfinite_flag(output, deferred.values())):
                 deferred.replay()
                 return output
             deferred.discard()  # the bad call's logged values must not reach Lightning's epoch accumulation
             output = self._fp32_call(plugin, step, args, kwargs)
-            self._record_rerun(trainer, step_name, args, kwargs, local_bad, output)
+            batch_idx = int(args[1]) if len(args) > 1 and isinstance(args[1], int) else int(kwargs.get("batch_idx", -1))
+            self._pending.append((_STAGES[step_name][0], batch_idx, not bool(nonfinite_flag(output))))
             return output
 
         return fp32_step
@@ -281,24 +286,36 @@ class FP32Evaluation(Callback):
             return self._weights.call(step, *args, **kwargs)
 
     # ------------------------------------------------------------------ reporting
+    def _epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.mode != "on_nonfinite" or self._kind == "none":
+            return
+        # Every rank reaches the epoch end, whatever its number of batches: the one collective of the evaluation.
+        pending, self._pending = self._pending, []
+        gathered = _distributed.all_gather_objects(trainer, pending)
+        reruns: dict[tuple[str, int], list[tuple[int, bool]]] = {}
+        for rank, part in enumerate(gathered):
+            for stage, batch_idx, fp32_finite in part:  # type: ignore[attr-defined]
+                reruns.setdefault((stage, batch_idx), []).append((rank, fp32_finite))
+        for (stage, batch_idx), where in sorted(reruns.items()):
+            self._record_rerun(trainer, stage, batch_idx, [r for r, _ in where], all(ok for _, ok in where))
+        self.fp32_reruns += len(reruns)
+        if trainer.sanity_checking:
+            return
+        # Identical on every rank (gathered); sync_dist with "max" keeps Lightning's DDP advice quiet.
+        pl_module.log(keys.EVAL_FP32_RERUNS, float(len(reruns)), reduce_fx="max", sync_dist=True)
+        if reruns:
+            stage = "test" if trainer.testing else "validation"
+            rank_zero_info(
+                f"FP32Evaluation re-ran {len(reruns)} {stage} batch(es) in float32 because they were non-finite "
+                f"in {str(self._half).replace('torch.', '')}; see the nanguard incidents. mode='always' avoids the "
+                "double work if this happens often."
+            )
+
     def _record_rerun(
-        self,
-        trainer: pl.Trainer,
-        step_name: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        local_bad: Any,
-        output: Any,
+        self, trainer: pl.Trainer, stage: str, batch_idx: int, ranks: list[int], fp32_finite: bool
     ) -> None:
-        # Incident path only: every rank re-ran this batch (the decision was reduced), so these collectives match.
-        self.fp32_reruns += 1
-        self._epoch_reruns += 1
-        stage = _STAGES[step_name][0]
-        batch_idx = int(args[1]) if len(args) > 1 and isinstance(args[1], int) else int(kwargs.get("batch_idx", -1))
-        still_bad = _distributed.any_rank(trainer, nonfinite_flag(output))
-        ranks = _distributed.bad_ranks(trainer, local_bad)
         half = str(self._half).replace("torch.", "")
-        if still_bad:
+        if not fp32_finite:
             message = (
                 f"{stage} batch {batch_idx} is non-finite in {half} and in float32 too: not a precision overflow. "
                 "Check this batch's data and the model's weights."
@@ -311,24 +328,12 @@ class FP32Evaluation(Callback):
             action=Action.RERUN,
             source=type(self).__name__,
             ranks=ranks,
-            values={"stage": stage, "eval_batch_idx": batch_idx, "fp32_finite": not still_bad},
+            values={"stage": stage, "eval_batch_idx": batch_idx, "fp32_finite": fp32_finite},
             message=message,
             batch_idx=batch_idx,
+            step=_lightning_compat.log_step(trainer),  # the step the evaluation's metrics are plotted at
         )
         get_engine(trainer).sink.record(trainer, incident)
-
-    def _epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.mode != "on_nonfinite" or self._kind == "none" or trainer.sanity_checking:
-            return
-        # Identical on every rank (the decisions were reduced); sync_dist with "max" keeps Lightning's DDP advice quiet.
-        pl_module.log(keys.EVAL_FP32_RERUNS, float(self._epoch_reruns), reduce_fx="max", sync_dist=True)
-        if self._epoch_reruns:
-            stage = "test" if trainer.testing else "validation"
-            rank_zero_info(
-                f"FP32Evaluation re-ran {self._epoch_reruns} {stage} batch(es) in float32 because they were non-finite "
-                f"in {str(self._half).replace('torch.', '')}; see the nanguard incidents. mode='always' avoids the "
-                "double work if this happens often."
-            )
 
     def _warn_once(self, message: str) -> None:
         if not self._warned:

@@ -6,6 +6,7 @@ from collections import deque
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
@@ -84,6 +85,11 @@ class LossScaleWatchdog(NanGuardCallback):
     ) -> None:
         owner = type(self).__name__
         check_float(owner, "min_scale", min_scale, low=0.0, low_inclusive=False, high=3.0e38)
+        if float(torch.tensor(float(min_scale), dtype=torch.float32)) <= 0.0:
+            raise NanGuardConfigError(
+                f"{owner}(min_scale={min_scale!r}): is 0.0 in float32 (the GradScaler's dtype), so no floor would "
+                "hold: must be at least 1.4e-45."
+            )
         check_float(owner, "max_scale", max_scale, low=0.0, low_inclusive=False, high=3.0e38, allow_none=True)
         if max_scale is not None and max_scale < min_scale:
             raise NanGuardConfigError(f"{owner}(max_scale={max_scale!r}): must be >= min_scale={min_scale!r} or None.")

@@ -205,8 +205,13 @@ class Engine:
         if self.restorer is not None:
             step = trainer.global_step
             if not self.restorer.before_batch(trainer, pl_module, step):
+                # Handled now, so that a restore lets this batch run on a good state.
                 self._events.append(PendingEvent(Signal.NONFINITE_STATE, []))
                 self._handle_events(trainer, pl_module)
+                if self.pending_error is not None:
+                    # Nothing could restore it: training stops after this batch, whose update is dropped without a
+                    # second incident for the same event.
+                    self._drop_reason = "stopping"
             if self.restorer.skip_batch():
                 self._drop_reason = self._drop_reason or "after_rollback"
 
@@ -325,6 +330,8 @@ class Engine:
             collapse = self.scale_watch.observe(trainer, reading)
         if reading.bad:
             self.skip_streak += 1
+            if self._drop_reason == "stopping":
+                return  # the stop this batch started with is the incident
             if collapse is not None:
                 self._events.append(PendingEvent(Signal.LOSS_SCALE_COLLAPSE, [reading], collapse))
             else:

@@ -90,12 +90,6 @@ def test_resumed_nan_checkpoint_with_nothing_to_restore_raises(tmp_path: pathlib
     assert not all_finite(model)  # what the error is about: the weights really are non-finite
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="two incidents for one event: the snapshot check at batch start records 'stop', then the same batch's "
-    "NaN step records 'skip, stop' again (summary: stop=2)",
-)
 def test_resumed_nan_checkpoint_on_a_snapshot_step_is_one_incident(tmp_path: pathlib.Path) -> None:
     bad = save_nan_checkpoint(tmp_path)
     trainer = make_trainer(tmp_path / "resume", callbacks=[AutoRollback(every_n_steps=4)], max_steps=20)

@@ -17,7 +17,6 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
-from torch.multiprocessing.spawn import ProcessRaisedException
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import (
@@ -218,19 +217,7 @@ class UnevenValidation(TinyModel):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "mode",
-    [
-        "always",
-        pytest.param(
-            "on_nonfinite",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=ProcessRaisedException,
-                reason="FP32Evaluation('on_nonfinite') all-reduces its re-run decision after every evaluation "
-                "batch: with uneven per-rank batch counts rank 0's last batch waits for a partner (deadlock; "
-                "here a gloo timeout)",
-            ),
-        ),
-    ],
+    ["always", "on_nonfinite"],
 )
 def test_fp32_evaluation_with_uneven_ddp_validation_finishes(
     tmp_path: pathlib.Path, mode: Literal["always", "on_nonfinite"]
