@@ -52,6 +52,7 @@ class ShardedMLP(pl.LightningModule):
             return
         from torch.distributed.fsdp import fully_shard
 
+        assert self.device_mesh is not None
         mesh = self.device_mesh["data_parallel"]
         for layer in self.body:
             if isinstance(layer, nn.Linear):
@@ -70,7 +71,7 @@ class ShardedMLP(pl.LightningModule):
             return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
         return torch.optim.AdamW(self.parameters(), lr=0.02)
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> DataLoader[Any]:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(128, 8, generator=g)
         y = torch.cat([x[:, :1] * 0.5 - x[:, 1:2], x[:, 2:3].tanh()], dim=1)
@@ -123,6 +124,7 @@ class Record(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
         reading = get_engine(trainer).last_reading
         row: dict[str, Any] = {"step": trainer.global_step - 1, "reference": self._reference}
+        row["lr"] = float(trainer.optimizers[0].param_groups[0]["lr"])
         if reading is not None:
             row.update(grad_norm=reading.grad_norm, loss=reading.loss, dropped=reading.dropped)
             if reading.norms is not None:

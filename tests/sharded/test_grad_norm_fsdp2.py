@@ -35,4 +35,3 @@ def test_grad_norm_equals_the_full_tensor_norm_and_a_ddp_run(tmp_path: Any) -> N
         assert _close(row["grad_norm"], ref_row["grad_norm"], rel=1e-4)
         assert _close(row["loss"], ref_row["loss"], rel=1e-4)
         assert all(_close(row["layers"][n], v, rel=1e-4) for n, v in ref_row["layers"].items())
-

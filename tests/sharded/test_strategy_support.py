@@ -1,0 +1,60 @@
+"""Which callback runs under which strategy: the table in docs/SHARDED.md, held by test."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from lightning_nanguard import (
+    AutoRollback,
+    CheckpointGuard,
+    FP32Evaluation,
+    GradNormMonitor,
+    LossScaleWatchdog,
+    OptimizerBackoff,
+)
+from lightning_nanguard.callbacks._common import check_strategy_supported
+from lightning_nanguard.exceptions import UnsupportedSetupError
+
+pytestmark = pytest.mark.distributed
+
+CALLBACKS = [GradNormMonitor, AutoRollback, OptimizerBackoff, LossScaleWatchdog, FP32Evaluation, CheckpointGuard]
+TESTED_UNDER_FSDP2 = {"GradNormMonitor", "AutoRollback", "OptimizerBackoff", "LossScaleWatchdog"}
+
+
+def _trainer_with(strategy_name: str) -> SimpleNamespace:
+    """A stand-in Trainer whose strategy's class has ``strategy_name`` (FSDP1, DeepSpeed and XLA cannot be built on
+    this CPU-only machine; the check reads only the class names)."""
+    strategy_cls = type(strategy_name, (), {})
+    return SimpleNamespace(strategy=strategy_cls())
+
+
+@pytest.mark.parametrize("callback", CALLBACKS, ids=lambda c: c.__name__)
+def test_model_parallel_is_allowed_exactly_where_tested(callback: type) -> None:
+    trainer = _trainer_with("ModelParallelStrategy")
+    if callback.__name__ in TESTED_UNDER_FSDP2:
+        check_strategy_supported(trainer, callback.__name__)  # type: ignore[arg-type]
+    else:
+        with pytest.raises(UnsupportedSetupError, match=rf"{callback.__name__} does not support ModelParallelStrategy"):
+            check_strategy_supported(trainer, callback.__name__)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "reason"),
+    [
+        ("FSDPStrategy", "FlatParameters.*ModelParallelStrategy"),
+        ("DeepSpeedStrategy", "DeepSpeed's engine owns the step"),
+        ("XLAStrategy", "XLA tensors are lazy"),
+    ],
+)
+@pytest.mark.parametrize("callback", CALLBACKS, ids=lambda c: c.__name__)
+def test_untested_strategies_are_refused_with_their_reason(callback: type, strategy: str, reason: str) -> None:
+    with pytest.raises(UnsupportedSetupError, match=rf"{callback.__name__} does not support {strategy}: .*{reason}"):
+        check_strategy_supported(_trainer_with(strategy), callback.__name__)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("strategy", ["SingleDeviceStrategy", "DDPStrategy"])
+@pytest.mark.parametrize("callback", CALLBACKS, ids=lambda c: c.__name__)
+def test_single_device_and_ddp_are_allowed(callback: type, strategy: str) -> None:
+    check_strategy_supported(_trainer_with(strategy), callback.__name__)  # type: ignore[arg-type]
