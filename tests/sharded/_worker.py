@@ -7,7 +7,7 @@ tensor reference norms) and rank 0 writes ``params.pt`` (every parameter as a fu
 Config keys: ``strategy`` ("fsdp2" | "ddp"), ``max_steps``, ``fault`` (FaultInjector kwargs or null), ``monitor``
 (GradNormMonitor kwargs or null), ``rollback`` (AutoRollback kwargs or null), ``backoff`` (OptimizerBackoff kwargs
 or null), ``watchdog`` (bool: add a LossScaleWatchdog), ``drop_steps`` (updates dropped on every rank by the test
-itself: the reference for a skip), ``optimizer`` ("adamw" | "sgd").
+itself: the reference for a skip), ``optimizer`` ("adamw" | "adamw_fused" | "sgd").
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class ShardedMLP(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         if self.optimizer_name == "sgd":
             return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-        return torch.optim.AdamW(self.parameters(), lr=0.02)
+        return torch.optim.AdamW(self.parameters(), lr=0.02, fused=self.optimizer_name == "adamw_fused")
 
     def train_dataloader(self) -> DataLoader[Any]:
         g = torch.Generator().manual_seed(0)

@@ -13,7 +13,7 @@ from tests.sharded._launch import run_ranks
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused", "sgd"])
 def test_nan_in_rank1_shard_is_skipped_on_both_ranks(tmp_path: Any, optimizer: str) -> None:
     steps = 5
     fault = {"target": "grad", "steps": [2], "ranks": [1]}  # rank 1's local shard of body.0.weight only
