@@ -159,6 +159,7 @@ class Diagnosis:
     replay_steps: float | None = None
     note: str = ""
     caused_by_data: bool = False
+    rank_rows: tuple[tuple[int, ...], ...] = ()  # the implicated rows on each rank (index = rank), under DDP
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready values (for incident records)."""

@@ -10,6 +10,7 @@ incident path (``incidents.handle``), which runs on every rank with rank-reduced
 from __future__ import annotations
 
 import math
+import time
 import weakref
 from collections import deque
 from typing import Any
@@ -100,7 +101,8 @@ class Engine:
         self.module_overflows: dict[str, int] = {}
         self.diagnoses: dict[tuple[Any, ...], Any] = {}  # forensics "first": verdict per evidence signature
         self.replay_ms = 0.0
-        self.step_seconds = math.nan
+        self.step_seconds = math.nan  # moving average of a healthy batch's wall time
+        self._batch_began = 0.0
         self._host_only = False
 
     # ------------------------------------------------------------------ membership
@@ -199,6 +201,7 @@ class Engine:
 
     def batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch, self._batch_idx = batch, batch_idx
+        self._batch_began = time.perf_counter()
         self._drop_reason = ""
         if self.quarantine is not None and self.quarantine.begin_batch(batch):
             self._drop_reason = "quarantined"
@@ -271,6 +274,10 @@ class Engine:
             self._account(trainer, reading)
         if self._events:
             self._handle_events(trainer, pl_module)
+        elif self._batch_began:
+            # A healthy batch's wall time (host clock only): forensics bounds a replay by it (max_replay_steps).
+            took = time.perf_counter() - self._batch_began
+            self.step_seconds = took if math.isnan(self.step_seconds) else 0.9 * self.step_seconds + 0.1 * took
         if self.scale_watch is not None:
             self.scale_watch.after_step(trainer)
         if _lightning_compat.should_update_logs(trainer):

@@ -157,7 +157,12 @@ def _act(
         value = engine.guard.on_spike if setting == "on_spike" else engine.guard.on_nonfinite
         details[Action.WARN] = f"let the update through ({setting}={value!r})"
     if Action.QUARANTINE in acts and engine.quarantine is not None:
-        details[Action.QUARANTINE] = engine.quarantine.add(trainer, engine.batch, diagnosis.rows, step)
+        rank = trainer.global_rank
+        rows, take = diagnosis.rows, not diagnosis.ranks or rank in diagnosis.ranks
+        if diagnosis.rank_rows and rank < len(diagnosis.rank_rows):
+            rows = diagnosis.rank_rows[rank]  # this rank's own rows: row 3 of another rank is another sample
+            take = bool(rows)
+        details[Action.QUARANTINE] = engine.quarantine.add(trainer, engine.batch, rows, step, take=take)
     if Action.ROLLBACK in acts and engine.restorer is not None:
         restored = engine.restorer.restore(trainer, pl_module, step)
         if restored is None:
@@ -237,6 +242,7 @@ def _remedy_facts(engine: Engine, trainer: pl.Trainer, facts: EventFacts, diagno
         cause=diagnosis.cause,
         installed=installed,
         state_damaged=not facts.state_ok,
+        caused_by_data=diagnosis.caused_by_data,
         has_update=bool(facts.readings),
         scaler_dropped=scaler_dropped,
         on_nonfinite=guard.on_nonfinite if guard is not None else "skip",

@@ -30,7 +30,7 @@ unknown                      nothing above
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lightning_nanguard.contract import Cause, Diagnosis, Evidence, EvidenceKind, Signal
 from lightning_nanguard.signals.batch import BatchFindings
@@ -147,6 +147,7 @@ def needs_replay(f: Findings) -> bool:
 def classify(f: Findings) -> Diagnosis:
     """The diagnosis of one event (pure: the same ``Findings`` give the same ``Diagnosis`` on every rank)."""
     d = _cheap_cause(f) or _replay_cause(f) or _fallback(f)
+    d = _with_magnitude_rows(f, d)
     evidence, hint = d.evidence, d.hint or HINTS[d.cause]
     head = _head_oversized(f)
     if head is not None:  # context for any cause, never a cause by itself: one batch's labels are not all labels
@@ -167,6 +168,31 @@ def classify(f: Findings) -> Diagnosis:
         replay_steps=f.replay_steps,
         note="; ".join(x for x in (d.note, f.note) if x),
         caused_by_data=d.caused_by_data,
+        rank_rows=_rank_rows(f, d.rows),
+    )
+
+
+def _rank_rows(f: Findings, rows: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """Each rank's own implicated rows (row numbers repeat across ranks, the samples behind them do not)."""
+    if len(f.batch) <= 1 or not rows:
+        return ()
+    wanted = set(rows)
+    return tuple(tuple(sorted(wanted & {*b.nonfinite_rows, *b.magnitude_rows, *b.target_rows})) for b in f.batch)
+
+
+def _with_magnitude_rows(f: Findings, d: Diagnosis) -> Diagnosis:
+    """Half precision: outsized rows are the trigger of an overflow that is finite in float32 (kept as evidence), and
+    the cause when they make the step non-finite in float32 too."""
+    if not f.half_precision:
+        return d
+    found = next((e for e in _cheap_evidence(f) if e.kind is EvidenceKind.BATCH_MAGNITUDE), None)
+    if found is None or d.cause in (Cause.CORRUPT_STATE, Cause.INPUT_DATA, Cause.TARGETS, Cause.OPTIMIZER_NUMERICS):
+        return d
+    ranks, rows = _rows_by_rank(f, "magnitude_rows")
+    if d.cause is Cause.HALF_PRECISION_OVERFLOW:
+        return replace(d, evidence=(*d.evidence, found), rows=rows)
+    return Diagnosis(
+        Cause.INPUT_DATA, where=_at(f, ranks, rows), evidence=(found, *d.evidence), ranks=ranks, rows=rows, note=d.note
     )
 
 
@@ -251,6 +277,9 @@ def _cheap_cause(f: Findings) -> Diagnosis | None:
         (EvidenceKind.TARGETS_OUT_OF_RANGE, Cause.TARGETS),
         (EvidenceKind.BATCH_MAGNITUDE, Cause.INPUT_DATA),
     ):
+        # Under half precision a large-but-finite row may only overflow the half dtype: the replay decides.
+        if kind is EvidenceKind.BATCH_MAGNITUDE and f.half_precision:
+            continue
         if kind in kinds:
             attr = {
                 EvidenceKind.BATCH_NONFINITE: "nonfinite_rows",
@@ -440,9 +469,20 @@ def _replay_cause(f: Findings) -> Diagnosis | None:
             ranks=ranks,
         )
     module = hooked.first_module or "?"
+    inputs_bad = any(v is not None and not math.isfinite(v) for v in (hooked.input_min, hooked.input_max))
+    child = module
+    summary = f"the first non-finite {hooked.first_kind or 'value'} was {module}'s{on} ({hooked.dtype}){_range(hooked)}"
+    if inputs_bad and hooked.first_kind == "output" and module != "?":
+        # Its input was already non-finite: the overflow happened in the parent's own forward code (an op between
+        # submodules, e.g. `self.proj(h * 300)`), so the parent is the module to name (and to run in float32).
+        module = module.rsplit(".", 1)[0] if "." in module else ""
+        summary = (
+            f"the first non-finite output was {child}'s{on} ({hooked.dtype}), whose input was already non-finite"
+            f"{_range(hooked)}: {module or 'the LightningModule'}'s own forward overflowed before calling it"
+        )
     first = Evidence(
         EvidenceKind.REPLAY_FIRST_MODULE,
-        f"the first non-finite {hooked.first_kind or 'value'} was {module}'s{on} ({hooked.dtype}){_range(hooked)}",
+        summary,
         {
             "module": module,
             "first_kind": hooked.first_kind,
@@ -454,9 +494,10 @@ def _replay_cause(f: Findings) -> Diagnosis | None:
     )
     fp32_results = [x for _, _, x in hits if x is not None]
     if f.half_precision and fp32_results and not any(x.reproduced for x in fp32_results):
+        inside = f" (its own forward, before {child})" if child != module else ""
         return Diagnosis(
             Cause.HALF_PRECISION_OVERFLOW,
-            where=f"{module}{on} (finite in float32)",
+            where=f"{module or '<the LightningModule>'}{inside}{on} (finite in float32)",
             evidence=(
                 first,
                 Evidence(EvidenceKind.REPLAY_FP32_FINITE, "the same batch is finite in float32", {"module": module}),

@@ -8,7 +8,8 @@ cause / state                                  actions
 routine GradScaler overflow (16-mixed,          ``scaler_skip``: the scaler dropped the update and lowered its scale
 loss finite, state intact)
 input data / targets, state intact             ``skip`` + ``quarantine`` (the data is skipped when it comes back)
-input data / targets, state damaged            ``skip`` + ``quarantine`` + ``rollback`` (e.g. BatchNorm statistics)
+input data / targets, state damaged            ``skip`` + ``quarantine`` + ``rollback``
+corrupt state written by a batch's forward     ``skip`` + ``quarantine`` + ``rollback`` (e.g. BatchNorm statistics)
 transient, state intact                        ``skip``
 corrupt state                                  ``skip`` + ``rollback``
 optimizer numerics (e.g. eps underflow)        ``skip`` + ``eps_backoff`` (+ ``rollback`` if damaged)
@@ -58,6 +59,7 @@ class RemedyFacts:
     cause: Cause
     installed: Installed
     state_damaged: bool = False
+    caused_by_data: bool = False  # the diagnosis names batch rows that caused a non-data cause (a poisoned buffer)
     has_update: bool = True  # a step's update is at stake (False: a snapshot check or the end-of-fit check)
     scaler_dropped: bool = False  # the GradScaler skipped this update itself (16-mixed, non-finite gradients)
     on_nonfinite: str = "skip"  # GradNormMonitor's choice: "skip" | "warn" | "stop"
@@ -96,9 +98,10 @@ def plan_remedy(f: RemedyFacts) -> Plan:
     acts: list[Action] = [] if drop is Action.NONE else [drop]
     reason = _CAUSE_REASONS.get(f.cause, "")
     cause = f.cause
+    if (cause.data_caused or f.caused_by_data) and ins.quarantine:
+        acts.append(Action.QUARANTINE)  # the data that did it is skipped when it comes back
     if cause.data_caused:
-        if ins.quarantine:
-            acts.append(Action.QUARANTINE)
+        pass
     elif cause is Cause.OPTIMIZER_NUMERICS:
         if ins.eps_backoff:
             acts.append(Action.EPS_BACKOFF)

@@ -152,10 +152,13 @@ class Quarantine:
         return False
 
     # ------------------------------------------------------------------ incident path
-    def add(self, trainer: pl.Trainer, batch: Any, rows: Sequence[int], step: int) -> str:
-        """Quarantine the rows of the current batch (or the batch). A collective: every rank calls it."""
+    def add(self, trainer: pl.Trainer, batch: Any, rows: Sequence[int], step: int, *, take: bool = True) -> str:
+        """Quarantine the rows of the current batch (all of it when ``rows`` is empty); ``take=False``: nothing from
+        this rank. A collective: every rank calls it, and every rank ends with the same quarantine."""
         local: dict[str, Any] = {"samples": [], "fingerprint": ""}
-        if self.current is not None:
+        if not take:
+            pass
+        elif self.current is not None:
             picked = [self.current[r] for r in rows if 0 <= r < len(self.current)] if rows else list(self.current)
             local["samples"] = picked
         elif batch is not None:

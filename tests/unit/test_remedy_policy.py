@@ -93,3 +93,12 @@ def test_the_rollback_budget_stops_after_restoring() -> None:
 def test_warn_lets_the_update_through() -> None:
     p = plan_remedy(RemedyFacts(NAN, Cause.UNKNOWN, Installed(), on_nonfinite="warn"))
     assert p.actions == (Action.WARN,)
+
+
+def test_a_state_poisoned_by_a_batch_is_rolled_back_and_the_batch_quarantined() -> None:
+    assert plan(cause=Cause.CORRUPT_STATE, state_damaged=True, caused_by_data=True) == (
+        Action.SKIP,
+        Action.QUARANTINE,
+        Action.ROLLBACK,
+    )
+    assert plan(cause=Cause.CORRUPT_STATE, state_damaged=True) == (Action.SKIP, Action.ROLLBACK)
