@@ -14,19 +14,23 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def run_ranks(config: dict[str, Any], out_dir: str, timeout: float = 80.0) -> dict[str, Any]:
-    """Train with ``config`` on 2 ranks; ``{"ranks": [rank0.json, rank1.json], "params": {name: full tensor}}``.
+def run_module(module: str, args: list[str], timeout: float) -> str:
+    """``python -m module *args`` from the repository root in its own process group; its output.
 
-    A hung collective fails the test after ``timeout`` seconds: the whole process group (this worker and the rank it
+    A hung collective fails the test after ``timeout`` seconds: the whole process group (the module and the ranks it
     launched) is killed, and the tail of its output is in the failure message.
     """
-    os.makedirs(out_dir, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "tests.sharded._worker", json.dumps(config), out_dir]
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        text=True,
     )
     try:
         output, _ = proc.communicate(timeout=timeout)
@@ -36,6 +40,14 @@ def run_ranks(config: dict[str, Any], out_dir: str, timeout: float = 80.0) -> di
         raise AssertionError(f"2-rank run timed out after {timeout}s (a hung collective?):\n{output[-4000:]}") from None
     if proc.returncode != 0:
         raise AssertionError(f"2-rank run failed (exit {proc.returncode}):\n{output[-6000:]}")
+    return output
+
+
+def run_ranks(config: dict[str, Any], out_dir: str, timeout: float = 80.0) -> dict[str, Any]:
+    """Train with ``config`` on 2 ranks (``tests.sharded._worker``); what each rank wrote:
+    ``{"ranks": [rank0.json, rank1.json], "params": {name: full tensor}, "output": str}``."""
+    os.makedirs(out_dir, exist_ok=True)
+    output = run_module("tests.sharded._worker", [json.dumps(config), out_dir], timeout)
     ranks = []
     for r in (0, 1):
         with open(os.path.join(out_dir, f"rank{r}.json"), encoding="utf-8") as f:
