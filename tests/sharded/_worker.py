@@ -7,7 +7,7 @@ tensor reference norms) and rank 0 writes ``params.pt`` (every parameter as a fu
 Config keys: ``strategy`` ("fsdp2" | "ddp"), ``max_steps``, ``fault`` (FaultInjector kwargs or null), ``monitor``
 (GradNormMonitor kwargs or null), ``rollback`` (AutoRollback kwargs or null), ``backoff`` (OptimizerBackoff kwargs
 or null), ``watchdog`` (bool: add a LossScaleWatchdog), ``drop_steps`` (updates dropped on every rank by the test
-itself: the reference for a skip), ``optimizer`` ("adamw" | "adamw_fused" | "sgd").
+itself: the reference for a skip), ``optimizer`` ("adamw" | "adamw_fused" | "sgd"), ``precision`` (a Trainer precision; default "32-true").
 """
 
 from __future__ import annotations
@@ -181,6 +181,7 @@ def main(config: dict[str, Any], out_dir: str) -> None:
         devices=2,
         strategy=strategy,
         max_steps=int(config.get("max_steps", 6)),
+        precision=config.get("precision", "32-true"),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

@@ -16,8 +16,9 @@ def _close(a: float, b: float, rel: float = 1e-5) -> bool:
     return math.isclose(a, b, rel_tol=rel, abs_tol=1e-7)
 
 
-def test_grad_norm_equals_the_full_tensor_norm_and_a_ddp_run(tmp_path: Any) -> None:
-    config = {"max_steps": 4, "monitor": {"forensics": "off"}}
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_grad_norm_equals_the_full_tensor_norm_and_a_ddp_run(tmp_path: Any, precision: str) -> None:
+    config = {"max_steps": 4, "monitor": {"forensics": "off"}, "precision": precision}
     sharded = run_ranks({**config, "strategy": "fsdp2"}, str(tmp_path / "fsdp2"))
     ddp = run_ranks({**config, "strategy": "ddp"}, str(tmp_path / "ddp"))
     r0, r1 = sharded["ranks"]
