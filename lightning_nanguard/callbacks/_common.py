@@ -39,9 +39,10 @@ _REFUSED: dict[str, dict[str, str]] = {
     },
     "ModelParallelStrategy": {
         "FP32Evaluation": (
-            "under ModelParallelStrategy the mixed-precision policy belongs to fully_shard(mp_policy=...), which "
-            "FP32Evaluation does not control (untested). Evaluate without it, or set the policy's param_dtype to "
-            "float32 for evaluation yourself"
+            "its mode='on_nonfinite' re-runs a batch on the rank that saw it non-finite, and an FSDP2 forward "
+            "all-gathers the parameters, so a re-run on one rank alone would hang the others; the true-half fp32 "
+            "weights and fully_shard(mp_policy=...) are untested. Evaluate without it, or with an mp_policy whose "
+            "param_dtype is float32"
         ),
         "CheckpointGuard": (
             "ModelParallelStrategy saves distributed checkpoints (a directory of shard files) that CheckpointGuard "
