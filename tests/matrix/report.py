@@ -6,8 +6,9 @@ import collections
 from collections.abc import Sequence
 from typing import Any
 
+from tests.matrix.findings import FINDINGS, explain
 from tests.matrix.run import TIMEOUT_DDP, TIMEOUT_SINGLE
-from tests.matrix.spec import DIMENSIONS, FULL_PLAN, PRUNED, STEPS, Case, all_cases
+from tests.matrix.spec import DIMENSIONS, FULL_PLAN, PRUNED, STEPS, Case, all_cases, subset_cases
 
 __all__ = ["COLUMNS", "markdown", "tally"]
 
@@ -58,6 +59,15 @@ def _signature(row: dict[str, Any]) -> str:
         else:
             parts.append(v)
     return "; ".join(parts)
+
+
+def _dimension_spread(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Where the cases lie: for each dimension, the values they take (all of them: "any")."""
+    parts = []
+    for name, values in DIMENSIONS.items():
+        seen = [v for v in values if any(r[name] == v for r in rows)]
+        parts.append(f"`{name}`: " + ("any" if len(seen) == len(values) else ", ".join(seen)))
+    return ["Cases: " + "; ".join(parts) + "."]
 
 
 def markdown(
@@ -129,6 +139,16 @@ def markdown(
         "",
     ]
     out += [f"* **{what}**: {why}" for what, why in PRUNED]
+    subset = subset_cases()
+    out += [
+        "",
+        "## The CI subset",
+        "",
+        f"`pytest tests/matrix` runs {len(subset)} representative cases (`spec.subset_cases()`: every value of every "
+        f"dimension at least once; {sum(c.ddp for c in subset)} DDP cases, marked `distributed`) and asserts the "
+        "same invariants; the cases that break one today are `xfail(strict=True)` with the finding as the reason. "
+        "`python -m tests.matrix --subset` runs the same cases through this harness.",
+    ]
     out += ["", "## Totals", ""]
     out += _table([("all", tally(rows))], "")
     out += ["", "## By dimension", ""]
@@ -143,18 +163,32 @@ def markdown(
     if not failing:
         out += ["None.", ""]
     else:
-        groups: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+        by_finding: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
         for r in failing:
-            groups[_signature(r)].append(r)
-        out += ["By violation:", ""]
-        out += [f"* {sig}: {len(rs)} cases" for sig, rs in sorted(groups.items(), key=lambda kv: -len(kv[1]))]
-        out += ["", "Every failing case (id = value-recurrence-site-precision-process-optimization-callbacks):", ""]
-        out += ["| case | violations | outcome | incidents / faults | error |", "|---|---|---|---|---|"]
+            found = explain(r)
+            by_finding[found.key if found else ""].append(r)
+        for f in FINDINGS:
+            rs = by_finding.get(f.key, [])
+            if not rs:
+                continue
+            out += [f"### {f.title} ({len(rs)} cases)", "", f"**What happens.** {f.what}", "", f"**Fix.** {f.fix}", ""]
+            out += _dimension_spread(rs)
+            out.append("")
+        rest = by_finding.get("", [])
+        if rest:
+            groups: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+            for r in rest:
+                groups[_signature(r)].append(r)
+            out += [f"### Not yet explained ({len(rest)} cases)", ""]
+            out += [f"* {sig}: {len(rs)} cases" for sig, rs in sorted(groups.items(), key=lambda kv: -len(kv[1]))]
+            out.append("")
+        out += ["### Every failing case", "", "id = value-recurrence-site-precision-process-optimization-callbacks", ""]
+        out += ["| case | violations | outcome | incidents / faults | error | finding |", "|---|---|---|---|---|---|"]
         for r in failing:
-            err = r["error"] or ""
+            found = explain(r)
             out.append(
                 f"| `{r['case']}` | {'; '.join(r['violations'])} | {r['outcome']} | "
-                f"{r.get('incidents')} / {r.get('faults')} | {err} |"
+                f"{r.get('incidents')} / {r.get('faults')} | {r['error'] or ''} | {found.key if found else '?'} |"
             )
         out += ["", "Traceback heads (one per distinct error):", ""]
         seen: set[str] = set()
