@@ -55,21 +55,17 @@ UNGUARDED: dict[str, Callable[[RunResult, RunResult], bool]] = {
 
 # What the preset does today where it does not save the run (seed 0); see the report in the scenario note.
 SAVE_XFAIL = {
-    "fp16-explosion": "never rolled back: 12 incidents (steps 12-59), every one cause=half_precision_overflow, "
-    "actions scaler_skip (+ backoff every 3rd: LR scale 0.5 -> 0.0625), while the weights keep the growth they "
-    "already had; final train loss ~167 vs 0.029 healthy (val ~178 vs 0.034)",
-    "spike-then-diverge": "steps 56/60 transient (skip), then steps 66-86 cause=loss_function (skip; backoff every "
-    "3rd down to the 0.01 floor at step 84) until a rollback at step 86 restores the step-50 snapshot, which is "
-    "finite but already diverged; final train loss ~8e12 vs 0.027 healthy",
+    "fp16-explosion": "saved but 1.31x (train 0.0385 vs 0.0295; val 1.23x): steps 12/36/39/42/43/45 "
+    "half_precision_overflow (scaler_skip; backoff at 39 and 45), step 47 gradient_explosion (scaler_skip, rollback "
+    "to the step-0 snapshot, backoff): 47 steps lost and the LR left at 0.125 (the healthy LR is 0.5 of the faulty)",
+    "spike-then-diverge": "saved but 1.50x (train 0.0409 vs 0.0272; val 1.05x): step 56 gradient_explosion (skip, "
+    "rollback to step 50, backoff 0.5), step 81 again (rollback to step 0, backoff 0.25): 81 steps lost; the step-50 "
+    "snapshot was taken mid-divergence (finite, loss rising)",
     "bn-poison": "cause=corrupt_state at steps 8/24/40/56 (the shard's batch each epoch), actions scaler_skip + "
     "rollback, each restoring the step-0 snapshot (init weights); the shard is never quarantined, so each epoch "
     "starts over: final train loss ~0.117 vs 0.024 healthy (val 0.132 vs 0.044)",
 }
 CAUSE_XFAIL = {
-    "fp16-explosion": "every incident says half_precision_overflow (the GradScaler's overflow); none "
-    "gradient_explosion, although the loss grew geometrically before the first overflow",
-    "spike-then-diverge": "incidents say transient (2), then loss_function (21: 'every module output finite', the "
-    "MSE of huge outputs overflows); never gradient_explosion",
     "eval-overflow": "FP32Evaluation's 8 rerun incidents (trigger nonfinite_eval_output) have cause ''",
     "eps-underflow": "OptimizerBackoff's preflight fix (trigger eps_underflow, action fix) has cause ''",
     "bn-poison": "diagnosed corrupt_state (the BatchNorm buffers), not input_data (the x1e5 shard that wrote them)",
@@ -146,10 +142,5 @@ def test_bad_data_quarantines_only_the_bad_row(scenario_run: Runner) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.xfail(
-    strict=True,
-    reason="the bad row is batch 4 row 3 on rank 0 (sample 300); the quarantine also takes row 3 of rank 1's batch "
-    "(sample 117, healthy): quarantine.json holds [117, 300] while the incident's diagnosis names ranks [0]",
-)
 def test_ddp_bad_data_quarantines_only_the_bad_row(scenario_run: Runner) -> None:
     assert _quarantined(scenario_run("bad-data", "preset", devices=2)) == [BAD_ROW]
