@@ -6,7 +6,7 @@ Usage::
 
 Columns: finished; final train and validation loss as a multiple of the healthy run's (the fault removed);
 incidents by cause; rollbacks; OptimizerBackoff's LR scale at the end; wall time of ``fit`` as a multiple of the
-healthy run's (the healthy and preset runs are timed twice, the faster kept); ``preset-nofault`` is the preset on the
+healthy run's (the healthy and preset runs are timed ``--repeats`` times, the fastest kept); ``preset-nofault`` is the preset on the
 healthy task, the suite's cost when nothing goes wrong. Each run is a TensorBoard run under
 ``<root-dir>/<task>/<config>-seed<seed>``, so ``tensorboard --logdir <root-dir>`` overlays them.
 """
@@ -29,19 +29,21 @@ from lightning_nanguard.demo.runner import RunResult, run_task
 
 __all__ = ["format_table", "main", "run_grid"]
 
-_TIMED_TWICE = ("healthy", "preset", "preset-nofault")
+_TIMED = ("healthy", "preset", "preset-nofault")
 # The preset on the healthy task: what the suite costs when nothing goes wrong (its fixed per-fit cost included).
 NOFAULT = "preset-nofault"
 
 
-def run_grid(tasks: Sequence[str], configs: Sequence[str], *, seed: int, root_dir: str) -> dict[str, list[RunResult]]:
-    """``{task: [healthy, *configs]}``, in that order."""
+def run_grid(
+    tasks: Sequence[str], configs: Sequence[str], *, seed: int, root_dir: str, repeats: int = 2
+) -> dict[str, list[RunResult]]:
+    """``{task: [healthy, *configs]}``, in that order; the healthy and preset runs ``repeats`` times (fastest kept)."""
     out: dict[str, list[RunResult]] = {}
     run_task(tasks[0], [], seed=seed, root_dir=root_dir, healthy=True, config="warmup")  # imports, first-fit costs
     for name in tasks:
         results = []
         for config in ("healthy", *configs):
-            runs = [_one(name, config, seed, root_dir, i) for i in range(2 if config in _TIMED_TWICE else 1)]
+            runs = [_one(name, config, seed, root_dir, i) for i in range(repeats if config in _TIMED else 1)]
             best = min(runs, key=lambda r: r.wall_time)
             results.append(best)
         out[name] = results
@@ -51,7 +53,7 @@ def run_grid(tasks: Sequence[str], configs: Sequence[str], *, seed: int, root_di
 def _one(name: str, config: str, seed: int, root_dir: str, repeat: int) -> RunResult:
     healthy = config in ("healthy", NOFAULT)
     callbacks = [] if config == "healthy" else CONFIGS["preset" if config == NOFAULT else config]()
-    label = config if repeat == 0 else f"{config}-r{repeat}"
+    label = config if repeat == 0 else f"{config}~{repeat}"
     return run_task(name, callbacks, seed=seed, root_dir=root_dir, healthy=healthy, config=label)
 
 
@@ -79,7 +81,7 @@ def format_table(grid: dict[str, list[RunResult]]) -> str:
             f"{_causes(healthy)} | {healthy.rollbacks} | {healthy.lr_scale:.3g} | {healthy.wall_time:.2f}s |"
         )
         for r in rest:
-            config = r.config.rsplit("-r1", 1)[0]
+            config = r.config.split("~")[0]
             lines.append(
                 f"| {name} | {config} | {_yes(r)} | {_ratio(r.train_loss, healthy.train_loss)} | "
                 f"{_ratio(r.val_loss, healthy.val_loss)} | {_causes(r)} | {r.rollbacks} | {r.lr_scale:.3g} | "
@@ -114,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     choices = [*CONFIGS, NOFAULT]
     parser.add_argument("--configs", default=",".join(choices), help=f"comma list of {', '.join(choices)}")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs of healthy/preset (the fastest is kept)")
     parser.add_argument("--root-dir", default=None, help="TensorBoard root (default: a new temporary directory)")
     parser.add_argument("--out", default=None, help="also write the Markdown here")
     args = parser.parse_args(argv)
@@ -127,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.simplefilter("ignore")
     for logger in ("lightning.pytorch", "lightning.fabric", "lightning_nanguard"):
         logging.getLogger(logger).setLevel(logging.ERROR)
-    text = format_table(run_grid(tasks, configs, seed=args.seed, root_dir=root))
+    text = format_table(run_grid(tasks, configs, seed=args.seed, root_dir=root, repeats=max(1, args.repeats)))
     print(text)
     print(f"\nTensorBoard runs: tensorboard --logdir {root}")
     if args.out:
