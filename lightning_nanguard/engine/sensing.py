@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 from lightning_nanguard import _distributed, _lightning_compat
 from lightning_nanguard.signals.gradients import GradNorms, ParamIndex, grad_norms, weighted_squares
 
-__all__ = ["HostMirror", "Reading", "Sensor", "wrapper_prefixes"]
+__all__ = ["HostMirror", "Reading", "Sensor", "current_grad_norm", "wrapper_prefixes"]
 
 
 @dataclass
@@ -381,6 +381,30 @@ class Sensor:
         reading.scale = scale
         if not reading.has_grads and not math.isfinite(values[0]):
             reading.grad_norm = values[0]  # another rank's gradients were non-finite
+
+
+def current_grad_norm(trainer: pl.Trainer, index: ParamIndex) -> float | None:
+    """The total 2-norm of the gradients on ``index``'s parameters *now* (e.g. after value clipping); ``None``
+    when no parameter has a gradient. One fused pass and one host read.
+
+    Sharded parameters: the global norm, from one SUM all-reduce of the weighted squared local norms, so this is a
+    collective: call it on every rank (a rank-consistent decision, such as a logging step), never on one rank alone.
+    Plain parameters: this rank's norm (under DDP every rank's gradients are the same), no collective.
+    """
+    norms = grad_norms(index)
+    if not index.sharded:
+        return None if norms is None else float(norms.total.to(torch.float32).item())
+    device = norms.total.device if norms is not None else _first_device_of(index)
+    present_flag = torch.tensor(float(norms is not None), dtype=torch.float64, device=device)
+    squares = torch.stack([weighted_squares(index, norms, device).sum(), present_flag])
+    if trainer.world_size > 1:
+        squares = _distributed.sum_across_ranks(trainer, squares)
+    total, present = squares.tolist()
+    return math.sqrt(total) if present > 0 and total >= 0 else (math.nan if present > 0 else None)
+
+
+def _first_device_of(index: ParamIndex) -> torch.device:
+    return index.params[0].device if index.params else torch.device("cpu")
 
 
 def _loss_sum(losses: list[Tensor]) -> Tensor | None:

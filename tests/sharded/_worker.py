@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import AutoRollback, GradNormMonitor, LossScaleWatchdog, OptimizerBackoff
 from lightning_nanguard.engine import get_engine
+from lightning_nanguard.engine.sensing import current_grad_norm
 from lightning_nanguard.signals.gradients import layer_norms
 from lightning_nanguard.testing import FaultInjector
 
@@ -119,6 +120,8 @@ class Record(pl.Callback):
             layers[layer] = layers.get(layer, 0.0) + float(g.square().sum())
         total = math.sqrt(sum(float(g.square().sum()) for g in full.values()))
         self._reference = {"grad_norm": total, "tensors": {n: float(g.norm()) for n, g in full.items()}}
+        index = get_engine(trainer).sensor.param_index(pl_module, optimizer, 0)
+        self._reference["current_grad_norm"] = current_grad_norm(trainer, index)  # a collective: on every rank
         self._reference["layers"] = {k: math.sqrt(v) for k, v in layers.items()}
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:

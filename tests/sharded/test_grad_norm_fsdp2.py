@@ -28,6 +28,7 @@ def test_grad_norm_equals_the_full_tensor_norm_and_a_ddp_run(tmp_path: Any, prec
     for row, ref_row in zip(r0["steps"], ddp["ranks"][0]["steps"], strict=True):
         reference = row["reference"]  # norms of the gathered full gradients of this very step
         assert _close(row["grad_norm"], reference["grad_norm"])
+        assert _close(reference["current_grad_norm"], reference["grad_norm"])  # the on-demand global norm, too
         assert row["tensors"].keys() == reference["tensors"].keys()  # named by the original module paths
         assert all(_close(row["tensors"][n], v) for n, v in reference["tensors"].items())
         assert row["layers"].keys() == reference["layers"].keys() == {"body", "head"}
