@@ -179,7 +179,7 @@ def judge(case: Case, row: dict[str, Any]) -> dict[str, Any]:
     elif outcome == "crash":
         v.append("the run's process died without a result")
     if row.get("diverged"):
-        v.append("rank divergence: the ranks' parameters or buffers differ")
+        v.append("rank divergence: the ranks' parameters differ")
     if case.counts_incidents and outcome in ("finite", "documented_error") and row["incidents"] != row["faults"]:
         v.append(f"incidents ({row['incidents']}) != faults injected ({row['faults']})")
     if (

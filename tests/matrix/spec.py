@@ -258,6 +258,7 @@ def subset_cases() -> list[Case]:
         # DDP (2 ranks): the fault on one rank, on the other, on both
         c("nan", "once", "grad", process="ddp-rank1"),
         c("inf", "once", "loss", "16-mixed", process="ddp-rank0"),
-        c("nan", "once", "buffer", process="ddp-both"),
         c("nan", "once", "param", process="ddp-rank1"),
+        c("spike", "once", "param", process="ddp-rank0"),
+        c("nan", "once", "input", "bf16-mixed", process="ddp-both"),
     ]
