@@ -1,9 +1,9 @@
 """A LightningCLI entry point for the shipped configs: a small regression on data with one bad row.
 
-    pip install -e ".[cli]"
-    python examples/cli/train.py fit --config examples/cli/preset.yaml
-    python examples/cli/train.py fit --config examples/ablation/none.yaml          # the same run, unguarded
-    nanguard ablate --entry examples/cli/train.py --yaml examples/ablation/*.yaml  # the whole grid, compared
+pip install -e ".[cli]"
+python examples/cli/train.py fit --config examples/cli/preset.yaml
+python examples/cli/train.py fit --config examples/ablation/none.yaml          # the same run, unguarded
+nanguard ablate --entry examples/cli/train.py --yaml examples/ablation/*.yaml  # the whole grid, compared
 """
 
 from __future__ import annotations

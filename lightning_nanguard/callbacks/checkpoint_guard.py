@@ -147,8 +147,22 @@ class CheckpointGuard(NanGuardCallback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
-        if get_engine(trainer).driver is None:  # no nanguard callback drives this fit: the summary is ours to print
-            get_engine(trainer).finish(trainer, raise_pending=True)
+        if get_engine(trainer).driver is None:  # no nanguard callback drives this fit: the end-of-fit check is ours
+            get_engine(trainer).train_end(trainer, pl_module)
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # Every rank builds the checkpoint (only rank 0 writes it), so this is a place to check the state together:
+        # a non-finite buffer (a BatchNorm statistic) leaves the loss and gradients finite and no step check sees
+        # it. The engine's corrupt-state path handles it now (a rollback restores the tensors in place, so the
+        # checkpoint being built holds the restored values), instead of a refused save per checkpoint until the end.
+        # (engine.restorer is rank-consistent: every rank registered the same callbacks.)
+        # Only where something can restore it: without AutoRollback the save is refused (and the end of fit raises).
+        engine = get_engine(trainer)
+        if trainer.training and not trainer.sanity_checking and engine.restorer is not None:
+            engine.check_state(trainer, pl_module)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

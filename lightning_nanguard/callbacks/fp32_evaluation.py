@@ -184,7 +184,7 @@ class FP32Evaluation(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        get_engine(trainer).finish(trainer, raise_pending=True)
+        get_engine(trainer).train_end(trainer, pl_module)  # the end-of-fit check runs once, whoever calls first
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

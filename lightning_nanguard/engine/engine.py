@@ -34,7 +34,7 @@ from lightning_nanguard.engine.capabilities import (
 )
 from lightning_nanguard.engine.sensing import Reading, Sensor
 from lightning_nanguard.engine.sink import IncidentSink
-from lightning_nanguard.engine.state_check import state_before_update
+from lightning_nanguard.engine.state_check import model_finite, state_before_update
 from lightning_nanguard.exceptions import NanGuardConfigError
 from lightning_nanguard.recovery.quarantine import Quarantine
 from lightning_nanguard.recovery.step_skip import drop_update
@@ -218,6 +218,15 @@ class Engine:
             if self.restorer.skip_batch():
                 self._drop_reason = self._drop_reason or "after_rollback"
 
+    def check_state(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+        """Check the parameters and buffers now (a collective: every rank must call it); a non-finite state is an
+        event handled at once. True when the state was finite."""
+        if model_finite(trainer, pl_module):
+            return True
+        self._events.append(PendingEvent(Signal.NONFINITE_STATE, []))
+        self._handle_events(trainer, pl_module)
+        return False
+
     def observe_loss(self, loss: Tensor) -> None:
         self._losses.append(loss.detach())
 
@@ -284,9 +293,15 @@ class Engine:
             self._flush_metrics(trainer)
 
     def train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """End of training: the end-of-fit state check (once, whoever calls it first), the summary, a pending stop.
+
+        The driver calls it; so do members that never drive (CheckpointGuard, FP32Evaluation), so that a fit with
+        only those installed also never returns non-finite parameters.
+        """
         from lightning_nanguard.engine.incidents import final_check
 
-        final_check(self, trainer, pl_module)
+        if not self.final_state:
+            final_check(self, trainer, pl_module)  # a collective: every rank reaches on_train_end
         self.finish(trainer, raise_pending=True)
 
     def finish(self, trainer: pl.Trainer, *, raise_pending: bool) -> None:

@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning_nanguard import CheckpointGuard, CheckpointVerificationError, last_good_checkpoint, verify_checkpoint
 from lightning_nanguard.checkpoints import LAST_GOOD_NAME, SIDECAR_SUFFIX, write_sidecar
 from lightning_nanguard.engine import get_engine
-from lightning_nanguard.exceptions import NanGuardConfigError, UnsupportedSetupError
+from lightning_nanguard.exceptions import NanGuardConfigError, NonFiniteTrainingError, UnsupportedSetupError
 from lightning_nanguard.recovery.verifying_io import VerifyingCheckpointIO
 from lightning_nanguard.testing import FaultInjector
 from tests.helpers import TinyModel, all_finite, make_trainer
@@ -160,7 +160,11 @@ def test_nonfinite_checkpoint_is_refused_and_last_good_survives_retention(
     mc = ModelCheckpoint(dirpath=str(ck), every_n_train_steps=1, save_top_k=save_top_k, monitor="step", mode="max")
     callbacks = [mc, CheckpointGuard(), FaultInjector("param", steps=[3], value="nan")]
     trainer = make_trainer(tmp_path, precision, callbacks=callbacks, enable_checkpointing=True, max_steps=7)
-    with pytest.warns(UserWarning, match="CheckpointGuard refused to write") as caught:
+    # Nothing here can restore the NaN weights: the saves are refused, and the fit ends with the documented error.
+    with (
+        pytest.warns(UserWarning, match="CheckpointGuard refused to write") as caught,
+        pytest.raises(NonFiniteTrainingError, match="training ended with non-finite parameters"),
+    ):
         trainer.fit(TinyModel())
     assert not all_finite(trainer.lightning_module)  # the run did go NaN (nothing here rolls it back)
     refused = [r for r in _incidents(trainer) if r["action"] == "refuse"]
@@ -346,7 +350,11 @@ def test_refused_saves_never_let_retention_delete_the_last_good_file(
         ModelCheckpoint(dirpath=str(ck), every_n_train_steps=5, save_top_k=1),
     ]
     trainer = make_trainer(tmp_path, callbacks=callbacks, enable_checkpointing=True, max_steps=20)
-    with pytest.warns(UserWarning, match="CheckpointGuard refused to write") as caught:
+    # Nothing here can restore the NaN weights: the saves are refused, and the fit ends with the documented error.
+    with (
+        pytest.warns(UserWarning, match="CheckpointGuard refused to write") as caught,
+        pytest.raises(NonFiniteTrainingError, match="training ended with non-finite parameters"),
+    ):
         trainer.fit(TinyModel())
     step10 = ck / "epoch=1-step=10.ckpt"
     assert sorted(p.name for p in ck.glob("epoch=*.ckpt")) == [step10.name]  # step 5: retired by a good save
@@ -383,7 +391,7 @@ def test_a_good_save_after_a_refusal_carries_out_the_deferred_removals(tmp_path:
     ]
     trainer = make_trainer(tmp_path, callbacks=callbacks, enable_checkpointing=True, max_steps=8)
     with pytest.warns(UserWarning, match="CheckpointGuard refused to write"):
-        trainer.fit(TinyModel())
+        trainer.fit(TinyModel())  # healed: the fit ends finite
     assert heal.seen == ["epoch=0-step=4.ckpt"]  # step 6 was refused; its removal of step 4 waited
     # The NaN lands after the step-4 save: step 6 is refused (its removal of step 4 waits); after the heal at step 7,
     # step 8 is saved and the deferred removal is carried out: top-1 holds only the newest file again.
@@ -433,7 +441,10 @@ def test_complex_nan_weights_are_refused_and_the_tag_stays_on_the_good_file(tmp_
         ModelCheckpoint(dirpath=str(ck), every_n_train_steps=4, save_top_k=-1),
     ]
     trainer = make_trainer(tmp_path, callbacks=callbacks, enable_checkpointing=True, max_steps=12)
-    with pytest.warns(UserWarning, match=r"refused to write .*non-finite values in state_dict\.w"):
+    with (
+        pytest.warns(UserWarning, match=r"refused to write .*non-finite values in state_dict\.w"),
+        pytest.raises(NonFiniteTrainingError, match=r"training ended with non-finite parameters .*\bw\b"),
+    ):
         trainer.fit(_Spectral())
     assert sorted(p.name for p in ck.glob("epoch=*.ckpt")) == ["epoch=0-step=4.ckpt"]
     assert [r["step"] for r in _incidents(trainer) if r["action"] == "refuse"] == [8, 12]

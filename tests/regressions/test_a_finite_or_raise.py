@@ -129,18 +129,18 @@ def test_nan_written_by_the_last_update_is_not_returned(tmp_path: pathlib.Path) 
         CheckpointGuard(),
         OptimizerBackoff(),
         LossScaleWatchdog(),
-        FP32Evaluation(),
+        FP32Evaluation("on_nonfinite"),
         ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=4, save_last=True),
     ]
     trainer = make_trainer(tmp_path, callbacks=callbacks, enable_checkpointing=True, max_steps=8)
-    with pytest.warns(UserWarning, match="CheckpointGuard refused to write"):  # the step-8 save saw the NaN
-        trainer.fit(model)
+    trainer.fit(model)
     assert state_finite(model)
+    # The step-8 save checked the state on every rank, rolled it back before writing: the save went through.
     (final,) = [r for r in get_engine(trainer).sink.records if r.action == "rollback"]
     assert final.step == 8
     assert final.values["restored_from_step"] == 6
     assert "head.weight" in final.where
-    assert "at the end of fit" in final.message
+    assert not [r for r in get_engine(trainer).sink.records if r.action == "refuse"]
 
 
 def test_nan_from_the_last_update_without_a_restorer_raises(tmp_path: pathlib.Path) -> None:
