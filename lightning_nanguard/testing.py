@@ -112,6 +112,11 @@ class FaultInjector(Callback):
         )
 
     def _poison(self, t: Tensor) -> None:
+        from lightning_nanguard.signals.sharded import local_tensor
+
+        # A sharded parameter (DTensor): this rank's own shard. Slicing the DTensor itself would start a collective
+        # on the injecting rank alone and hang.
+        t = local_tensor(t)
         with torch.no_grad():
             if math.isfinite(self.value):
                 t.mul_(self.value)

@@ -6,7 +6,6 @@ import math
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
@@ -15,10 +14,11 @@ from lightning_nanguard._validation import check_choice, check_float, check_int,
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.engine import Engine, get_engine
 from lightning_nanguard.engine.capabilities import GuardSettings
+from lightning_nanguard.engine.sensing import current_grad_norm
 from lightning_nanguard.exceptions import NanGuardConfigError
 from lightning_nanguard.recovery.quarantine import Quarantine
 from lightning_nanguard.reporting import emit, keys
-from lightning_nanguard.signals.gradients import grad_norms, layer_norms
+from lightning_nanguard.signals.gradients import layer_norms
 
 __all__ = ["GradNormMonitor"]
 
@@ -258,5 +258,5 @@ class GradNormMonitor(NanGuardCallback):
             # torch's clip_grad_norm_: coef = clip / (norm + 1e-6), clamped to 1: the post-clip norm, no pass needed.
             return reading.grad_norm * min(1.0, float(clip) / (reading.grad_norm + 1e-6))
         # Value clipping: the clipped gradients are still on the parameters (zero_grad runs in the next closure).
-        norms = grad_norms(reading.index)
-        return None if norms is None else float(norms.total.to(torch.float32).item())
+        # Sharded parameters: the global norm (a collective; this runs on every rank, on logging steps).
+        return current_grad_norm(trainer, reading.index)
