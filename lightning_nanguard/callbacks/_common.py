@@ -91,6 +91,8 @@ def make_incident(
     message: str = "",
     batch_idx: int | None = None,
     step: int | None = None,
+    cause: str = "",
+    where: str = "",
 ) -> Incident:
     """An Incident for an event outside a training step (a checkpoint, a preflight finding, an evaluation re-run)."""
     if batch_idx is None:
@@ -108,4 +110,6 @@ def make_incident(
         budget_left=budget_left,
         message=message,
         actions=[name],
+        cause=cause,
+        where=where,
     )

@@ -10,6 +10,7 @@ from torch.optim import Optimizer
 
 from lightning_nanguard import _lightning_compat
 from lightning_nanguard.callbacks._common import make_incident
+from lightning_nanguard.contract import Cause
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.exceptions import UnsupportedSetupError
 from lightning_nanguard.policies.preflight import Finding, GroupInfo, OptimizerInfo, preflight_findings
@@ -19,6 +20,10 @@ __all__ = ["describe_optimizers", "run_preflight"]
 OnHazard = Literal["fix", "warn", "raise", "off"]
 # Reported but never fatal: true half precision is a legitimate choice, only a risk.
 _NOTES = frozenset({"half_master"})
+
+
+# What each preflight finding is, as a cause class (a hazard found before step 1, not an event).
+_CAUSES = {"eps_underflow": Cause.OPTIMIZER_NUMERICS.value, "half_master": Cause.HALF_PRECISION_OVERFLOW.value}
 
 
 def describe_optimizers(trainer: pl.Trainer) -> list[OptimizerInfo]:
@@ -68,7 +73,15 @@ def run_preflight(trainer: pl.Trainer, on_hazard: OnHazard, safe_eps: float, sou
         # Reported, never fed to a decision: a preflight finding is not a training event.
         sink.record(
             trainer,
-            make_incident(trainer, trigger=f.code, action=action, source=source, values=values, message=message),
+            make_incident(
+                trainer,
+                trigger=f.code,
+                action=action,
+                source=source,
+                values=values,
+                message=message,
+                cause=_CAUSES.get(f.code, ""),
+            ),
         )
         # A note (true half precision is a legitimate choice) goes to the log; a hazard is a warning.
         report = rank_zero_info if f.code in _NOTES else rank_zero_warn

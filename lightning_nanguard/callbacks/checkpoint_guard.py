@@ -11,6 +11,7 @@ from typing_extensions import override
 
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._common import make_incident
+from lightning_nanguard.contract import Cause
 from lightning_nanguard.engine import Engine, get_engine
 from lightning_nanguard.exceptions import NanGuardConfigError, UnsupportedSetupError
 from lightning_nanguard.policies.verdict import Action
@@ -233,6 +234,9 @@ class CheckpointGuard(NanGuardCallback):
             source=type(self).__name__,
             values=values,
             message=message,
+            # A refused save: the state is non-finite; a failed verification: the file is corrupt (or non-finite).
+            cause=Cause.CORRUPT_STATE.value,
+            where=", ".join(event.tensors[:3]) if event.tensors else event.path,
         )
         get_engine(trainer).sink.record(trainer, incident)
 

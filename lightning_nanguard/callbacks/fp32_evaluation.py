@@ -16,6 +16,7 @@ from typing_extensions import override
 from lightning_nanguard import _distributed, _lightning_compat
 from lightning_nanguard._validation import check_choice, check_int
 from lightning_nanguard.callbacks._common import check_strategy_supported, make_incident
+from lightning_nanguard.contract import Cause
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.policies.verdict import Action
 from lightning_nanguard.recovery.eval_precision import (
@@ -332,6 +333,8 @@ class FP32Evaluation(Callback):
             message=message,
             batch_idx=batch_idx,
             step=_lightning_compat.log_step(trainer),  # the step the evaluation's metrics are plotted at
+            cause=(Cause.HALF_PRECISION_OVERFLOW if fp32_finite else Cause.UNKNOWN).value,
+            where=f"{stage} batch {batch_idx}",
         )
         get_engine(trainer).sink.record(trainer, incident)
 

@@ -215,10 +215,12 @@ def _remedy_facts(engine: Engine, trainer: pl.Trainer, facts: EventFacts, diagno
         max_skips = DEFAULT_MAX_CONSECUTIVE_SKIPS if restorer is not None else None
     recent = 0
     # Skips that count toward a backoff: not the data's fault, and not a damaged state (a rollback is its remedy).
+    # Nor the GradScaler's own overflow skips (a run of them is LossScaleWatchdog's collapse, which backs off).
     if (
         backoff is not None
         and not diagnosis.cause.data_caused
         and diagnosis.cause is not Cause.CORRUPT_STATE
+        and not (scaler_dropped and diagnosis.cause is Cause.HALF_PRECISION_OVERFLOW)
         and facts.state_ok
         and facts.signal is not Signal.NONFINITE_STATE
     ):

@@ -361,6 +361,7 @@ def _state_cause(f: Findings) -> Diagnosis:
     where = ", ".join(names[:3])
     ranks: tuple[int, ...] = ()
     rows: tuple[int, ...] = ()
+    this_batch = False
     if s.buffers:
         # A forward pass writes buffers (BatchNorm statistics): the batch that ran it is the suspect.
         evidence.extend(_cheap_evidence(f))
@@ -370,8 +371,13 @@ def _state_cause(f: Findings) -> Diagnosis:
                 break
         owners = ", ".join(s.buffer_modules[:3])
         where = f"{', '.join(s.buffers[:3])}, written by the forward of {owners or 'the model'}"
+        # This step's loss went non-finite while every parameter is finite: its own forward produced the values the
+        # buffers folded in, so this batch is the suspect even when no row stands out (a uniformly bad shard).
+        this_batch = f.signal in (Signal.NONFINITE_LOSS, Signal.NONFINITE_LOSS_AND_GRADS) and not s.parameters
         if rows:
             where += f" on {_at(f, ranks, rows)}"
+        elif this_batch:
+            where += f" on batch {f.batch_idx} (every row: none stands out)"
         if s.parameters:
             where += f"; also {', '.join(s.parameters[:3])}"
     return Diagnosis(
@@ -382,7 +388,7 @@ def _state_cause(f: Findings) -> Diagnosis:
         rows=rows,
         state_tensors=names,
         state_damaged=True,
-        caused_by_data=bool(rows),
+        caused_by_data=bool(rows) or (bool(s.buffers) and this_batch),
     )
 
 

@@ -182,7 +182,7 @@ def test_skipped_nan_batch_with_batchnorm_nan_stops_instead_of_training_on(tmp_p
     records = get_engine(trainer).sink.records
     assert [(r.step, r.cause, r.actions) for r in records] == [
         (3, "corrupt_state", ["skip", "quarantine", "stop"]),  # the batch that poisoned the buffers is quarantined
-        (4, "", ["refuse"]),  # CheckpointGuard kept the NaN statistics off disk
+        (4, "corrupt_state", ["refuse"]),  # CheckpointGuard kept the NaN statistics off disk
     ]
     assert not state_finite(model)
 

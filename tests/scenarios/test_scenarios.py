@@ -55,22 +55,11 @@ UNGUARDED: dict[str, Callable[[RunResult, RunResult], bool]] = {
 
 # What the preset does today where it does not save the run (seed 0); see the report in the scenario note.
 SAVE_XFAIL = {
-    "fp16-explosion": "saved but 1.31x (train 0.0385 vs 0.0295; val 1.23x): steps 12/36/39/42/43/45 "
-    "half_precision_overflow (scaler_skip; backoff at 39 and 45), step 47 gradient_explosion (scaler_skip, rollback "
-    "to the step-0 snapshot, backoff): 47 steps lost and the LR left at 0.125 (the healthy LR is 0.5 of the faulty)",
     "spike-then-diverge": "saved but 1.50x (train 0.0409 vs 0.0272; val 1.05x): step 56 gradient_explosion (skip, "
     "rollback to step 50, backoff 0.5), step 81 again (rollback to step 0, backoff 0.25): 81 steps lost; the step-50 "
     "snapshot was taken mid-divergence (finite, loss rising)",
-    "bn-poison": "cause=corrupt_state at steps 8/24/40/56 (the shard's batch each epoch), actions scaler_skip + "
-    "rollback, each restoring the step-0 snapshot (init weights); the shard is never quarantined, so each epoch "
-    "starts over: final train loss ~0.117 vs 0.024 healthy (val 0.132 vs 0.044)",
 }
-CAUSE_XFAIL = {
-    "eval-overflow": "FP32Evaluation's 8 rerun incidents (trigger nonfinite_eval_output) have cause ''",
-    "eps-underflow": "OptimizerBackoff's preflight fix (trigger eps_underflow, action fix) has cause ''",
-    "bn-poison": "diagnosed corrupt_state (the BatchNorm buffers), not input_data (the x1e5 shard that wrote them)",
-    "corrupt-resume": "CheckpointGuard's fallback incident (trigger checkpoint_verification_failed) has cause ''",
-}
+CAUSE_XFAIL: dict[str, str] = {}
 TASKS = list(UNGUARDED)
 
 

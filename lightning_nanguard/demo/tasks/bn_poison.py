@@ -27,7 +27,7 @@ TASK = register_task(
         "folds inf into its running statistics in the forward; the GradScaler drops the update, so training looks fine",
         failure="BatchNorm running mean/var are NaN after the shard's first pass: every eval-mode output (validation) "
         "is NaN, every epoch",
-        causes=("input_data",),
+        causes=("corrupt_state",),
         precision="16-mixed",
         max_epochs=4,
         build=build,
