@@ -117,8 +117,8 @@ def test_save_refused_on_rank_zero_only_does_not_hang(tmp_path: pathlib.Path) ->
     decided = [engine_decided(r["incidents"]) for r in ranks]
     assert decided[0] == decided[1]
     assert [(step, action) for step, action, _ in decided[0]] == [(10, "rollback")]
-    refused = [i["step"] for i in ranks[0]["incidents"] if i["action"] == "refuse"]
-    assert refused == [10]  # the NaN save was refused (rank 0 saves)
+    # The save checked the state on every rank first and rolled it back, so nothing was refused or written NaN.
+    assert not [i for r in ranks for i in r["incidents"] if i["action"] == "refuse"]
 
 
 class WithRankLocalStat(TinyModel):
