@@ -134,8 +134,6 @@ class AutoRollback(NanGuardCallback):
         self.skipped_batches = 0
         self._skip_left = 0
         self._last_event: int | None = None
-        self._engine: Engine | None = None
-        self._postponed_since: int | None = None  # a due snapshot waiting for a calm step
 
     @override
     def _make_state_key(self) -> str:
@@ -150,8 +148,6 @@ class AutoRollback(NanGuardCallback):
     @override
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
         self._last_event = None
-        self._engine = engine
-        self._postponed_since = None
         engine.set_restorer(self)
         engine.bus.subscribe(EventHandled, self._on_event)
         engine.add_metrics(self._metrics)
@@ -173,24 +169,14 @@ class AutoRollback(NanGuardCallback):
     def before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> bool:
         if self.source != "memory":
             return True
-        due = snapshot_due(
+        if not snapshot_due(
             step,
             every_n_steps=self.every_n_steps,
             last_snapshot_step=max(self.ring.steps(), default=None),
             last_incident_step=self._last_event,
             quiet_steps=self.quiet_steps,
-        )
-        if due and self._postponed_since is None:
-            self._postponed_since = step
-        if self._postponed_since is None:
+        ):
             return True
-        # A state whose grad norm or loss is climbing is a poor one to come back to: wait for a calm step (every
-        # rank decides alike: the history holds the reduced readings), at most three intervals.
-        engine = self._engine
-        waited = step - self._postponed_since
-        if engine is not None and not engine.calm() and waited < 3 * self.every_n_steps:
-            return True
-        self._postponed_since = None
         if not model_finite(trainer, pl_module):  # one fused pass and one host read per snapshot, reduced
             return False
         scaler = _lightning_compat.get_scaler(trainer)

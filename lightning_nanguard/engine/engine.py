@@ -183,19 +183,6 @@ class Engine:
             )
         setattr(self, slot, obj)
 
-    def calm(self, factor: float = 4.0) -> bool:
-        """The last finite step's grad norm and loss are within ``factor`` x their medians over the recent history
-        (host floats already kept; no device work). A snapshot of a state that is already climbing is a poor one."""
-        recent = list(self.history)
-        if len(recent) < 8:
-            return True
-        *before, last = recent
-        norms = sorted(g for _, g, _ in before)
-        if last[1] > factor * norms[len(norms) // 2]:
-            return False
-        losses = sorted(abs(v) for _, _, v in before if v is not None)
-        return last[2] is None or not losses or abs(last[2]) <= factor * losses[len(losses) // 2]
-
     @property
     def spikes(self) -> tuple[RunningZScore, RunningZScore] | None:
         return self._spikes
