@@ -20,7 +20,7 @@ import tempfile
 import time
 
 from tests.matrix.report import markdown, tally
-from tests.matrix.run import parse_case, run_cases
+from tests.matrix.run import judge, parse_case, run_cases
 from tests.matrix.spec import Case, all_cases, full_cases, subset_cases
 
 
@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-minutes", type=float, default=None)
     parser.add_argument("--fresh", choices=("fork", "spawn"), default="fork")
     parser.add_argument("--source", type=str, default="", help="what package source ran (a commit), for the report")
+    parser.add_argument("--elapsed", type=str, default="", help="the run's wall time, for the report (--resume)")
     parser.add_argument("--report-only", action="store_true", help="write the report from --rows without running")
     args = parser.parse_args(argv)
 
@@ -56,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     if (args.resume or args.report_only) and os.path.exists(rows_path):
         wanted = {str(c) for c in cases}
         with open(rows_path, encoding="utf-8") as f:
-            rows = [r for r in map(json.loads, filter(str.strip, f)) if r["case"] in wanted]
+            # judged again: the invariants' code may be newer than the rows
+            rows = [judge(Case.from_dict(r), r) for r in map(json.loads, filter(str.strip, f)) if r["case"] in wanted]
         done = {r["case"] for r in rows}
         cases = [c for c in cases if str(c) not in done]
     elif not args.report_only:
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             rows,
             title="Reliability: the fault matrix",
             command=f"python -m tests.matrix {name}",
-            when=f"{when}, {minutes:.0f} min",
+            when=f"{when}, {args.elapsed or f'{minutes:.0f} min'}",
             sampled=args.full,
             source=args.source,
         )

@@ -28,62 +28,68 @@ def _incidents_mismatch(row: dict[str, Any]) -> bool:
 
 FINDINGS: list[Finding] = [
     Finding(
-        key="lone-observer-returns-nonfinite",
-        title="CheckpointGuard or FP32Evaluation alone: fit returns normally with NaN/inf weights",
-        matches=lambda r: (
-            r["callbacks"] in ("CheckpointGuard", "FP32Evaluation") and r["outcome"] == "nonfinite_return"
+        key="buffer-nan-seen-at-saves-only",
+        title=(
+            "A non-finite BatchNorm buffer is seen only when a checkpoint is saved (or at the end of fit): a recurring "
+            "buffer fault gives fewer incidents than faults"
         ),
-        what=(
-            "With no callback that drives the engine (GradNormMonitor, AutoRollback, OptimizerBackoff or "
-            "LossScaleWatchdog), these two end the fit with `Engine.finish(raise_pending=True)` but never run "
-            "`final_check`, so the end-of-fit state check (the package's promise: a normal return means finite "
-            "parameters and buffers) is skipped. CheckpointGuard even refuses the NaN saves (one `refuse` incident "
-            "each) and still lets `fit` return the NaN model; FP32Evaluation records nothing."
-        ),
-        fix=(
-            "`lightning_nanguard/callbacks/checkpoint_guard.py` `on_train_end` and "
-            "`lightning_nanguard/callbacks/fp32_evaluation.py` `on_train_end`: when no member drives the engine, call "
-            "`Engine.train_end` (which runs `engine/incidents.py:final_check`, then `finish`) instead of "
-            "`Engine.finish`; or make `Engine.finish(raise_pending=True)` run `final_check` once itself."
-        ),
-    ),
-    Finding(
-        key="buffer-nan-seen-late",
-        title="A non-finite BatchNorm buffer: seen only at checkpoint saves and at the end of fit (incidents != faults)",
         matches=lambda r: r["site"] == "buffer" and _incidents_mismatch(r),
         what=(
-            "A NaN/inf written into `running_mean` leaves the loss and gradients finite (training-mode BatchNorm uses "
-            "the batch's statistics), so no step check fires. CheckpointGuard refuses every later save (one "
-            "`refuse` incident each: 3 for 12 steps with saves every 4, 5 under manual optimization where "
-            "`global_step` counts both optimizers), and only `final_check` at the end of fit repairs it, rolling "
-            "back to the last snapshot (step 0 with the preset's `every_n_steps=50`): every update since is lost. "
-            "One fault, 4 to 6 incidents; a recurring fault (9 injections), the same 4 to 6."
+            "A NaN/inf written into `running_mean` leaves the loss and the gradients finite (training-mode BatchNorm "
+            "normalises with the batch's statistics), so no step check fires. The corrupt state is found when "
+            "CheckpointGuard checks a save (every 4 steps here) or by the end-of-fit check, and repaired by one "
+            "rollback each time (`corrupt_state`, `rollback`): a one-off fault gives one incident (correct), a fault "
+            "at every step from 3 to 11 gives 3 (steps 4, 8, 12; 5 under manual optimization, whose `global_step` "
+            "counts both optimizers). Between two checks the buffer stays non-finite, and without checkpointing the "
+            "first check is the end of fit, whose rollback discards every update since the last snapshot."
         ),
         fix=(
-            "`lightning_nanguard/callbacks/checkpoint_guard.py` (the `refused_save` event, around line 217): a save "
-            "refused for non-finite parameters/buffers is evidence of corrupt state; hand it to the engine's "
-            "corrupt-state path (`engine/incidents.py`, the `NONFINITE_STATE` rollback that `final_check` already "
-            "does) at that step, as one incident, instead of recording a refusal per save and repairing only at the "
-            "end. Optionally a cheap buffers-only finiteness check at each optimizer step (`engine/state_check.py`)."
+            "Check the buffers at every optimizer step, not only at saves: fold `named_buffers()` into the step's "
+            "fused finiteness pass (`lightning_nanguard/engine/sensing.py`, the sensor; `engine/state_check.py` "
+            "has the buffer walk) so that a corrupt buffer is an incident at the step it appears; BatchNorm "
+            "statistics are a few floats per channel, so the cost is negligible."
         ),
     ),
     Finding(
-        key="one-rank-param-desync-unseen",
-        title="DDP: a finite change to one rank's parameters splits the ranks, and nothing notices",
-        matches=lambda r: bool(r.get("diverged")),
+        key="one-rank-desync-unseen",
+        title="DDP: a finite change on one rank (a parameter, or a gradient after the all-reduce) splits the ranks",
+        matches=lambda r: bool(r.get("diverged")) and r["value"] == "spike",
         what=(
-            "A spike (x1e4) written into one rank's parameter at a step start is finite, so no step check fires "
-            "(the preset leaves spike detection off, and a lone FP32Evaluation, CheckpointGuard or OptimizerBackoff "
-            "watches no step). DDP all-reduces gradients but never re-broadcasts parameters, so the ranks train on "
-            "different weights from then on and the fit returns with rank 0's copy while the others differ; a "
-            "non-finite value on one rank's parameters is caught by the step checks (the loss goes non-finite)."
+            "A spike (x1e4) written into one rank's parameter at a step start, or into one rank's gradient after "
+            "DDP's all-reduce, is finite, so no step check fires (the preset leaves spike detection off; a lone "
+            "FP32Evaluation, CheckpointGuard or OptimizerBackoff watches no step at all, nor does "
+            "LossScaleWatchdog outside 16-mixed). "
+            "DDP never re-broadcasts parameters, so the ranks train on different weights from then on and `fit` "
+            "returns normally with rank 0's copy while the other ranks differ. Non-finite faults with the suite are "
+            "caught (their reading is rank-reduced) and the ranks stay identical."
         ),
         fix=(
-            "A cross-rank parameter agreement check where a collective is already paid for: at AutoRollback's "
-            "snapshot (`lightning_nanguard/recovery/snapshot.py` `take`, through `lightning_nanguard/_distributed.py`) "
-            "all-reduce one checksum of the parameters (min and max of a float64 sum) and treat a mismatch as "
-            "corrupt state on the ranks that differ (restore or raise); and at the end of fit in "
-            "`engine/incidents.py:final_check`, which already runs a collective."
+            "A cross-rank agreement check where a collective is already paid for: at AutoRollback's snapshot "
+            "(`lightning_nanguard/recovery/snapshot.py` `take`) and in the end-of-fit check "
+            "(`engine/incidents.py:final_check`), all-reduce one float64 checksum of the parameters (min and max, "
+            "through `lightning_nanguard/_distributed.py`) and treat a mismatch as corrupt state (restore every "
+            "rank from the same snapshot, or raise); optionally broadcast rank 0's parameters after a restore."
+        ),
+    ),
+    Finding(
+        key="fp16-ddp-scaler-split-without-step-watcher",
+        title=(
+            "16-mixed DDP with no step-watching callback (OptimizerBackoff alone): a NaN/inf gradient on one rank "
+            "makes only that rank's GradScaler skip"
+        ),
+        matches=lambda r: bool(r.get("diverged")) and r["value"] != "spike",
+        what=(
+            "The gradient fault lands after DDP's all-reduce on one rank. The suite makes every rank's GradScaler "
+            "drop the step together (`Engine.before_optimizer_step` ORs the rank-reduced verdict into each "
+            "scaler's `found_inf`), but that code runs only when a member monitors steps: with OptimizerBackoff "
+            "alone it returns at once, so the faulty rank's scaler skips and backs off while the other steps, and "
+            "`fit` returns finite weights that differ across ranks (issue 12's fp16-DDP divergence, still open "
+            "for this configuration)."
+        ),
+        fix=(
+            "`lightning_nanguard/engine/engine.py` `before_optimizer_step`: under DDP with a GradScaler, do the "
+            "scaler agreement (one all-reduce of the scaler's `found_inf`, through `_lightning_compat."
+            "or_into_found_inf` and `_distributed`) even when `monitors_steps` is False."
         ),
     ),
 ]

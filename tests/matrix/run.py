@@ -178,7 +178,7 @@ def judge(case: Case, row: dict[str, Any]) -> dict[str, Any]:
         v.append("hang: killed after the hard timeout")
     elif outcome == "crash":
         v.append("the run's process died without a result")
-    if row.get("diverged"):
+    if row.get("diverged") and outcome == "finite":
         v.append("rank divergence: the ranks' parameters differ")
     if case.counts_incidents and outcome in ("finite", "documented_error") and row["incidents"] != row["faults"]:
         v.append(f"incidents ({row['incidents']}) != faults injected ({row['faults']})")

@@ -18,20 +18,13 @@ from tests.matrix.spec import DIMENSIONS, Case, subset_cases
 # Cases of the subset that break an invariant today (docs/RELIABILITY.md, "Failing cases"): package defects, left to
 # the package's owner; strict, so that the fix turns them into failures to be removed from here.
 KNOWN: dict[str, str] = {
-    "nan-once-buffer-32-true-single-automatic-suite": (
-        "a NaN BatchNorm running_mean is not seen at its step: 3 refused saves + an end-of-fit rollback to step 0 = 4 "
-        "incidents for 1 fault, and every update since step 0 is lost"
+    "nan-recurring-buffer-32-true-single-automatic-suite": (
+        "a non-finite BatchNorm buffer is seen only at checkpoint saves (every 4 steps) and at the end of fit: 9 "
+        "faults, 3 incidents"
     ),
-    "nan-once-buffer-32-true-single-accumulation-suite": "as the automatic case: 4 incidents for 1 buffer fault",
     "spike-once-param-32-true-ddp-rank0-automatic-suite": (
         "a finite x1e4 spike in rank 0's parameter: no check fires, DDP never re-broadcasts parameters, the ranks "
         "train on different weights to the end"
-    ),
-    "nan-once-grad-32-true-single-automatic-CheckpointGuard": (
-        "CheckpointGuard alone refuses the NaN saves but fit returns normally with NaN weights"
-    ),
-    "nan-once-grad-32-true-single-automatic-FP32Evaluation": (
-        "FP32Evaluation alone: fit returns normally with NaN weights and no incident"
     ),
 }
 
@@ -39,10 +32,9 @@ SINGLE = [c for c in subset_cases() if not c.ddp]
 DDP = [c for c in subset_cases() if c.ddp]
 
 
-def _param(case: Case, marks: tuple[Any, ...] = ()) -> Any:
+def _param(case: Case) -> Any:
     reason = KNOWN.get(str(case))
-    xfail = (pytest.mark.xfail(strict=True, reason=reason),) if reason else ()
-    return pytest.param(case, id=str(case), marks=(*marks, *xfail))
+    return pytest.param(case, id=str(case), marks=[pytest.mark.xfail(strict=True, reason=reason)] if reason else [])
 
 
 def check(case: Case, row: dict[str, Any]) -> None:
