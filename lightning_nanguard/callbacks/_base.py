@@ -26,6 +26,7 @@ class NanGuardCallback(Callback):
 
     _drives = False
     _state_key_cache: str | None = None
+    _engine_now: Engine
 
     @override
     @property
@@ -57,6 +58,7 @@ class NanGuardCallback(Callback):
         self._check_environment(trainer)
         engine = get_engine(trainer)
         self._drives = engine.join(trainer, self)
+        self._engine_now = engine  # the hooks use it directly (a WeakKeyDictionary lookup per hook adds up)
         self._install(trainer, pl_module, engine)
 
     @override
@@ -70,43 +72,43 @@ class NanGuardCallback(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._drives:
-            get_engine(trainer).train_start(trainer, pl_module)
+            self._engine_now.train_start(trainer, pl_module)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._drives:
-            get_engine(trainer).train_epoch_start(trainer)
+            self._engine_now.train_epoch_start(trainer)
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._drives:
-            get_engine(trainer).batch_start(trainer, pl_module, batch, batch_idx)
+            self._engine_now.batch_start(trainer, pl_module, batch, batch_idx)
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self._drives:
-            get_engine(trainer).observe_loss(loss)
+            self._engine_now.observe_loss(loss)
 
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
         if self._drives:
-            get_engine(trainer).before_optimizer_step(trainer, pl_module, optimizer)
+            self._engine_now.before_optimizer_step(trainer, pl_module, optimizer)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if self._drives:
-            get_engine(trainer).batch_end(trainer, pl_module)
+            self._engine_now.batch_end(trainer, pl_module)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._drives:
-            get_engine(trainer).train_end(trainer, pl_module)
+            self._engine_now.train_end(trainer, pl_module)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

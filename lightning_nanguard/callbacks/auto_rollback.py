@@ -167,8 +167,8 @@ class AutoRollback(NanGuardCallback):
 
     # ------------------------------------------------------------------ the engine's Restorer
     def before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> bool:
-        if self.source != "memory":
-            return True
+        if self.source != "memory" or step % self.every_n_steps:
+            return True  # the healthy path: not a snapshot step
         if not snapshot_due(
             step,
             every_n_steps=self.every_n_steps,

@@ -114,7 +114,11 @@ class FP32Evaluation(Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(mode=self.mode)
+        # Lightning reads it for every hook of every callback: build it once.
+        key = self.__dict__.get("_state_key_cache")
+        if key is None:
+            key = self.__dict__["_state_key_cache"] = self._generate_state_key(mode=self.mode)
+        return key
 
     # ------------------------------------------------------------------ lifecycle
     @override
