@@ -6,7 +6,8 @@ add per step shows up undiluted. Variants, side by side in ONE process, in inter
 each round, so drift and warm-up hit every variant alike):
 
 * ``plain``: Lightning alone;
-* ``GradNormMonitor()`` alone;
+* ``GradNormMonitor()`` alone, and with ``forensics="off"`` (healthy steps must cost the same: forensics runs on
+  the incident path only);
 * ``suite``: the six callbacks at their defaults: ``GradNormMonitor(), AutoRollback(), OptimizerBackoff(),
   LossScaleWatchdog(), CheckpointGuard(), FP32Evaluation()``;
 * ``default_callbacks()``: only where the package has such a preset;
@@ -96,6 +97,8 @@ def variants(floor: bool = False) -> dict[str, Callable[[], list[pl.Callback]]]:
     if floor:
         out[FLOOR_1] = lambda: [EmptyCallback()]
     out["GradNormMonitor()"] = lambda: [GradNormMonitor()]
+    # Forensics runs on the incident path only: on healthy steps "off" and the default "first" must cost the same.
+    out['GradNormMonitor(forensics="off")'] = lambda: [GradNormMonitor(forensics="off")]
     if floor:
         out[FLOOR_6] = lambda: [EmptyCallback() for _ in range(6)]
     out[SUITE] = _suite

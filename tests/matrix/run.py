@@ -256,7 +256,26 @@ class _Running:
         return os.path.join(self.workdir, "output.log")
 
 
+_PORTS = iter(range(29500 + (os.getpid() % 500) * 40, 65000))  # a distinct MASTER_PORT per DDP job of this parent
+
+
+def _next_port() -> int:
+    """A port no other job of this run was given and that is free now: two DDP jobs started together would otherwise
+    both pick the same free port in their own processes (EADDRINUSE, or one rank joining the other's group)."""
+    import socket
+
+    for port in _PORTS:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port for a DDP job")
+
+
 def _start(case: Case, root: str, timeout: float | None, fresh: str) -> _Running:
+    port = str(_next_port()) if case.ddp else None  # given to the child only (no leak into this process)
     workdir = tempfile.mkdtemp(prefix=str(case)[:60] + "-", dir=root)
     log = os.path.join(workdir, "output.log")
     limit = timeout if timeout is not None else (TIMEOUT_DDP if case.ddp else TIMEOUT_SINGLE)
@@ -270,6 +289,8 @@ def _start(case: Case, root: str, timeout: float | None, fresh: str) -> _Running
             code = 0
             try:
                 os.setsid()
+                if port is not None:
+                    os.environ["MASTER_PORT"] = port
                 fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 os.dup2(fd, 1)
                 os.dup2(fd, 2)
@@ -287,6 +308,7 @@ def _start(case: Case, root: str, timeout: float | None, fresh: str) -> _Running
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 cwd=_REPO,
+                env={**os.environ, **({"MASTER_PORT": port} if port is not None else {})},
             )
         pid = proc.pid
     return _Running(case, pid, workdir, start + limit, start, proc)
