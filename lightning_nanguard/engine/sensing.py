@@ -266,21 +266,51 @@ class Sensor:
             index=index,
             local=local,
         )
+        return self._deliver(
+            reading,
+            vec,
+            optimizer,
+            scaler,
+            path,
+            opt_idx,
+            world,
+            loss is not None,
+            scale is not None,
+            host_only=host_only,
+            squared=False,
+        )
+
+    def _deliver(
+        self,
+        reading: Reading,
+        head: Tensor,
+        optimizer: Optimizer,
+        scaler: Any,
+        path: str,
+        opt_idx: int,
+        world: int,
+        has_loss: bool,
+        has_scale: bool,
+        *,
+        host_only: bool,
+        squared: bool,
+    ) -> Reading:
+        """The reduced ``head`` vector to its consumer: read now (the step's one host read), or, on the device path,
+        handed to the optimizer as its ``found_inf`` flag and copied to a host mirror read at the batch end."""
         reading.extras["path"] = path
         if host_only or path == "host":
-            self.fill(reading, vec.tolist(), world, loss is not None, scale is not None)  # the step's one read
+            self.fill(reading, head.tolist(), world, has_loss, has_scale, squared=squared)
             return reading
-        # Device path: the optimizer acts on the verdict; the host learns it at the batch end.
-        bad = ~torch.isfinite(vec).all()
+        bad = ~torch.isfinite(head).all()
         if path == "scaler":
             _lightning_compat.or_into_found_inf(scaler, optimizer, bad)
         else:
             _lightning_compat.set_found_inf(optimizer, bad)
         mirror = self._mirrors.get(opt_idx)
         if mirror is None:
-            mirror = self._mirrors[opt_idx] = HostMirror(4, vec.device)
-        mirror.fill(vec)
-        reading.extras["pending"] = (mirror, vec.numel(), world, loss is not None, scale is not None, False)
+            mirror = self._mirrors[opt_idx] = HostMirror(4, head.device)
+        mirror.fill(head)
+        reading.extras["pending"] = (mirror, head.numel(), world, has_loss, has_scale, squared)
         return reading
 
     def _measure_sharded(
@@ -332,23 +362,20 @@ class Sensor:
             index=index,
             local=local,
         )
-        reading.extras["path"] = path
-        head_vec = vec[:k]
-        if host_only or path == "host":
-            # The step's one host read: the head only; the per-tensor norms stay on the device.
-            self.fill(reading, head_vec.tolist(), world, loss is not None, scale is not None, squared=True)
-            return reading
-        bad = ~torch.isfinite(head_vec).all()
-        if path == "scaler":
-            _lightning_compat.or_into_found_inf(scaler, optimizer, bad)
-        else:  # pragma: no cover - measure() sends sharded fused optimizers down the host path
-            _lightning_compat.set_found_inf(optimizer, bad)
-        mirror = self._mirrors.get(opt_idx)
-        if mirror is None:
-            mirror = self._mirrors[opt_idx] = HostMirror(4, head_vec.device)
-        mirror.fill(head_vec)
-        reading.extras["pending"] = (mirror, k, world, loss is not None, scale is not None, True)
-        return reading
+        # The step's one host read is the head only; the per-tensor norms stay on the device.
+        return self._deliver(
+            reading,
+            vec[:k],
+            optimizer,
+            scaler,
+            path,
+            opt_idx,
+            world,
+            loss is not None,
+            scale is not None,
+            host_only=host_only,
+            squared=True,
+        )
 
     @staticmethod
     def resolve(reading: Reading) -> bool:
