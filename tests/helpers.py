@@ -120,3 +120,19 @@ def csv_metrics(log_dir: str) -> list[dict[str, str]]:
 
     with open(os.path.join(log_dir, "metrics.csv"), newline="") as f:
         return list(csv.DictReader(f))
+
+
+class HostReadsPerStep(pl.Callback):
+    """Counts host reads (``HostReadCounter``) from batch start to batch end, optimizer step included."""
+
+    def __init__(self) -> None:
+        self.per_step: list[int] = []
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        from lightning_nanguard.testing import HostReadCounter
+
+        self._reads = HostReadCounter().__enter__()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self._reads.__exit__(None, None, None)
+        self.per_step.append(self._reads.count)

@@ -10,8 +10,8 @@ import torch
 
 import lightning_nanguard as ng
 from lightning_nanguard.engine import get_engine
-from lightning_nanguard.testing import FaultInjector, HostReadCounter
-from tests.helpers import TinyModel, all_finite, make_trainer, params_of
+from lightning_nanguard.testing import FaultInjector
+from tests.helpers import HostReadsPerStep, TinyModel, all_finite, make_trainer, params_of
 
 
 def _suite() -> list[pl.Callback]:
@@ -41,22 +41,8 @@ def test_order_of_callbacks_does_not_change_the_run(tmp_path: Any, precision: st
     assert all(torch.equal(forward[0][k], backward[0][k]) for k in forward[0])
 
 
-class _CountPerStep(pl.Callback):
-    """Counts host reads from batch start to batch end (optimizer step included)."""
-
-    def __init__(self) -> None:
-        self.per_step: list[int] = []
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._reads = HostReadCounter().__enter__()
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self._reads.__exit__(None, None, None)
-        self.per_step.append(self._reads.count)
-
-
 def _counts(tmp_path: Any, callbacks: list[pl.Callback], precision: str, model: TinyModel) -> list[int]:
-    counter = _CountPerStep()
+    counter = HostReadsPerStep()
     # Logging every 50 steps and snapshots every 100: these steps are plain healthy steps.
     trainer = make_trainer(tmp_path, precision, max_steps=6, log_every_n_steps=50, callbacks=[*callbacks, counter])
     trainer.fit(model)

@@ -9,28 +9,16 @@ import pytest
 
 from lightning_nanguard import GradNormMonitor
 from lightning_nanguard.engine import get_engine
-from lightning_nanguard.testing import FaultInjector, HostReadCounter
+from lightning_nanguard.testing import FaultInjector
 from tests.forensics.models import RegressionNet
-from tests.helpers import make_trainer
-
-
-class _CountPerStep(pl.Callback):
-    def __init__(self) -> None:
-        self.per_step: list[int] = []
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._reads = HostReadCounter().__enter__()
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self._reads.__exit__(None, None, None)
-        self.per_step.append(self._reads.count)
+from tests.helpers import HostReadsPerStep, make_trainer
 
 
 @pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
 def test_healthy_steps_read_the_host_as_often_with_forensics_as_without(tmp_path: Any, precision: str) -> None:
     counts = {}
     for mode in ("off", "first", "every"):
-        counter = _CountPerStep()
+        counter = HostReadsPerStep()
         trainer = make_trainer(
             tmp_path / mode,
             precision,
