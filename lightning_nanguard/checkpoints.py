@@ -7,6 +7,10 @@ finite: ``state_dict`` and ``optimizer_states`` of a Lightning checkpoint, every
 ``sha256sum -c X.ckpt.sha256`` works too. Where a file has no sidecar (``require_sidecar=False``), the CRC-32 that
 torch's zip format stores for every member is checked instead, so a flipped bit in a tensor's bytes is still caught.
 
+A distributed checkpoint (a directory written by ``ModelParallelStrategy(save_distributed_checkpoint=True)`` under
+CheckpointGuard) is verified by its ``nanguard-manifest.json`` instead: every file's size and sha256, no unlisted
+shard, and the finiteness recorded at save time (``checkpoint_manifest.py``).
+
 No Lightning import here: these functions are usable from any script (``nanguard verify``, a resume by hand).
 """
 
@@ -24,12 +28,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_nanguard.checkpoint_manifest import (
+    is_distributed_checkpoint,
+    manifest_mtime_ns,
+    manifest_step,
+    verify_directory,
+)
+
 __all__ = [
     "LAST_GOOD_NAME",
     "SIDECAR_SUFFIX",
     "VerifyResult",
     "check_sidecar",
     "check_zip_crc",
+    "checkpoint_candidates",
     "checkpoint_files",
     "checkpoint_step",
     "last_good_checkpoint",
@@ -154,7 +166,10 @@ def check_sidecar(path: str, *, require_sidecar: bool = True) -> str | None:
         if os.path.islink(path):
             return f"it is a symlink to {os.readlink(path)}, which does not exist (that save was refused or removed)"
         if os.path.isdir(path):
-            return "it is a directory, not a checkpoint file (only single-file checkpoints are verified)"
+            return (
+                "it is a directory, not a checkpoint file: a distributed checkpoint is verified by "
+                "verify_checkpoint (its manifest), not loaded as one file"
+            )
         return "file does not exist"
     sidecar = path + SIDECAR_SUFFIX
     if not os.path.isfile(sidecar) and os.path.islink(path):
@@ -228,8 +243,13 @@ def verify_and_load(
 
 def verify_checkpoint(path: str, *, require_sidecar: bool = True) -> VerifyResult:
     """Check a checkpoint file: sidecar checksum (zip CRC-32s without one), loadable with ``weights_only=True``, finite
-    weights and optimizer state."""
-    return verify_and_load(os.fspath(path), require_sidecar=require_sidecar)[0]
+    weights and optimizer state. A directory is checked as a distributed checkpoint: its manifest, every listed file's
+    size and sha256, no unlisted shard (``require_sidecar`` does not apply: a directory without a manifest fails)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        reason = verify_directory(path)
+        return VerifyResult(path, reason is None, reason or "")
+    return verify_and_load(path, require_sidecar=require_sidecar)[0]
 
 
 def checkpoint_files(dirpath: str) -> list[str]:
@@ -243,13 +263,35 @@ def checkpoint_files(dirpath: str) -> list[str]:
     return [path for *_, path in sorted(found, reverse=True)]
 
 
+def checkpoint_candidates(dirpath: str, *, directories: bool = True) -> list[str]:
+    """``checkpoint_files`` and (with ``directories``) the distributed checkpoint directories of ``dirpath``, newest
+    first; a directory's time is its manifest's (when its save completed). Hidden entries (our temporary ones) and
+    symlinks are left out."""
+    if not os.path.isdir(dirpath):
+        return []
+    found: list[tuple[int, bool, str, str]] = []
+    for entry in os.scandir(dirpath):
+        if entry.name.endswith(".ckpt") and entry.is_file(follow_symlinks=False):
+            found.append((entry.stat().st_mtime_ns, entry.name != LAST_GOOD_NAME, entry.name, entry.path))
+        elif (
+            directories
+            and not entry.name.startswith(".")
+            and entry.is_dir(follow_symlinks=False)
+            and is_distributed_checkpoint(entry.path)
+        ):
+            found.append((manifest_mtime_ns(entry.path), True, entry.name, entry.path))
+    return [path for *_, path in sorted(found, reverse=True)]
+
+
 def last_good_checkpoint(
-    dirpath: str, *, require_sidecar: bool = True, at_or_before_step: int | None = None
+    dirpath: str, *, require_sidecar: bool = True, at_or_before_step: int | None = None, directories: bool = True
 ) -> str | None:
-    """The newest (by modification time) ``*.ckpt`` in ``dirpath`` that verifies, or ``None``.
+    """The newest (by modification time) ``*.ckpt`` file or distributed checkpoint directory in ``dirpath`` that
+    verifies, or ``None``.
 
     Symlinks are skipped (their targets are regular files of the directory). Every rank that calls this on the same
-    directory gets the same answer.
+    directory gets the same answer. A directory counts when its manifest verifies (``verify_checkpoint``); its step
+    is the manifest's.
 
     Args:
         dirpath: the checkpoint directory.
@@ -257,13 +299,22 @@ def last_good_checkpoint(
         at_or_before_step: only Lightning checkpoints whose ``global_step`` is this step or earlier count (a file
             without a ``global_step`` never does): a rollback to step N must never "restore" a later state, such as
             the newest file of an abandoned run in the same directory.
+        directories: consider distributed checkpoint directories too (``False``: files only, for a caller that
+            loads the result with ``torch.load``).
 
     Example::
 
         >>> ckpt = last_good_checkpoint("lightning_logs/version_0/checkpoints")
         >>> trainer.fit(model, ckpt_path=ckpt)
     """
-    for path in checkpoint_files(os.fspath(dirpath)):
+    for path in checkpoint_candidates(os.fspath(dirpath), directories=directories):
+        if os.path.isdir(path):
+            if verify_directory(path) is not None:
+                continue
+            step = manifest_step(path)
+            if at_or_before_step is not None and (step is None or step > at_or_before_step):
+                continue
+            return path
         result, checkpoint = verify_and_load(path, require_sidecar=require_sidecar)
         if not result.ok:
             continue

@@ -17,7 +17,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from lightning_nanguard.checkpoints import SIDECAR_SUFFIX, checkpoint_files, verify_checkpoint, write_sidecar
+from lightning_nanguard.checkpoint_manifest import is_distributed_checkpoint
+from lightning_nanguard.checkpoints import SIDECAR_SUFFIX, checkpoint_candidates, verify_checkpoint, write_sidecar
 from lightning_nanguard.engine.sink import INCIDENTS_FILE, SUMMARY_FILE
 from lightning_nanguard.reporting.incidents import Incident, IncidentLog
 from lightning_nanguard.reporting.summary import format_summary
@@ -104,16 +105,19 @@ def _unrecovered(records: list[Incident], summary: str | None) -> bool:
 def _verify(args: argparse.Namespace) -> int:
     files: list[str] = []
     for path in args.paths:
-        found = checkpoint_files(path) if os.path.isdir(path) else [path]
+        # A distributed checkpoint (a directory with a manifest or DCP's .metadata) is one checkpoint; any other
+        # directory holds checkpoints: its *.ckpt files and distributed checkpoint directories.
+        distributed = is_distributed_checkpoint(path)
+        found = checkpoint_candidates(path) if os.path.isdir(path) and not distributed else [path]
         if not found:
-            print(f"FAIL {path}: no *.ckpt files in this directory")
+            print(f"FAIL {path}: no *.ckpt files or distributed checkpoints in this directory")
             return 1
         files.extend(found)
     failed = 0
     for path in files:
         require = args.require_sidecar and not args.write_sidecar
         result = verify_checkpoint(path, require_sidecar=require)
-        if result.ok and args.write_sidecar and not os.path.isfile(path + SIDECAR_SUFFIX):
+        if result.ok and args.write_sidecar and os.path.isfile(path) and not os.path.isfile(path + SIDECAR_SUFFIX):
             write_sidecar(path)
             print(f"OK   {path} (sidecar written: {os.path.basename(path)}{SIDECAR_SUFFIX})")
         elif result.ok:
@@ -167,14 +171,22 @@ def build_parser() -> argparse.ArgumentParser:
     report.set_defaults(func=_report)
     verify = sub.add_parser(
         "verify",
-        help="verify checkpoints (sha256 sidecar, loadable with weights_only=True, finite); exit 1 on failure",
+        help="verify checkpoints (sha256 sidecar, loadable with weights_only=True, finite; a distributed checkpoint "
+        "directory by its manifest); exit 1 on failure",
         description="Verify checkpoint files: the sha256 sidecar (without one, the zip CRC-32s torch stores), "
         "loadable with torch.load(weights_only=True), every weight and optimizer tensor finite (in any layout: a "
-        "Lightning checkpoint, a plain state dict, ...).",
+        "Lightning checkpoint, a plain state dict, ...). A distributed checkpoint (a directory written by "
+        "ModelParallelStrategy under CheckpointGuard) is verified by its nanguard-manifest.json: every file's size "
+        "and sha256, no unlisted shard, the finiteness checked on every rank at save time.",
         epilog=EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    verify.add_argument("paths", nargs="+", metavar="PATH", help="checkpoint files, or directories of *.ckpt files")
+    verify.add_argument(
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        help="checkpoint files, distributed checkpoint directories, or directories of either",
+    )
     verify.add_argument(
         "--no-require-sidecar",
         dest="require_sidecar",

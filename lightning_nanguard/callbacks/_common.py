@@ -44,11 +44,6 @@ _REFUSED: dict[str, dict[str, str]] = {
             "weights and fully_shard(mp_policy=...) are untested. Evaluate without it, or with an mp_policy whose "
             "param_dtype is float32"
         ),
-        "CheckpointGuard": (
-            "ModelParallelStrategy saves distributed checkpoints (a directory of shard files) that CheckpointGuard "
-            "does not checksum or verify yet (docs/SHARDED.md). Remove the callback, or use "
-            "ModelParallelStrategy(save_distributed_checkpoint=False) without CheckpointGuard"
-        ),
     },
 }
 
@@ -67,7 +62,8 @@ def check_strategy_supported(trainer: pl.Trainer, owner: str) -> None:
     """Refuse a strategy ``owner`` does not support (docs/SHARDED.md has the table).
 
     Single device and DDP are supported by every callback; ModelParallelStrategy (FSDP2 ``fully_shard``, DTensor
-    parameters) by GradNormMonitor, AutoRollback, OptimizerBackoff and LossScaleWatchdog (tested on 2 CPU ranks);
+    parameters) by GradNormMonitor, AutoRollback, OptimizerBackoff, LossScaleWatchdog and CheckpointGuard (directory
+    and single-file checkpoints; tested on 2 CPU ranks);
     FSDPStrategy (FSDP1), DeepSpeedStrategy and XLAStrategy by none, each for the reason in its message.
 
     Raises:

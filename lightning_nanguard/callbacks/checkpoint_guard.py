@@ -9,12 +9,14 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_nanguard import _lightning_compat
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._common import make_incident
 from lightning_nanguard.contract import Cause
 from lightning_nanguard.engine import Engine, get_engine
 from lightning_nanguard.exceptions import NanGuardConfigError, UnsupportedSetupError
 from lightning_nanguard.policies.verdict import Action
+from lightning_nanguard.recovery import sharded_checkpoint
 from lightning_nanguard.recovery.verifying_io import CheckpointEvent, VerifyingCheckpointIO, remove_stale_tmp_files
 
 __all__ = ["CheckpointGuard"]
@@ -43,13 +45,23 @@ class CheckpointGuard(NanGuardCallback):
       older file is how one leaves a trajectory that went bad), and a ``fallback`` incident names both files
       (``trainer.ckpt_path`` still shows the requested one).
 
+    Under ``ModelParallelStrategy`` (FSDP2) the strategy's own ``save_checkpoint``/``load_checkpoint`` are wrapped too
+    (``recovery/sharded_checkpoint.py``): with ``save_distributed_checkpoint=True`` (its default) a checkpoint is a
+    directory; the state's finiteness is reduced across ranks before the save (a NaN in one rank's shard refuses the
+    save on every rank), the shards are written into a temporary directory, hashed by the ranks that wrote them, listed
+    with their sizes and sha256 in ``nanguard-manifest.json`` by rank 0 and published with one rename. With
+    ``save_distributed_checkpoint=False`` rank 0 writes one file with its sidecar, as under DDP. At resume rank 0
+    verifies the directory (manifest, every file's size and hash, no unlisted shard) or the file, and every rank
+    loads what it decided (the requested checkpoint, a fallback, or nothing: the same error on every rank). No
+    ``nanguard-last-good.ckpt`` tag is kept for directories; ``last_good_checkpoint`` lists them.
+
     ``weights_only=True`` refuses pickled custom objects in hyperparameters (``pathlib.Path``, ``argparse.Namespace``,
     numpy scalars): allow-list them with ``torch.serialization.add_safe_globals([...])``, or pass
     ``fit(..., weights_only=False)`` for the file you name and trust (a fallback file is still loaded weights-only).
     The wrapper stays installed after fit, so a final ``trainer.save_checkpoint(...)`` still gets its sidecar. To
     resume by hand, use ``lightning_nanguard.last_good_checkpoint(dirpath)``; to check files, ``nanguard verify``.
-    Refusals happen on rank 0 only and are reported, never fed to a training decision, so they cannot make ranks
-    disagree.
+    Refusals of single files happen on rank 0 only and are reported, never fed to a training decision, so they cannot
+    make ranks disagree; a refused distributed save is decided on every rank together.
 
     Args:
         require_sidecar: refuse to load a file without its ``.sha256`` sidecar (written by CheckpointGuard or by
@@ -65,7 +77,8 @@ class CheckpointGuard(NanGuardCallback):
 
     Raises:
         NanGuardConfigError: at construction, for an argument that is not a bool.
-        UnsupportedSetupError: at setup, for sharded strategies or an asynchronous CheckpointIO.
+        UnsupportedSetupError: at setup, for FSDPStrategy, DeepSpeedStrategy, XLAStrategy or an asynchronous
+            CheckpointIO.
         FileNotFoundError: when the checkpoint to load does not exist.
         CheckpointVerificationError: when a checkpoint to load fails verification and there is no fallback.
 
@@ -120,6 +133,8 @@ class CheckpointGuard(NanGuardCallback):
         if isinstance(io, VerifyingCheckpointIO):  # a second fit on the same Trainer: reuse, with our settings
             io.listener = self._on_event
             io.require_sidecar, io.fallback, io.tag_last_good = self.require_sidecar, self.fallback, self.tag_last_good
+            if "ModelParallelStrategy" in _lightning_compat.strategy_class_names(trainer):
+                sharded_checkpoint.install(trainer, io)
             return
         if "AsyncCheckpointIO" in {cls.__name__ for cls in type(io).__mro__}:
             raise UnsupportedSetupError(
@@ -127,13 +142,17 @@ class CheckpointGuard(NanGuardCallback):
                 "is not complete when save_checkpoint returns. Remove AsyncCheckpointIO from Trainer(plugins=...) "
                 "or remove CheckpointGuard."
             )
-        trainer.strategy.checkpoint_io = VerifyingCheckpointIO(
+        wrapper = VerifyingCheckpointIO(
             io,
             require_sidecar=self.require_sidecar,
             fallback=self.fallback,
             tag_last_good=self.tag_last_good,
             listener=self._on_event,
         )
+        trainer.strategy.checkpoint_io = wrapper
+        if "ModelParallelStrategy" in _lightning_compat.strategy_class_names(trainer):
+            # Its checkpoints bypass checkpoint_io on load (and, as directories, on save): wrap the strategy's own.
+            sharded_checkpoint.install(trainer, wrapper)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -193,7 +212,8 @@ class CheckpointGuard(NanGuardCallback):
 
     # ------------------------------------------------------------------ events from the wrapper
     def _on_event(self, event: CheckpointEvent) -> None:
-        # Saves happen on global rank 0 only: what is done here is reported, never fed to a decision (a rank-local
+        # File saves happen on global rank 0 only (a distributed save reports on every rank alike): what is done here
+        # is reported, never fed to a decision (a rank-local
         # event must not steer any state that a collective depends on).
         if event.kind == "saved":
             self.last_saved = event.path

@@ -37,7 +37,14 @@ from lightning_nanguard.checkpoints import (
 )
 from lightning_nanguard.exceptions import CheckpointVerificationError
 
-__all__ = ["STALE_TMP_SECONDS", "CheckpointEvent", "VerifyingCheckpointIO", "remove_stale_tmp_files", "step_in_name"]
+__all__ = [
+    "STALE_TMP_SECONDS",
+    "CheckpointEvent",
+    "VerifyingCheckpointIO",
+    "remove_stale_tmp_files",
+    "step_in_name",
+    "tmp_name",
+]
 
 EventKind = Literal["saved", "refused_save", "loaded", "refused_load", "fallback", "unverified", "kept"]
 
@@ -165,11 +172,26 @@ class VerifyingCheckpointIO(CheckpointIO):
         write_sidecar(target, digest=digest)
         if self.tag_last_good and os.path.basename(target) != LAST_GOOD_NAME:
             _tag(target, os.path.join(directory, LAST_GOOD_NAME), digest, self._writing)
+        self.note_saved(target)
+
+    def note_saved(self, target: str) -> None:
+        """A good checkpoint (a file, or a directory published by ``sharded_checkpoint``) is now at ``target``:
+        carry out the removals deferred since a refusal in its directory, and report it."""
+        directory = os.path.dirname(os.path.abspath(target))
         if os.path.basename(target) != LAST_GOOD_NAME:
             self._newest[directory] = target
         self._refused.discard(directory)
         self._release_deferred(directory, keep=target)
         self._notify(CheckpointEvent("saved", target))
+
+    def note_refused(self, target: str) -> None:
+        """A save to ``target`` was refused (by ``sharded_checkpoint``, on every rank): defer removals in its
+        directory until a finite checkpoint is written there again, as for a refused file."""
+        self._refused.add(os.path.dirname(os.path.abspath(target)))
+
+    def newest_good(self, target: str) -> str:
+        """The newest good checkpoint of ``target``'s directory as far as this wrapper knows, or ``""``."""
+        return self._newest_good(os.path.dirname(os.path.abspath(target)))
 
     # ------------------------------------------------------------------ load
     @override
@@ -198,6 +220,7 @@ class VerifyingCheckpointIO(CheckpointIO):
         later: list[str] = []
         if self.fallback:
             limit = step_in_name(requested)
+            # Files only: this IO loads a candidate with torch.load (a directory is loaded by the strategy).
             for candidate in checkpoint_files(os.path.dirname(os.path.abspath(requested))):
                 # Only the requested name is skipped: a hard link to the same content (the tag) has its own
                 # sidecar, and re-verifying it is what lets a file that merely lost its sidecar fall back to its tag.
@@ -216,7 +239,7 @@ class VerifyingCheckpointIO(CheckpointIO):
                     continue
                 self._notify(CheckpointEvent("fallback", requested, result.reason, substitute=candidate))
                 return checkpoint
-        message = self._load_error(requested, result.reason, later)
+        message = self.load_error(requested, result.reason, later)
         self._notify(CheckpointEvent("refused_load", requested, result.reason))
         raise CheckpointVerificationError(message)
 
@@ -257,10 +280,14 @@ class VerifyingCheckpointIO(CheckpointIO):
     def _newest_good(self, directory: str) -> str:
         """The newest good checkpoint of ``directory`` as far as this wrapper knows (it wrote it or the tag)."""
         newest = self._newest.get(directory, "")
-        if newest and os.path.isfile(newest):
+        if newest and os.path.exists(newest):  # a file, or a distributed checkpoint directory
             return newest
         tag = os.path.join(directory, LAST_GOOD_NAME)
         return tag if self.tag_last_good and os.path.isfile(tag) else ""
+
+    def notify(self, event: CheckpointEvent) -> None:
+        """Tell the listener (the callback) about ``event``."""
+        self._notify(event)
 
     def _notify(self, event: CheckpointEvent) -> None:
         if self.listener is not None:
@@ -277,11 +304,12 @@ class VerifyingCheckpointIO(CheckpointIO):
         if bad:
             reason = f"non-finite values in {', '.join(bad[:3])}"
             self._notify(CheckpointEvent("refused_load", path, reason))
-            raise CheckpointVerificationError(self._load_error(path, reason))
+            raise CheckpointVerificationError(self.load_error(path, reason))
         self._tell_remote(path, "not a local file: finiteness checked, checksum not (checksums are local-only)")
         return checkpoint
 
-    def _load_error(self, path: str, reason: str, later: Sequence[str] = ()) -> str:
+    def load_error(self, path: str, reason: str, later: Sequence[str] = ()) -> str:
+        """The message of a refused load: the file, the reason, and what to try (the verified alternative)."""
         directory = os.path.dirname(os.path.abspath(path))
         tries: list[str] = []
         if later:
@@ -365,6 +393,11 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "localhost"
 
 
+def tmp_name(target: str) -> str:
+    """The temporary name a save of ``target`` writes first (a file, or a distributed checkpoint's directory)."""
+    return _tmp_name(target)
+
+
 def _tmp_name(target: str) -> str:
     """``.<name>.<pid>@<host>.tmp`` next to ``target``: hidden, not ``*.ckpt``, and traceable to its writer."""
     return os.path.join(
@@ -385,9 +418,10 @@ def _pid_alive(pid: int) -> bool:
 def remove_stale_tmp_files(directory: str, *, in_use: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """Remove the temporary files that killed saves left in ``directory``; returns the removed paths.
 
-    Only our own names are touched (``.<name>.ckpt.<pid>[@<host>].tmp``, ``<name>.ckpt.sha256.tmp``), and only when
-    not in use: written by this process but not being written now, or by a process of this host that no longer runs,
-    or (another host's, or a sidecar's) last modified more than ``STALE_TMP_SECONDS`` ago.
+    Only our own names are touched (``.<name>.ckpt.<pid>[@<host>].tmp``, ``<name>.ckpt.sha256.tmp``; also a
+    distributed checkpoint's temporary directory ``.<name>.ckpt.<pid>@<host>.tmp/``), and only when not in use:
+    written by this process but not being written now, or by a process of this host that no longer runs, or
+    (another host's, or a sidecar's) last modified more than ``STALE_TMP_SECONDS`` ago.
     """
     removed: list[str] = []
     try:
@@ -401,7 +435,8 @@ def remove_stale_tmp_files(directory: str, *, in_use: set[str] | frozenset[str] 
         if (match is None and sidecar is None) or entry.path in in_use:
             continue
         try:
-            if not entry.is_file(follow_symlinks=False):
+            is_dir = match is not None and entry.is_dir(follow_symlinks=False)
+            if not is_dir and not entry.is_file(follow_symlinks=False):
                 continue
             age = now - entry.stat(follow_symlinks=False).st_mtime
         except OSError:
@@ -413,7 +448,10 @@ def remove_stale_tmp_files(directory: str, *, in_use: set[str] | frozenset[str] 
             stale = pid == me or not _pid_alive(pid)
         if stale:
             with contextlib.suppress(OSError):
-                os.remove(entry.path)
+                if is_dir:
+                    shutil.rmtree(entry.path)
+                else:
+                    os.remove(entry.path)
                 removed.append(entry.path)
     return removed
 

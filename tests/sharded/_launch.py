@@ -54,3 +54,14 @@ def run_ranks(config: dict[str, Any], out_dir: str, timeout: float = 80.0) -> di
             ranks.append(json.load(f))
     params = torch.load(os.path.join(out_dir, "params.pt"), weights_only=True)
     return {"ranks": ranks, "params": params, "output": output}
+
+
+def run_checkpoint_ranks(config: dict[str, Any], out_dir: str, timeout: float = 80.0) -> list[dict[str, Any]]:
+    """One 2-rank run of ``tests.sharded._ckpt_worker`` (CheckpointGuard under FSDP2); each rank's ``rank{r}.json``."""
+    os.makedirs(out_dir, exist_ok=True)
+    run_module("tests.sharded._ckpt_worker", [json.dumps(config), out_dir], timeout)
+    ranks = []
+    for r in (0, 1):
+        with open(os.path.join(out_dir, f"rank{r}.json"), encoding="utf-8") as f:
+            ranks.append(json.load(f))
+    return ranks

@@ -20,7 +20,13 @@ from lightning_nanguard.exceptions import UnsupportedSetupError
 pytestmark = pytest.mark.distributed
 
 CALLBACKS = [GradNormMonitor, AutoRollback, OptimizerBackoff, LossScaleWatchdog, FP32Evaluation, CheckpointGuard]
-TESTED_UNDER_FSDP2 = {"GradNormMonitor", "AutoRollback", "OptimizerBackoff", "LossScaleWatchdog"}
+TESTED_UNDER_FSDP2 = {
+    "GradNormMonitor",
+    "AutoRollback",
+    "OptimizerBackoff",
+    "LossScaleWatchdog",
+    "CheckpointGuard",
+}
 
 
 def _trainer_with(strategy_name: str) -> SimpleNamespace:
