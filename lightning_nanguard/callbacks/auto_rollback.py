@@ -18,9 +18,9 @@ from lightning_nanguard.engine.capabilities import Restored
 from lightning_nanguard.engine.incidents import EventHandled
 from lightning_nanguard.engine.state_check import model_finite
 from lightning_nanguard.exceptions import NanGuardConfigError, UnsupportedSetupError
-from lightning_nanguard.policies.rollback import RollbackPolicy, snapshot_due
+from lightning_nanguard.policies.rollback import RollbackPolicy, SnapshotJudge, StepHealth, snapshot_due
 from lightning_nanguard.recovery.final_checkpoint import checkpoint_dir, save_verified_checkpoint
-from lightning_nanguard.recovery.rollback import restore_state
+from lightning_nanguard.recovery.rollback import PassedOverSnapshots, restore_state
 from lightning_nanguard.recovery.snapshot import SnapshotRing
 from lightning_nanguard.reporting import keys
 
@@ -45,7 +45,16 @@ class AutoRollback(NanGuardCallback):
     spike with ``GradNormMonitor(on_spike="rollback")``, a loss-scale collapse), or too many updates were dropped in a
     row. A bad sample whose update was dropped with the state intact is *not* rolled back. The newest good snapshot
     is restored in ``on_train_batch_end``; a trigger within ``recurrence_steps`` of the previous rollback restores an
-    older one; snapshots newer than the restored one are discarded. ``skip_batches`` more batches then get no update
+    older one; snapshots newer than the restored one are discarded.
+
+    **Finite is not good**: a run diverging slowly is finite for many steps while its loss grows by orders of
+    magnitude, and a snapshot taken then is a state no learning rate brings back. So each snapshot is judged, a step
+    later, by the engine's reading of its own step (loss and gradient norm of exactly those weights, host floats the
+    engine already has: no extra device read). One whose gradient norm and loss are both more than 10x those of the
+    last sound snapshot was taken mid-divergence: a restore passes over it (an older sound one is restored; a
+    planned learning-rate backoff goes one notch further for each one passed over, the recurrence restoring it would
+    have met), and the ring never evicts the last sound snapshot for it. A level that holds for a whole interval with
+    no incident is a new normal, not a divergence. ``skip_batches`` more batches then get no update
     (PaLM's recipe). At the end of fit, non-finite parameters or buffers left by the last update are restored too, so
     a fit that returns has finite weights.
 
@@ -134,6 +143,9 @@ class AutoRollback(NanGuardCallback):
         self.skipped_batches = 0
         self._skip_left = 0
         self._last_event: int | None = None
+        self.judge = SnapshotJudge()
+        self._unscored: list[int] = []  # snapshots whose step reading has not reached the engine's history yet
+        self._engine: Engine | None = None
 
     @override
     def _make_state_key(self) -> str:
@@ -148,6 +160,9 @@ class AutoRollback(NanGuardCallback):
     @override
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
         self._last_event = None
+        self._engine = engine
+        self.judge.reset()
+        self._unscored = []
         engine.set_restorer(self)
         engine.bus.subscribe(EventHandled, self._on_event)
         engine.add_metrics(self._metrics)
@@ -167,6 +182,8 @@ class AutoRollback(NanGuardCallback):
 
     # ------------------------------------------------------------------ the engine's Restorer
     def before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> bool:
+        if self._unscored:
+            self._score(step)
         if self.source != "memory" or step % self.every_n_steps:
             return True  # the healthy path: not a snapshot step
         if not snapshot_due(
@@ -181,10 +198,34 @@ class AutoRollback(NanGuardCallback):
             return False
         scaler = _lightning_compat.get_scaler(trainer)
         scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
+        # The newest sound snapshot stays in the ring while the ones after it were taken mid-divergence.
+        keep = max((s for s in self.ring.steps() if s not in self.judge.unsound), default=None)
         self.ring.take(
-            pl_module, trainer.optimizers, step=step, log_step=_lightning_compat.log_step(trainer), scale=scale
+            pl_module,
+            trainer.optimizers,
+            step=step,
+            log_step=_lightning_compat.log_step(trainer),
+            scale=scale,
+            keep=keep,
         )
+        self.judge.keep_only(self.ring.steps())
+        self._unscored.append(step)
         return True
+
+    def _score(self, now: int) -> None:
+        """Judge snapshots by the engine's reading of their own step (host floats it keeps anyway; no device read)."""
+        history = self._engine.history if self._engine is not None else ()
+        pending, self._unscored = self._unscored, []
+        newest = history[-1][0] if history else -1
+        for step in pending:
+            found = next((StepHealth(float(g), loss) for s, g, loss in history if s == step), None)
+            if found is None and newest <= step and now - step <= self.every_n_steps:
+                self._unscored.append(step)  # not read yet (the device path reports a step late)
+                continue
+            # No finite reading of that step (or none at all): nothing says the snapshot is unsound.
+            prev = self.judge.previous_step
+            quiet = self._last_event is None or prev is None or self._last_event < prev
+            self.judge.judge(step, found, incident_since_previous=not quiet)
 
     def can_restore(self, trainer: pl.Trainer, step: int) -> bool:
         """A verified snapshot, or a verified checkpoint of a step at or before ``step``, exists (every rank agrees:
@@ -200,12 +241,20 @@ class AutoRollback(NanGuardCallback):
         return max(0, self.max_rollbacks - len(recent))
 
     def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Restored | None:
+        if self._unscored:
+            self._score(step)
         decision = self.policy.decide(step)
         dirpath = checkpoint_dir(trainer, self.checkpoint_dir)
-        restored = restore_state(trainer, pl_module, self.ring, decision, dirpath, at_or_before_step=step)
+        restored = restore_state(
+            trainer, pl_module, self.ring, decision, dirpath, at_or_before_step=step, unsound=self.judge.unsound
+        )
         if restored is None:
             return None
         self.policy.record(step, restored.step)
+        self.judge.restored(restored.step)
+        self._unscored = [s for s in self._unscored if s <= restored.step]
+        if restored.passed_over and self._engine is not None:
+            self._engine.bus.emit(trainer, PassedOverSnapshots(restored.step, restored.passed_over))
         self._skip_left = self.skip_batches
         self._last_event = step
         return Restored(

@@ -24,6 +24,7 @@ from lightning_nanguard.recovery.backoff import (
     sync_eps_scale,
     sync_lr_scale,
 )
+from lightning_nanguard.recovery.rollback import PassedOverSnapshots
 from lightning_nanguard.reporting import keys
 
 __all__ = ["OptimizerBackoff"]
@@ -36,7 +37,9 @@ class OptimizerBackoff(NanGuardCallback):
     explosion, a spike handed to AutoRollback), a loss-scale collapse, or ``skips_before_backoff`` dropped updates
     within ``skip_window`` steps whose cause was not the data. A bad sample is never met with a backoff. eps alone is
     raised when the cause is optimizer numerics (finite gradients, non-finite update: Adam's eps underflowing in
-    fp16). ``triggers`` lists which of these kinds may lower the learning rate.
+    fp16). ``triggers`` lists which of these kinds may lower the learning rate. A rollback that passed over
+    snapshots taken mid-divergence (see ``AutoRollback``) makes the backoff of the same event one ``lr_factor`` notch
+    deeper for each: restoring any of them would have met the divergence again, and a backoff of its own.
 
     The learning rate is multiplied by ``lr_factor`` together with every anchor the schedulers recompute it from
     (``base_lrs``, ``initial_lr``/``max_lr``/``min_lr``, ``max_lrs``, ``eta_min``, ``min_lrs``, SWALR's ``swa_lr``,
@@ -144,6 +147,7 @@ class OptimizerBackoff(NanGuardCallback):
             recover_steps=recover_steps,
         )
         self._eps_scale = 1.0
+        self._extra_notches = 0  # this event's rollback passed over snapshots taken mid-divergence
         self._state_loaded = False
         self._schedulers_seen: tuple[int, ...] = ()
 
@@ -167,6 +171,8 @@ class OptimizerBackoff(NanGuardCallback):
         engine.set_backoff(self)
         engine.bus.subscribe(EventHandled, self._on_event)
         engine.bus.subscribe(StateRestored, self._on_restored)
+        engine.bus.subscribe(PassedOverSnapshots, self._on_passed_over)
+        self._extra_notches = 0
         engine.add_metrics(self._metrics)
 
     @override
@@ -220,7 +226,8 @@ class OptimizerBackoff(NanGuardCallback):
         before_lr = self._policy.scale
         values: dict[str, Any] = {}
         if lr:
-            self._policy.back_off(cause)
+            notches = 1 + self._extra_notches
+            self._policy.back_off(cause, notches)
             at_floor = self._policy.scale == before_lr
             values.update(lr_scale_before=before_lr, lr_scale_after=self._policy.scale)
             values["lr_text"] = (
@@ -228,6 +235,12 @@ class OptimizerBackoff(NanGuardCallback):
                 if at_floor
                 else f"lowered the learning rate to {self._policy.scale:g}x its schedule (was {before_lr:g}x)"
             )
+            if notches > 1 and not at_floor:
+                values["lr_notches"] = notches
+                values["lr_text"] += (
+                    f", {notches} notches of lr_factor={self.lr_factor:g}: the rollback passed over "
+                    f"{notches - 1} snapshot(s) taken mid-divergence, each a state that would have diverged again"
+                )
         if eps:
             self._eps_scale *= self.eps_factor
         eps_before, eps_after = self._sync(trainer)
@@ -241,6 +254,11 @@ class OptimizerBackoff(NanGuardCallback):
     # ------------------------------------------------------------------ reactions (engine events only: rank-consistent)
     def _on_event(self, trainer: pl.Trainer, event: EventHandled) -> None:
         self._policy.last_event_step = max(self._policy.last_event_step, event.step)
+        self._extra_notches = 0  # the event is handled: its rollback's finding does not carry over to the next
+
+    def _on_passed_over(self, trainer: pl.Trainer, event: PassedOverSnapshots) -> None:
+        # The rollback comes before the backoff within one event (the engine's order of actions).
+        self._extra_notches = len(event.passed_over)
 
     def _on_restored(self, trainer: pl.Trainer, event: StateRestored) -> None:
         self._sync(trainer)

@@ -63,10 +63,14 @@ class BackoffPolicy:
     backoffs: int = 0
     last_event_step: int = -1
 
-    def back_off(self, cause: str) -> ScaleChange:
-        """Lower the scale one step (not below the floor). ``before == after`` at the floor."""
+    def back_off(self, cause: str, notches: int = 1) -> ScaleChange:
+        """Lower the scale ``notches`` steps of ``lr_factor`` (not below the floor). ``before == after`` at the floor.
+
+        More than one notch answers more than one divergence at once: a rollback that passed over snapshots taken
+        mid-divergence (each would have led back into it, and been met with a backoff of its own).
+        """
         before = self.scale
-        self.scale = max(before * self.lr_factor, self.min_lr_scale)
+        self.scale = max(before * self.lr_factor ** max(1, notches), self.min_lr_scale)
         if self.scale < before:
             self.backoffs += 1
         return ScaleChange(before=before, after=self.scale, cause=cause, eps=True)

@@ -24,6 +24,10 @@ state damaged and nothing can restore it       ``stop`` (the error names the ten
 a budget ran out                               the restorative actions, then ``stop`` naming every remedy tried
 =============================================  ======================================================================
 
+How far each action goes is its own policy's: ``rollback`` restores the newest snapshot not taken mid-divergence
+(``policies.rollback.SnapshotJudge``), and a ``backoff`` planned with it goes one notch deeper for each snapshot it
+passed over (``policies.backoff.BackoffPolicy.back_off``).
+
 An action is planned only if the callback that performs it is installed (``Installed``), so switching a callback off
 removes exactly its remedy. Nothing here touches torch or Lightning: facts in, a ``Plan`` out.
 """

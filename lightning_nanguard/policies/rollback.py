@@ -1,14 +1,35 @@
 """The rollback policy behind ``AutoRollback``: when to snapshot, which snapshot to restore, and the budget.
 
-Pure: step numbers in, decisions out. No Lightning, no tensors.
+A snapshot is verified finite when it is taken, but finite is not healthy: a run that diverges slowly (a learning
+rate past the stability edge) is finite for many steps while its loss grows by orders of magnitude, and a snapshot
+taken then is a state training cannot come back from. So each snapshot is also judged, after the fact, by the reading
+the engine already made of its own step (the loss and gradient norm of exactly those weights; no extra host read):
+``SnapshotJudge``. A restore passes over snapshots judged to be taken mid-divergence (``choose_sound``).
+
+Pure: step numbers and host floats in, decisions out. No Lightning, no tensors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["RollbackDecision", "RollbackPolicy", "snapshot_due"]
+__all__ = [
+    "DIVERGED_FACTOR",
+    "RollbackDecision",
+    "RollbackPolicy",
+    "SnapshotJudge",
+    "StepHealth",
+    "choose_sound",
+    "diverged",
+    "snapshot_due",
+]
+
+# A snapshot whose step's gradient norm and loss are both more than this many times those of the last sound snapshot
+# was taken mid-divergence. An order of magnitude in both at once is far outside batch-to-batch noise, and a diverging
+# run passes it within a few steps (its loss grows geometrically).
+DIVERGED_FACTOR = 10.0
 
 
 def snapshot_due(
@@ -81,3 +102,117 @@ class RollbackPolicy:
     @property
     def budget_left(self) -> int:
         return max(0, self.max_rollbacks - len(self.history))
+
+
+@dataclass(frozen=True)
+class StepHealth:
+    """The engine's reading of one step (rank-reduced host floats): the gradient norm and the loss, if any."""
+
+    grad_norm: float
+    loss: float | None = None
+
+
+def _above(value: float | None, reference: float | None, factor: float) -> bool | None:
+    """``value > factor * reference``; ``None`` when the pair is not comparable (missing, non-finite, not positive)."""
+    if value is None or reference is None or not (math.isfinite(value) and math.isfinite(reference)):
+        return None
+    if reference <= 0.0 or value <= 0.0:  # a loss can be negative (log-likelihoods): a ratio means nothing then
+        return None
+    return value > factor * reference
+
+
+def diverged(health: StepHealth, reference: StepHealth, factor: float = DIVERGED_FACTOR) -> bool:
+    """``health`` is more than ``factor`` x ``reference`` in gradient norm and in loss (each where comparable; at least
+    one must be, and every comparable one must be above)."""
+    verdicts = [
+        v
+        for v in (
+            _above(health.grad_norm, reference.grad_norm, factor),
+            _above(health.loss, reference.loss, factor),
+        )
+        if v is not None
+    ]
+    return bool(verdicts) and all(verdicts)
+
+
+@dataclass
+class SnapshotJudge:
+    """Which snapshots were taken mid-divergence, judged by each snapshot's own step reading.
+
+    A snapshot is *sound* unless its reading ``diverged`` from the reference: the newest sound snapshot before it
+    (kept after the snapshot itself is evicted). A snapshot without a reading (none was made, or the step was not
+    finite) is sound: nothing says otherwise, and the old behaviour (newest first) is kept.
+
+    A level that holds is a new normal, not a divergence (a diverging run keeps growing and ends in an incident): when
+    a snapshot is within ``factor`` of an unsound previous one and no incident came between them, both are sound.
+
+    Args:
+        factor: see ``DIVERGED_FACTOR``.
+    """
+
+    factor: float = DIVERGED_FACTOR
+    reference: StepHealth | None = None
+    unsound: set[int] = field(default_factory=set)
+    healths: dict[int, StepHealth] = field(default_factory=dict)  # readings of the judged snapshots still kept
+    _previous: tuple[int, StepHealth, bool] | None = None  # the last judged snapshot: step, reading, sound
+
+    @property
+    def previous_step(self) -> int | None:
+        return None if self._previous is None else self._previous[0]
+
+    def judge(self, step: int, health: StepHealth | None, *, incident_since_previous: bool = False) -> bool:
+        """Judge the snapshot of ``step``; returns whether it is sound."""
+        if health is None:
+            return True
+        self.healths[step] = health
+        sound = self.reference is None or not diverged(health, self.reference, self.factor)
+        prev = self._previous
+        held = (
+            prev is not None
+            and not diverged(health, prev[1], self.factor)
+            and not diverged(prev[1], health, self.factor)
+        )
+        if not sound and held and prev is not None and not prev[2] and not incident_since_previous:
+            sound = True
+            self.unsound.discard(prev[0])  # vindicated too (if it is still kept)
+        if sound:
+            self.reference = health
+        else:
+            self.unsound.add(step)
+        self._previous = (step, health, sound)
+        return sound
+
+    def restored(self, step: int) -> None:
+        """The state of ``step`` was restored: later verdicts belong to the abandoned trajectory."""
+        self.unsound = {s for s in self.unsound if s <= step}
+        self.healths = {s: h for s, h in self.healths.items() if s <= step}
+        health = self.healths.get(step)
+        if health is not None and step not in self.unsound:
+            self.reference = health
+        self._previous = None if health is None else (step, health, step not in self.unsound)
+
+    def keep_only(self, steps: Collection[int]) -> None:
+        """Forget the verdicts of snapshots no longer kept (the reference stays)."""
+        self.unsound &= set(steps)
+        self.healths = {s: h for s, h in self.healths.items() if s in steps}
+
+    def reset(self) -> None:
+        self.reference, self._previous = None, None
+        self.unsound.clear()
+        self.healths.clear()
+
+
+def choose_sound(
+    decision: RollbackDecision, available: Sequence[int], unsound: Collection[int]
+) -> tuple[int | None, tuple[int, ...]]:
+    """The snapshot to restore, passing over those taken mid-divergence, and the ones passed over (newest first).
+
+    Among the snapshots ``RollbackPolicy.choose`` may pick from (all, or those before ``decision.older_than``), the
+    newest sound one. When none is sound, the plain choice (a finite state still beats a non-finite one).
+    """
+    eligible = [s for s in available if decision.older_than is None or s < decision.older_than]
+    sound = [s for s in eligible if s not in unsound]
+    if not sound:
+        return max(eligible, default=None), ()
+    chosen = max(sound)
+    return chosen, tuple(sorted((s for s in eligible if s > chosen), reverse=True))

@@ -6,6 +6,7 @@ ranks, because every decision is reduced), and does the same collectives on ever
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 import lightning.pytorch as pl
@@ -13,11 +14,11 @@ import lightning.pytorch as pl
 from lightning_nanguard import _distributed, _lightning_compat
 from lightning_nanguard.checkpoints import last_good_checkpoint
 from lightning_nanguard.exceptions import CheckpointVerificationError
-from lightning_nanguard.policies.rollback import RollbackDecision, RollbackPolicy
+from lightning_nanguard.policies.rollback import RollbackDecision, choose_sound
 from lightning_nanguard.recovery.disk_restore import restore_from_checkpoint
 from lightning_nanguard.recovery.snapshot import SnapshotRing
 
-__all__ = ["Restored", "keep_lower_scale", "restore_state"]
+__all__ = ["PassedOverSnapshots", "Restored", "keep_lower_scale", "restore_state"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,21 @@ class Restored:
     log_step: int  # its logging step
     source: str  # "memory" or "disk"
     path: str = ""  # the checkpoint, for "disk"
+    passed_over: tuple[int, ...] = ()  # newer snapshots not restored: taken mid-divergence (newest first)
+
+
+@dataclass(frozen=True)
+class PassedOverSnapshots:
+    """Emitted on the engine's bus by a rollback that passed over snapshots taken mid-divergence.
+
+    Each of them is a state that, restored, would have led straight back into the divergence: the recurrence the
+    ladder would otherwise have paid for with one more rollback and one more learning-rate backoff. A backoff planned
+    for the same event goes one notch further per snapshot passed over. Engine-decided (the verdicts come from
+    rank-reduced readings), so identical on every rank.
+    """
+
+    restored_from: int
+    passed_over: tuple[int, ...]
 
 
 def restore_state(
@@ -36,6 +52,7 @@ def restore_state(
     dirpath: str | None,
     *,
     at_or_before_step: int | None = None,
+    unsound: Collection[int] = (),
 ) -> Restored | None:
     """Memory first (the snapshot the policy picks), then disk; on a recurrence with nothing older anywhere, the
     newest snapshot again (still better than the bad state). ``None`` when there is nothing to restore.
@@ -43,12 +60,13 @@ def restore_state(
     Args:
         at_or_before_step: a checkpoint from disk must be of this step or earlier (never "restore" a step from an
             abandoned run's future).
+        unsound: snapshot steps judged taken mid-divergence: passed over while a sound one is left in the ring.
     """
-    restored = _from_ring(trainer, pl_module, ring, decision)
+    restored = _from_ring(trainer, pl_module, ring, decision, unsound)
     if restored is None:
         restored = _from_disk(trainer, dirpath, at_or_before_step)
     if restored is None and decision.older_than is not None:
-        restored = _from_ring(trainer, pl_module, ring, replace(decision, older_than=None))
+        restored = _from_ring(trainer, pl_module, ring, replace(decision, older_than=None), unsound)
     return restored
 
 
@@ -60,10 +78,14 @@ def keep_lower_scale(trainer: pl.Trainer, scale: float | None) -> None:
 
 
 def _from_ring(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, ring: SnapshotRing, decision: RollbackDecision
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    ring: SnapshotRing,
+    decision: RollbackDecision,
+    unsound: Collection[int],
 ) -> Restored | None:
     while True:
-        chosen = RollbackPolicy.choose(decision, ring.steps())
+        chosen, passed_over = choose_sound(decision, ring.steps(), unsound)
         snap = None if chosen is None else ring.get(chosen)
         if snap is None:
             return None
@@ -74,7 +96,7 @@ def _from_ring(
     ring.restore(snap, pl_module, trainer.optimizers)
     ring.discard_newer(snap.step)  # they belong to the trajectory that just went bad
     keep_lower_scale(trainer, snap.scale)
-    return Restored(snap.step, snap.log_step, "memory")
+    return Restored(snap.step, snap.log_step, "memory", passed_over=passed_over)
 
 
 def _from_disk(trainer: pl.Trainer, dirpath: str | None, at_or_before_step: int | None) -> Restored | None:

@@ -139,9 +139,15 @@ class SnapshotRing:
         step: int,
         log_step: int,
         scale: float | None = None,
+        keep: int | None = None,
     ) -> Snapshot:
-        """Copy the live state into the oldest (or an empty) slot. The caller has verified the state is finite."""
-        slot = min(self.slots, key=lambda s: (s.valid, s.step))
+        """Copy the live state into the oldest (or an empty) slot. The caller has verified the state is finite.
+
+        ``keep``: the step of a snapshot not to overwrite while another slot can take the copy (the newest sound one,
+        so that snapshots taken mid-divergence cannot push the last good state out of the ring).
+        """
+        candidates = [s for s in self.slots if not (s.valid and s.step == keep)] or self.slots
+        slot = min(candidates, key=lambda s: (s.valid, s.step))
         model = model_tensors(module)
         keys, opt, extras, specs = _optimizer_entries(optimizers)
         signature = (_signature(model), tuple(keys), _signature(opt))
