@@ -37,14 +37,6 @@ _REFUSED: dict[str, dict[str, str]] = {
             "foreach kernels and collectives nanguard uses are untested on XLA. Train on GPU/CPU"
         ),
     },
-    "ModelParallelStrategy": {
-        "FP32Evaluation": (
-            "its mode='on_nonfinite' re-runs a batch on the rank that saw it non-finite, and an FSDP2 forward "
-            "all-gathers the parameters, so a re-run on one rank alone would hang the others; the true-half fp32 "
-            "weights and fully_shard(mp_policy=...) are untested. Evaluate without it, or with an mp_policy whose "
-            "param_dtype is float32"
-        ),
-    },
 }
 
 
@@ -62,8 +54,9 @@ def check_strategy_supported(trainer: pl.Trainer, owner: str) -> None:
     """Refuse a strategy ``owner`` does not support (docs/SHARDED.md has the table).
 
     Single device and DDP are supported by every callback; ModelParallelStrategy (FSDP2 ``fully_shard``, DTensor
-    parameters) by GradNormMonitor, AutoRollback, OptimizerBackoff, LossScaleWatchdog and CheckpointGuard (directory
-    and single-file checkpoints; tested on 2 CPU ranks);
+    parameters) by GradNormMonitor, AutoRollback, OptimizerBackoff, LossScaleWatchdog, CheckpointGuard (directory
+    and single-file checkpoints) and FP32Evaluation (``mode="always"`` under ``bf16-mixed``; it refuses its other
+    combinations itself, ``fp32_evaluation.py``), tested on 2 CPU ranks;
     FSDPStrategy (FSDP1), DeepSpeedStrategy and XLAStrategy by none, each for the reason in its message.
 
     Raises:

@@ -18,6 +18,7 @@ from lightning_nanguard._validation import check_choice, check_int
 from lightning_nanguard.callbacks._common import check_strategy_supported, make_incident
 from lightning_nanguard.contract import Cause
 from lightning_nanguard.engine import get_engine
+from lightning_nanguard.exceptions import UnsupportedSetupError
 from lightning_nanguard.policies.verdict import Action
 from lightning_nanguard.recovery.eval_precision import (
     AttributePatches,
@@ -65,6 +66,12 @@ class FP32Evaluation(Callback):
     for the first attempt). Limits: ``torchmetrics`` objects updated inside the step see both calls of a re-run batch
     (use ``mode="always"`` for such modules); a ``dataloader_iter`` step cannot be re-run (warned, left as is).
 
+    Under ``ModelParallelStrategy`` (FSDP2) ``mode="always"`` runs under ``bf16-mixed`` (autocast off in every
+    evaluation step of every rank: the steps, and so FSDP2's all-gathers, stay the same on every rank). A
+    ``fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))`` all-gathers the parameters in
+    bfloat16 whatever autocast says: FP32Evaluation cannot see that policy, and evaluation then stays in bfloat16.
+    ``mode="on_nonfinite"``, ``16-true``/``bf16-true`` and ``promote_after`` are refused there (see Raises).
+
     With ``promote_after=N`` it also remedies training: once forensics has named the same training module as the
     site of a half-precision overflow ``N`` times (under ``*-mixed``), that module runs in float32 from then on
     (autocast off for its forward, its inputs cast to float32; ``recovery/promote.py``). The promotion is an incident,
@@ -86,7 +93,10 @@ class FP32Evaluation(Callback):
 
     Raises:
         NanGuardConfigError: at construction, for a ``mode`` outside its choices.
-        UnsupportedSetupError: at setup, under FSDP/DeepSpeed (sharded weights).
+        UnsupportedSetupError: at setup, under FSDPStrategy/DeepSpeedStrategy/XLAStrategy; under ModelParallelStrategy
+            (FSDP2) for ``mode="on_nonfinite"`` (a re-run on one rank would hang the FSDP2 all-gathers) and for
+            ``16-true``/``bf16-true`` (float32 copies of sharded parameters) and ``promote_after`` (untested);
+            ``mode="always"`` under ``bf16-mixed`` runs there.
 
     Example::
 
@@ -126,6 +136,13 @@ class FP32Evaluation(Callback):
         check_strategy_supported(trainer, type(self).__name__)
         self._stage = stage
         self._kind, self._half = _precision_kind(trainer.precision_plugin)
+        if "ModelParallelStrategy" in _lightning_compat.strategy_class_names(trainer):
+            why = _sharded_refusal(self.mode, self._kind, self.promote_after)
+            if why:
+                raise UnsupportedSetupError(
+                    f"FP32Evaluation(mode={self.mode!r}) does not support ModelParallelStrategy under "
+                    f"precision={trainer.precision!r}: {why}"
+                )
         if self._kind == "none":
             message = (
                 f"FP32Evaluation has nothing to do: the Trainer evaluates in {trainer.precision!r}, not half precision "
@@ -346,6 +363,33 @@ class FP32Evaluation(Callback):
         if not self._warned:
             self._warned = True
             rank_zero_warn(message)
+
+
+def _sharded_refusal(mode: str, kind: str, promote_after: int | None) -> str:
+    """Why FP32Evaluation cannot run this way under ModelParallelStrategy (FSDP2), or ``""`` when it can.
+
+    ``mode="always"`` under ``*-mixed`` only switches autocast off in the evaluation step: every rank runs the same
+    steps as without it, so FSDP2's all-gathers stay paired across ranks (tested on 2 CPU ranks).
+    """
+    if mode == "on_nonfinite" and kind != "none":
+        return (
+            "mode='on_nonfinite' re-runs a batch in float32 on the rank that saw it non-finite, and an FSDP2 forward "
+            "all-gathers the parameters, so a re-run on one rank alone would wait forever for the others (a hang). "
+            "Use FP32Evaluation(mode='always'), which runs every evaluation step in float32 on every rank"
+        )
+    if promote_after is not None:
+        return (
+            "promote_after (moving a training module to float32 after repeated overflows) is not tested under FSDP2. "
+            "Use promote_after=None"
+        )
+    if kind == "true":
+        return (
+            "under 16-true/bf16-true the float32 evaluation runs on temporary float32 copies of the parameters "
+            "(torch.func.functional_call), which would bypass FSDP2's all-gather of the sharded (DTensor) "
+            "parameters. Train in precision='bf16-mixed' to evaluate in float32 with mode='always', or remove the "
+            "callback"
+        )
+    return ""
 
 
 def _promote(module: torch.nn.Module, trainer: pl.Trainer) -> bool:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision
 
 from lightning_nanguard import (
     AutoRollback,
@@ -20,12 +22,14 @@ from lightning_nanguard.exceptions import UnsupportedSetupError
 pytestmark = pytest.mark.distributed
 
 CALLBACKS = [GradNormMonitor, AutoRollback, OptimizerBackoff, LossScaleWatchdog, FP32Evaluation, CheckpointGuard]
+# FP32Evaluation: mode="always" under bf16-mixed; it refuses its other combinations at its own setup (below).
 TESTED_UNDER_FSDP2 = {
     "GradNormMonitor",
     "AutoRollback",
     "OptimizerBackoff",
     "LossScaleWatchdog",
     "CheckpointGuard",
+    "FP32Evaluation",
 }
 
 
@@ -64,3 +68,24 @@ def test_untested_strategies_are_refused_with_their_reason(callback: type, strat
 @pytest.mark.parametrize("callback", CALLBACKS, ids=lambda c: c.__name__)
 def test_single_device_and_ddp_are_allowed(callback: type, strategy: str) -> None:
     check_strategy_supported(_trainer_with(strategy), callback.__name__)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "precision", "reason"),
+    [
+        ({"mode": "on_nonfinite"}, "bf16-mixed", "re-runs a batch in float32 on the rank that saw it.*a hang"),
+        ({"mode": "always"}, "bf16-true", "bypass FSDP2's all-gather"),
+        ({"mode": "on_nonfinite"}, "16-true", "re-runs a batch in float32 on the rank that saw it"),
+        ({"mode": "always", "promote_after": 2}, "bf16-mixed", "promote_after .* is not tested under FSDP2"),
+    ],
+)
+def test_fp32_evaluation_refuses_what_would_hang_or_bypass_fsdp2(
+    kwargs: dict[str, Any], precision: str, reason: str
+) -> None:
+    plugin = MixedPrecision(precision, "cpu") if precision.endswith("mixed") else HalfPrecision(precision)  # type: ignore[arg-type]
+    trainer = _trainer_with("ModelParallelStrategy")
+    trainer.precision_plugin, trainer.precision = plugin, precision
+    with pytest.raises(
+        UnsupportedSetupError, match=rf"FP32Evaluation\(mode=.*does not support ModelParallelStrategy.*{reason}"
+    ):
+        FP32Evaluation(**kwargs).setup(trainer, None, "fit")  # type: ignore[arg-type]
