@@ -65,6 +65,8 @@ class OptimizerBackoff(NanGuardCallback):
             backoff.
         skip_window: the window, in optimizer steps, those skips are counted over.
         recover_after: healthy optimizer steps (no incident) before the scale is raised one notch; ``None``: never.
+            A level a notch reached that is backed off again within ``recover_after`` steps is never climbed to
+            again.
         recover_steps: notches from one backoff back to the previous level (each multiplies the scale by
             ``(1 / lr_factor) ** (1 / recover_steps)``, capped at 1.0).
         eps_backoff: ``"auto"`` (fp16 non-fused groups), ``"always"`` (every group with an eps) or ``"never"``.
@@ -227,7 +229,7 @@ class OptimizerBackoff(NanGuardCallback):
         values: dict[str, Any] = {}
         if lr:
             notches = 1 + self._extra_notches
-            self._policy.back_off(cause, notches)
+            self._policy.back_off(cause, notches, step=trainer.global_step)
             at_floor = self._policy.scale == before_lr
             values.update(lr_scale_before=before_lr, lr_scale_after=self._policy.scale)
             values["lr_text"] = (
@@ -290,6 +292,7 @@ class OptimizerBackoff(NanGuardCallback):
             "eps_scale": self._eps_scale,
             "backoffs": p.backoffs,
             "last_event_step": p.last_event_step,
+            "lr_ceiling": p.ceiling,
         }
 
     @override
@@ -299,6 +302,7 @@ class OptimizerBackoff(NanGuardCallback):
         self._eps_scale = float(state_dict.get("eps_scale", 1.0))
         p.backoffs = int(state_dict.get("backoffs", 0))
         p.last_event_step = int(state_dict.get("last_event_step", -1))
+        p.ceiling = float(state_dict.get("lr_ceiling", 1.0))
         self._state_loaded = True
 
 

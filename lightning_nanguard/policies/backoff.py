@@ -50,6 +50,10 @@ class BackoffPolicy:
             ``None``: never recover.
         recover_steps: notches to climb from one backoff back to the previous level: each notch multiplies the
             scale by ``(1 / lr_factor) ** (1 / recover_steps)``, capped at 1.0.
+
+    A level that recovery climbed to and that did not last (a backoff within ``recover_after`` steps of the notch
+    that reached it) was too high: recovery stops below it from then on (``ceiling``), instead of climbing back into
+    the same trouble every ``recover_after`` steps.
     """
 
     lr_factor: float = 0.5
@@ -62,14 +66,22 @@ class BackoffPolicy:
     scale: float = 1.0
     backoffs: int = 0
     last_event_step: int = -1
+    ceiling: float = 1.0  # recovery never climbs above this (a level it reached before did not last)
+    last_recovery: tuple[int, float] | None = None  # (step, scale before) of the last recovery notch
 
-    def back_off(self, cause: str, notches: int = 1) -> ScaleChange:
+    def back_off(self, cause: str, notches: int = 1, step: int | None = None) -> ScaleChange:
         """Lower the scale ``notches`` steps of ``lr_factor`` (not below the floor). ``before == after`` at the floor.
 
         More than one notch answers more than one divergence at once: a rollback that passed over snapshots taken
-        mid-divergence (each would have led back into it, and been met with a backoff of its own).
+        mid-divergence (each would have led back into it, and been met with a backoff of its own). ``step``: the
+        post-step ``global_step`` now, to tell whether the level a recovery notch reached did not last.
         """
         before = self.scale
+        if step is not None and self.last_recovery is not None and self.recover_after is not None:
+            notch_step, below = self.last_recovery
+            if step - notch_step <= self.recover_after:
+                self.ceiling = min(self.ceiling, below)
+        self.last_recovery = None
         self.scale = max(before * self.lr_factor ** max(1, notches), self.min_lr_scale)
         if self.scale < before:
             self.backoffs += 1
@@ -77,7 +89,7 @@ class BackoffPolicy:
 
     def tick(self, step: int) -> ScaleChange | None:
         """A step ended at ``step`` (after its scheduler step). Returns a recovery notch when one is due."""
-        if self.recover_after is None or self.scale >= 1.0:
+        if self.recover_after is None or self.scale >= self.ceiling or math.isclose(self.scale, self.ceiling):
             return None
         if self.last_event_step < 0:
             self.last_event_step = step
@@ -87,7 +99,9 @@ class BackoffPolicy:
         before = self.scale
         notch = (1.0 / self.lr_factor) ** (1.0 / self.recover_steps)
         after = before * notch
-        # Land exactly on 1.0 (and on earlier levels) despite float error in the root.
-        self.scale = 1.0 if after >= 1.0 or math.isclose(after, 1.0, rel_tol=1e-9) else after
+        # Land exactly on the ceiling (1.0, or a level that did not last) despite float error in the root.
+        top = self.ceiling
+        self.scale = top if after >= top or math.isclose(after, top, rel_tol=1e-9) else after
         self.last_event_step = step - 1
+        self.last_recovery = (step, before)
         return ScaleChange(before=before, after=self.scale, cause="recovery")

@@ -111,3 +111,42 @@ def test_fused_scaler_clip_and_half_master() -> None:
     assert preflight_findings([_info(1e-8, torch.float32, True, True)], clip=False, safe_eps=1e-4) == []
     codes = [f.code for f in preflight_findings([_info(1e-3, torch.bfloat16)], clip=False, safe_eps=1e-4)]
     assert codes == ["half_master"]
+
+
+def test_a_recovered_level_that_does_not_last_is_never_climbed_to_again() -> None:
+    p = BackoffPolicy(lr_factor=0.5, recover_after=10)
+    p.back_off("gradient_explosion", step=1)
+    p.last_event_step = 0
+    assert p.tick(11) is not None  # 0.5 -> 1.0
+    assert p.scale == 1.0
+    p.back_off("gradient_explosion", step=15)  # 4 steps after the notch: 1.0 did not last
+    assert p.scale == 0.5
+    assert p.ceiling == 0.5
+    p.last_event_step = 14
+    assert all(p.tick(s) is None for s in range(15, 200))  # recovery stops below the level that failed
+    # A backoff long after a notch says nothing about that level: recovery climbs back to it.
+    q = BackoffPolicy(lr_factor=0.5, recover_after=10)
+    q.back_off("x", step=1)
+    q.last_event_step = 0
+    q.back_off("x", step=5)  # 0.25
+    q.last_event_step = 4
+    assert q.tick(15) is not None  # 0.25 -> 0.5
+    q.back_off("x", step=100)
+    assert q.ceiling == 1.0
+    q.last_event_step = 99
+    assert q.tick(110) is not None
+    assert q.tick(121) is not None
+    assert q.scale == 1.0
+
+
+def test_the_ceiling_travels_with_the_callback_state_and_older_state_loads() -> None:
+    from lightning_nanguard import OptimizerBackoff
+
+    cb = OptimizerBackoff(recover_after=10)
+    cb._policy.ceiling = 0.25
+    restored = OptimizerBackoff(recover_after=10)
+    restored.load_state_dict(cb.state_dict())
+    assert restored._policy.ceiling == 0.25
+    older = {k: v for k, v in cb.state_dict().items() if k != "lr_ceiling"}
+    restored.load_state_dict(older)
+    assert restored._policy.ceiling == 1.0
