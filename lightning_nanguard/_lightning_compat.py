@@ -11,6 +11,7 @@ from torch.optim import Optimizer
 
 __all__ = [
     "accepts_found_inf",
+    "agree_scaler_skip",
     "batch_counter",
     "clamp_scale",
     "clear_found_inf",
@@ -148,6 +149,29 @@ def or_into_found_inf(scaler: Any, optimizer: Optimizer, flag: Tensor) -> None:
                 head = p.grad.view(-1)[:1]
                 head.copy_(torch.where(flag.to(head.device), torch.full_like(head, torch.inf), head))
                 return
+
+
+def agree_scaler_skip(trainer: pl.Trainer, optimizer: Optimizer) -> None:
+    """Under DDP with a GradScaler: make every rank's scaler skip (and back off) when any rank's found an inf.
+
+    DDP's gradients are identical on every rank after the all-reduce, but a fault after it (or a rank-local
+    overflow in ``unscale_``) makes one scaler skip and halve its scale while the others step: the ranks' weights and
+    scales split for good. One SUM all-reduce of the local verdict, on the device (no host read); used when no
+    nanguard member senses the steps (the sensor's reduced verdict does the same otherwise).
+    """
+    from lightning_nanguard import _distributed
+    from lightning_nanguard.signals.tensors import all_finite
+
+    scaler = get_scaler(trainer)
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
+    found = state.get("found_inf_per_device") if isinstance(state, dict) else None
+    if found:
+        local = torch.stack([t.reshape(()).float() for t in found.values()]).amax()
+    else:  # a fused optimizer unscales inside its step: read its (still scaled) gradients
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        local = (~all_finite(grads)).float()
+    reduced = _distributed.sum_across_ranks(trainer, local.reshape(1))[0] > 0
+    or_into_found_inf(scaler, optimizer, reduced)
 
 
 def clear_found_inf_of(trainer: pl.Trainer, opt_idx: int) -> None:

@@ -20,6 +20,26 @@ from lightning_nanguard.engine import Engine, get_engine
 
 __all__ = ["NanGuardCallback"]
 
+# The hooks Lightning dispatches once per batch or per step. For each, every installed callback costs a profiler
+# context and a ``state_key`` read even when the hook does nothing (about 2 µs each). Lightning skips a hook whose
+# attribute is not callable (``trainer/call.py`` ``_call_callback_hooks``: ``if callable(fn)``), so during a fit a
+# member sets the per-batch hooks it has nothing to do in to ``None`` on the instance: Callback's no-ops always, the
+# engine's hooks unless it drives. ``setup`` of the next fit and ``teardown`` put the methods back.
+_PER_BATCH_HOOKS = (
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+    "on_train_batch_end",
+    "on_validation_batch_start",
+    "on_validation_batch_end",
+    "on_test_batch_start",
+    "on_test_batch_end",
+    "on_predict_batch_start",
+    "on_predict_batch_end",
+)
+
 
 class NanGuardCallback(Callback):
     """Base of the nanguard callbacks. Subclasses override ``_install`` (and their own non-engine hooks)."""
@@ -55,11 +75,25 @@ class NanGuardCallback(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        self._unmute_hooks()
         self._check_environment(trainer)
         engine = get_engine(trainer)
         self._drives = engine.join(trainer, self)
         self._engine_now = engine  # the hooks use it directly (a WeakKeyDictionary lookup per hook adds up)
         self._install(trainer, pl_module, engine)
+        self._mute_idle_hooks()
+
+    def _mute_idle_hooks(self) -> None:
+        """Hide the per-batch hooks this member has nothing to do in, for this fit (see ``_PER_BATCH_HOOKS``)."""
+        cls = type(self)
+        for name in _PER_BATCH_HOOKS:
+            impl = getattr(cls, name)
+            if impl is getattr(Callback, name) or (impl is getattr(NanGuardCallback, name) and not self._drives):
+                self.__dict__[name] = None
+
+    def _unmute_hooks(self) -> None:
+        for name in _PER_BATCH_HOOKS:
+            self.__dict__.pop(name, None)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -67,6 +101,7 @@ class NanGuardCallback(Callback):
             self._uninstall(trainer)
             get_engine(trainer).close()
             self._drives = False
+            self._unmute_hooks()
 
     # ------------------------------------------------------------------ the engine's hooks (driver only)
     @override

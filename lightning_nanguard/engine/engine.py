@@ -16,6 +16,7 @@ from collections import deque
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -34,7 +35,12 @@ from lightning_nanguard.engine.capabilities import (
 )
 from lightning_nanguard.engine.sensing import Reading, Sensor
 from lightning_nanguard.engine.sink import IncidentSink
-from lightning_nanguard.engine.state_check import model_finite, state_before_update
+from lightning_nanguard.engine.state_check import (
+    model_finite,
+    record_intended_infinities,
+    state_before_update,
+    watched_buffers,
+)
 from lightning_nanguard.exceptions import NanGuardConfigError
 from lightning_nanguard.recovery.quarantine import Quarantine
 from lightning_nanguard.recovery.step_skip import drop_update
@@ -104,6 +110,7 @@ class Engine:
         self.step_seconds = math.nan  # moving average of a healthy batch's wall time
         self._batch_began = 0.0
         self._host_only = False
+        self._agree_scaler = False  # DDP + GradScaler with no step sensing: the scalers' skips are still agreed
 
     # ------------------------------------------------------------------ membership
     def join(self, trainer: pl.Trainer, member: Any, *, fit: bool = True) -> bool:
@@ -193,6 +200,17 @@ class Engine:
         self.finite_steps = 0
         if self.guard is not None:
             self.sensor.layer_depth = 1
+        intended = record_intended_infinities(pl_module)
+        if intended:
+            rank_zero_info(
+                f"nanguard: buffer(s) {', '.join(intended[:5])}{' ...' if len(intended) > 5 else ''} hold infinities "
+                "(and no NaN) at the start of training, e.g. an attention mask of -inf: treated as intended, checked "
+                "for NaN only."
+            )
+        if self.monitors_steps:
+            self.sensor.watch_buffers(watched_buffers(pl_module))
+        scaler = _lightning_compat.get_scaler(trainer)
+        self._agree_scaler = trainer.world_size > 1 and scaler is not None and scaler.is_enabled()
         _lightning_compat.guard_clipping(trainer, self._clip_allowed)
 
     def train_epoch_start(self, trainer: pl.Trainer) -> None:
@@ -233,6 +251,8 @@ class Engine:
     def before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
         if not self.monitors_steps:
             self._losses.clear()
+            if self._agree_scaler:
+                _lightning_compat.agree_scaler_skip(trainer, optimizer)
             return
         losses, self._losses = self._losses, []
         reading = self.sensor.measure(
@@ -426,6 +446,8 @@ class _Interval:
 
 def _nonfinite_signal(reading: Reading) -> Signal:
     loss_bad, grads_bad = not reading.loss_finite, not reading.grads_finite
+    if not (loss_bad or grads_bad):
+        return Signal.NONFINITE_STATE  # a watched buffer (BatchNorm statistics) went non-finite in the forward
     if loss_bad and grads_bad:
         return Signal.NONFINITE_LOSS_AND_GRADS
     if loss_bad:

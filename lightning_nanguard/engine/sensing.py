@@ -57,6 +57,7 @@ class Reading:
         norms: the device-side per-tensor norms (per-layer norms, forensics); ``None`` when no gradient.
         local: this rank's own ``[grad norm, loss]`` device vector, for the incident path's per-rank attribution.
         device_skipped: the update was dropped on the device (device path, non-finite verdict).
+        buffers_finite: the module's watched buffers (``state_check.watched_buffers``) were finite at this step.
     """
 
     step: int
@@ -70,6 +71,7 @@ class Reading:
     index: ParamIndex
     local: Tensor | None = None
     device_skipped: bool = False
+    buffers_finite: bool = True
     dropped: bool = False  # the update was dropped (by nanguard or the GradScaler), filled in by the engine
     spike: str = ""  # "loss_spike" / "grad_norm_spike" / "loss_and_grad_norm_spike", filled in by the engine
     extras: dict[str, Any] = field(default_factory=dict)
@@ -84,8 +86,8 @@ class Reading:
 
     @property
     def bad(self) -> bool:
-        """The step is non-finite on some rank (loss or gradients)."""
-        return not (self.grads_finite and self.loss_finite)
+        """The step is non-finite on some rank (loss, gradients or a watched buffer)."""
+        return not (self.grads_finite and self.loss_finite and self.buffers_finite)
 
 
 class HostMirror:
@@ -141,8 +143,36 @@ class Sensor:
         self._positions: dict[int, int] = {}  # id(optimizer) -> index in trainer.optimizers
         self._mirrors: dict[int, HostMirror] = {}
         self._device_path: dict[int, str] = {}  # id(optimizer) -> "host" | "scaler" | "fused"
+        self._zeros: dict[torch.device, Tensor] = {}
+        self._buffers: list[list[Tensor]] = []  # watched buffers, one list per (device, dtype)
+
+    def _zero(self, device: torch.device) -> Tensor:
+        """A 0-d float32 zero on ``device``, made once (never written to: ``stack`` copies it)."""
+        zero = self._zeros.get(device)
+        if zero is None:
+            zero = self._zeros[device] = torch.zeros((), device=device)
+        return zero
+
+    def watch_buffers(self, buffers: list[Tensor]) -> None:
+        """The buffers whose finiteness rides in every step's vector (BatchNorm statistics: a NaN written by the
+        forward shows at that step, not at the next save). Set at the start of training."""
+        groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        for b in buffers:
+            groups.setdefault((b.device, b.dtype), []).append(b)
+        self._buffers = list(groups.values())
+
+    def _buffer_probe(self) -> Tensor | None:
+        """0-d: the largest |value| over the watched buffers: NaN or inf iff one holds NaN or inf (a max-abs never
+        overflows, unlike a 2-norm). One ``_foreach_norm`` per group, a ``stack`` and an ``amax``; ``None`` when the
+        module has no floating buffer (nothing is paid then)."""
+        if not self._buffers:
+            return None
+        maxes = [m for group in self._buffers for m in torch._foreach_norm(group, math.inf)]
+        return torch.stack(maxes).amax()
 
     def reset(self) -> None:
+        self._buffers = []
+        self._zeros.clear()
         self._indexes.clear()
         self._positions.clear()
         self._mirrors.clear()
@@ -239,17 +269,16 @@ class Sensor:
                 batch,
                 host_only,
             )
-        parts: list[Tensor] = []
-        if norms is not None:
-            parts.append(norms.total)
-        device = parts[0].device if parts else _first_device(pl_module)
-        if not parts:
-            parts.append(torch.zeros((), device=device))
+        device = norms.total.device if norms is not None else _first_device(pl_module)
         loss = _loss_sum(losses)
-        parts.append(torch.zeros((), device=device) if loss is None else loss)
+        total = norms.total if norms is not None else self._zero(device)
+        parts = [_f32(total, device), _f32(self._zero(device) if loss is None else loss, device)]
         if scale is not None:
-            parts.append(scale)
-        vec = torch.stack([p.to(device=device, dtype=torch.float32) for p in parts])
+            parts.append(_f32(scale, device))
+        probe = self._buffer_probe()
+        if probe is not None:
+            parts.append(_f32(probe, device))
+        vec = torch.stack(parts)
         local = vec
         world = trainer.world_size
         if world > 1:
@@ -276,6 +305,7 @@ class Sensor:
             world,
             loss is not None,
             scale is not None,
+            probe is not None,
             host_only=host_only,
             squared=False,
         )
@@ -291,6 +321,7 @@ class Sensor:
         world: int,
         has_loss: bool,
         has_scale: bool,
+        has_probe: bool,
         *,
         host_only: bool,
         squared: bool,
@@ -299,7 +330,7 @@ class Sensor:
         handed to the optimizer as its ``found_inf`` flag and copied to a host mirror read at the batch end."""
         reading.extras["path"] = path
         if host_only or path == "host":
-            self.fill(reading, head.tolist(), world, has_loss, has_scale, squared=squared)
+            self.fill(reading, head.tolist(), world, has_loss, has_scale, has_probe, squared=squared)
             return reading
         bad = ~torch.isfinite(head).all()
         if path == "scaler":
@@ -310,7 +341,7 @@ class Sensor:
         if mirror is None:
             mirror = self._mirrors[opt_idx] = HostMirror(4, head.device)
         mirror.fill(head)
-        reading.extras["pending"] = (mirror, head.numel(), world, has_loss, has_scale, squared)
+        reading.extras["pending"] = (mirror, head.numel(), world, has_loss, has_scale, has_probe, squared)
         return reading
 
     def _measure_sharded(
@@ -336,6 +367,9 @@ class Sensor:
         head = [squares.sum(), torch.zeros((), device=device) if loss is None else loss]
         if scale is not None:
             head.append(scale)
+        probe = self._buffer_probe()
+        if probe is not None:
+            head.append(probe)
         k = len(head)
         local = torch.stack([h.to(device=device, dtype=torch.float64).reshape(()) for h in head])
         vec = torch.cat([local, squares])
@@ -373,6 +407,7 @@ class Sensor:
             world,
             loss is not None,
             scale is not None,
+            probe is not None,
             host_only=host_only,
             squared=True,
         )
@@ -383,16 +418,24 @@ class Sensor:
         pending = reading.extras.pop("pending", None)
         if pending is None:
             return False
-        mirror, n, world, has_loss, has_scale, squared = pending
-        Sensor.fill(reading, mirror.values(n), world, has_loss, has_scale, squared=squared)
+        mirror, n, world, has_loss, has_scale, has_probe, squared = pending
+        Sensor.fill(reading, mirror.values(n), world, has_loss, has_scale, has_probe, squared=squared)
         reading.device_skipped = reading.bad
         return True
 
     @staticmethod
     def fill(
-        reading: Reading, values: list[float], world: int, has_loss: bool, has_scale: bool, *, squared: bool = False
+        reading: Reading,
+        values: list[float],
+        world: int,
+        has_loss: bool,
+        has_scale: bool,
+        has_probe: bool = False,
+        *,
+        squared: bool = False,
     ) -> None:
-        """Host values from the reduced vector. ``squared``: ``values[0]`` is the global squared norm (sharded)."""
+        """Host values from the reduced vector ``[grad norm, loss, (scale), (buffer probe)]``. ``squared``:
+        ``values[0]`` is the global squared norm (sharded)."""
         if squared:
             # Already global (shares weighted): no division by the world size. NaN stays NaN; +inf stays +inf.
             values = [math.sqrt(values[0]) if values[0] >= 0 else math.nan, *values[1:]]
@@ -406,6 +449,8 @@ class Sensor:
         reading.grad_norm = grad_norm if reading.has_grads else 0.0
         reading.loss = loss if has_loss else None
         reading.scale = scale
+        if has_probe:
+            reading.buffers_finite = math.isfinite(values[3 if has_scale else 2])
         if not reading.has_grads and not math.isfinite(values[0]):
             reading.grad_norm = values[0]  # another rank's gradients were non-finite
 
@@ -434,11 +479,17 @@ def _first_device_of(index: ParamIndex) -> torch.device:
     return index.params[0].device if index.params else torch.device("cpu")
 
 
+def _f32(t: Tensor, device: torch.device) -> Tensor:
+    """``t`` as float32 on ``device``; itself when it already is (the healthy path: no conversion op)."""
+    return t if t.dtype is torch.float32 and t.device == device else t.to(device=device, dtype=torch.float32)
+
+
 def _loss_sum(losses: list[Tensor]) -> Tensor | None:
     if not losses:
         return None
     if len(losses) == 1:
-        return losses[0].reshape(())
+        loss = losses[0]
+        return loss if loss.dim() == 0 else loss.reshape(())
     return torch.stack([loss.reshape(()).float() for loss in losses]).sum()
 
 

@@ -10,6 +10,7 @@ one rank only).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import lightning.pytorch as pl
@@ -21,22 +22,78 @@ from lightning_nanguard import _distributed
 from lightning_nanguard.signals.sharded import local_tensor
 from lightning_nanguard.signals.tensors import all_finite
 
-__all__ = ["model_finite", "nonfinite_names", "state_before_update"]
+__all__ = [
+    "intended_infinities",
+    "model_finite",
+    "nonfinite_names",
+    "record_intended_infinities",
+    "state_before_update",
+    "watched_buffers",
+]
+
+# Buffers that hold infinities (and no NaN) when training starts: an attention mask of -inf registered as a buffer is
+# a constant, not damage. They are checked for NaN only (a NaN is never intended); every other tensor for NaN and inf.
+_INTENDED: weakref.WeakKeyDictionary[nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def record_intended_infinities(module: nn.Module) -> list[str]:
+    """At the start of training: remember the buffers that hold +-inf but no NaN (a host read per such buffer's
+    check, once per fit). Returns their names."""
+    names = []
+    for name, buf in module.named_buffers():
+        t = local_tensor(buf)
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        if t.is_floating_point() and t.numel() and bool(torch.isinf(t).any()) and not bool(torch.isnan(t).any()):
+            names.append(name)
+    _INTENDED[module] = frozenset(names)
+    return names
+
+
+def intended_infinities(module: nn.Module) -> frozenset[str]:
+    return _INTENDED.get(module, frozenset())
+
+
+def watched_buffers(module: nn.Module) -> list[Tensor]:
+    """The floating-point buffers checked for NaN and inf at every step (local tensors; not the intended ones)."""
+    skip = intended_infinities(module)
+    out = []
+    for name, buf in module.named_buffers():
+        t = local_tensor(buf)
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        if name not in skip and t.is_floating_point() and t.numel():
+            out.append(t)
+    return out
 
 
 def _model_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
-    """Parameters then buffers by name, as this rank's local tensors (the local shard of a ``DTensor``)."""
-    named = [*module.named_parameters(), *module.named_buffers()]
+    """Parameters then buffers by name, as this rank's local tensors (the local shard of a ``DTensor``), without the
+    buffers whose infinities are intended (``record_intended_infinities``)."""
+    skip = intended_infinities(module)
+    named = [*module.named_parameters(), *((n, b) for n, b in module.named_buffers() if n not in skip)]
     return [(n, local_tensor(t)) for n, t in named]
 
 
+def _intended_have_nan(module: nn.Module) -> Tensor | None:
+    skip = intended_infinities(module)
+    if not skip:
+        return None
+    flags = [torch.isnan(local_tensor(b)).any() for n, b in module.named_buffers() if n in skip]
+    return torch.stack(flags).any() if flags else None
+
+
 def model_finite(trainer: pl.Trainer, module: nn.Module, optimizers: Sequence[Optimizer] = ()) -> bool:
-    """True on every rank iff every rank's parameters and buffers (and ``optimizers``' state) are finite."""
+    """True on every rank iff every rank's parameters and buffers (and ``optimizers``' state) are finite (the
+    buffers whose infinities are intended: free of NaN)."""
     tensors = [t for _, t in _model_tensors(module)]
     for opt in optimizers:
         for state in opt.state.values():
             tensors.extend(local_tensor(v) for v in state.values() if isinstance(v, Tensor))
     local_bad = ~all_finite(tensors, wide=True)
+    nan_in_intended = _intended_have_nan(module)
+    if nan_in_intended is not None:
+        local_bad = local_bad | nan_in_intended.to(local_bad.device)
     return not _distributed.any_rank(trainer, local_bad)
 
 
@@ -46,6 +103,8 @@ def nonfinite_names(module: nn.Module, optimizers: Sequence[Optimizer] = (), lim
     for name, t in _model_tensors(module):
         if _bad(t):
             out.append(name)
+    skip = intended_infinities(module)
+    out.extend(n for n, b in module.named_buffers() if n in skip and bool(torch.isnan(local_tensor(b)).any()))
     names = {id(p): n for n, p in module.named_parameters()}
     for i, opt in enumerate(optimizers):
         for p, state in opt.state.items():

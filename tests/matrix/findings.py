@@ -28,29 +28,6 @@ def _incidents_mismatch(row: dict[str, Any]) -> bool:
 
 FINDINGS: list[Finding] = [
     Finding(
-        key="buffer-nan-seen-at-saves-only",
-        title=(
-            "A non-finite BatchNorm buffer is seen only when a checkpoint is saved (or at the end of fit): a recurring "
-            "buffer fault gives fewer incidents than faults"
-        ),
-        matches=lambda r: r["site"] == "buffer" and _incidents_mismatch(r),
-        what=(
-            "A NaN/inf written into `running_mean` leaves the loss and the gradients finite (training-mode BatchNorm "
-            "normalises with the batch's statistics), so no step check fires. The corrupt state is found when "
-            "CheckpointGuard checks a save (every 4 steps here) or by the end-of-fit check, and repaired by one "
-            "rollback each time (`corrupt_state`, `rollback`): a one-off fault gives one incident (correct), a fault "
-            "at every step from 3 to 11 gives 3 (steps 4, 8, 12; 5 under manual optimization, whose `global_step` "
-            "counts both optimizers). Between two checks the buffer stays non-finite, and without checkpointing the "
-            "first check is the end of fit, whose rollback discards every update since the last snapshot."
-        ),
-        fix=(
-            "Check the buffers at every optimizer step, not only at saves: fold `named_buffers()` into the step's "
-            "fused finiteness pass (`lightning_nanguard/engine/sensing.py`, the sensor; `engine/state_check.py` "
-            "has the buffer walk) so that a corrupt buffer is an incident at the step it appears; BatchNorm "
-            "statistics are a few floats per channel, so the cost is negligible."
-        ),
-    ),
-    Finding(
         key="one-rank-desync-unseen",
         title="DDP: a finite change on one rank (a parameter, or a gradient after the all-reduce) splits the ranks",
         matches=lambda r: bool(r.get("diverged")) and r["value"] == "spike",
@@ -74,22 +51,21 @@ FINDINGS: list[Finding] = [
     Finding(
         key="fp16-ddp-scaler-split-without-step-watcher",
         title=(
-            "16-mixed DDP with no step-watching callback (OptimizerBackoff alone): a NaN/inf gradient on one rank "
-            "makes only that rank's GradScaler skip"
+            "16-mixed DDP with only FP32Evaluation or CheckpointGuard (members that never touch a training step): a "
+            "NaN/inf gradient on one rank makes only that rank's GradScaler skip"
         ),
         matches=lambda r: bool(r.get("diverged")) and r["value"] != "spike",
         what=(
-            "The gradient fault lands after DDP's all-reduce on one rank. The suite makes every rank's GradScaler "
-            "drop the step together (`Engine.before_optimizer_step` ORs the rank-reduced verdict into each "
-            "scaler's `found_inf`), but that code runs only when a member monitors steps: with OptimizerBackoff "
-            "alone it returns at once, so the faulty rank's scaler skips and backs off while the other steps, and "
-            "`fit` returns finite weights that differ across ranks (issue 12's fp16-DDP divergence, still open "
-            "for this configuration)."
+            "The gradient fault lands after DDP's all-reduce on one rank. Whenever a member drives the engine "
+            "(GradNormMonitor, AutoRollback, OptimizerBackoff, LossScaleWatchdog) every rank's GradScaler drops the "
+            "step together: the sensor's reduced verdict, or, when no member senses steps (OptimizerBackoff alone), "
+            "one all-reduce of the scalers' `found_inf` (`_lightning_compat.agree_scaler_skip`). FP32Evaluation and "
+            "CheckpointGuard join without driving (they have no per-step hook at all), so with only them installed a "
+            "rank-local fault splits the scalers exactly as in plain Lightning."
         ),
         fix=(
-            "`lightning_nanguard/engine/engine.py` `before_optimizer_step`: under DDP with a GradScaler, do the "
-            "scaler agreement (one all-reduce of the scaler's `found_inf`, through `_lightning_compat."
-            "or_into_found_inf` and `_distributed`) even when `monitors_steps` is False."
+            "Let a non-driving member that is alone drive the scaler agreement (or document that those two add "
+            "nothing per step, as now)."
         ),
     ),
 ]

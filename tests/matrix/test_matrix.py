@@ -18,10 +18,6 @@ from tests.matrix.spec import DIMENSIONS, Case, subset_cases
 # Cases of the subset that break an invariant today (docs/RELIABILITY.md, "Failing cases"): package defects, left to
 # the package's owner; strict, so that the fix turns them into failures to be removed from here.
 KNOWN: dict[str, str] = {
-    "nan-recurring-buffer-32-true-single-automatic-suite": (
-        "a non-finite BatchNorm buffer is seen only at checkpoint saves (every 4 steps) and at the end of fit: 9 "
-        "faults, 3 incidents"
-    ),
     "spike-once-param-32-true-ddp-rank0-automatic-suite": (
         "a finite x1e4 spike in rank 0's parameter: no check fires, DDP never re-broadcasts parameters, the ranks "
         "train on different weights to the end"

@@ -7,6 +7,7 @@ runs with a short collective timeout, so a deadlock fails the test in seconds in
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 from datetime import timedelta
@@ -122,29 +123,18 @@ def test_save_refused_on_rank_zero_only_does_not_hang(tmp_path: pathlib.Path) ->
 
 
 class WithRankLocalStat(TinyModel):
-    """TinyModel with a rank-local running statistic (a buffer not used by the loss, not synchronized).
-
-    It overflows on rank 0 at step ``bad_at`` and is reset at step ``heal_at``: rank 0's saves in between are
-    refused, on rank 0 only.
-    """
-
-    loss_stat: torch.Tensor
+    """TinyModel whose checkpoints carry a rank-local statistic that is not model state (not a parameter or buffer,
+    so no step check sees it): it is inf on rank 0 from step ``bad_at`` until step ``heal_at``, so rank 0's saves in
+    between are refused, on rank 0 only."""
 
     def __init__(self, bad_at: int, heal_at: int) -> None:
         super().__init__()
         self.bad_at, self.heal_at = bad_at, heal_at
-        self.register_buffer("loss_stat", torch.zeros(1))
 
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = super().training_step(batch, batch_idx)
-        with torch.no_grad():
-            step, rank = self.trainer.global_step, self.trainer.global_rank
-            if step == self.heal_at:
-                self.loss_stat.zero_()
-            self.loss_stat.mul_(0.9).add_(0.1 * loss.detach())
-            if step == self.bad_at and rank == 0:
-                self.loss_stat.fill_(float("inf"))
-        return loss
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        step, rank = self.trainer.global_step, self.trainer.global_rank
+        bad = rank == 0 and self.bad_at < step <= self.heal_at
+        checkpoint["state_dict"]["loss_stat"] = torch.tensor([math.inf if bad else 0.0])
 
 
 # repro: ddp_refused_save_desyncs_lr_recovery.py
