@@ -95,8 +95,8 @@ class FP32Evaluation(Callback):
         NanGuardConfigError: at construction, for a ``mode`` outside its choices.
         UnsupportedSetupError: at setup, under FSDPStrategy/DeepSpeedStrategy/XLAStrategy; under ModelParallelStrategy
             (FSDP2) for ``mode="on_nonfinite"`` (a re-run on one rank would hang the FSDP2 all-gathers) and for
-            ``16-true``/``bf16-true`` (float32 copies of sharded parameters) and ``promote_after`` (untested);
-            ``mode="always"`` under ``bf16-mixed`` runs there.
+            ``16-true``/``bf16-true`` (float32 copies of sharded parameters) and ``promote_after`` under ``*-mixed``
+            (untested); ``mode="always"`` under ``bf16-mixed`` runs there (and anything under ``32-true``, a no-op).
 
     Example::
 
@@ -377,7 +377,7 @@ def _sharded_refusal(mode: str, kind: str, promote_after: int | None) -> str:
             "all-gathers the parameters, so a re-run on one rank alone would wait forever for the others (a hang). "
             "Use FP32Evaluation(mode='always'), which runs every evaluation step in float32 on every rank"
         )
-    if promote_after is not None:
+    if promote_after is not None and kind == "mixed":  # elsewhere nothing is ever promoted
         return (
             "promote_after (moving a training module to float32 after repeated overflows) is not tested under FSDP2. "
             "Use promote_after=None"

@@ -17,6 +17,7 @@ from lightning_nanguard import (
     OptimizerBackoff,
 )
 from lightning_nanguard.callbacks._common import check_strategy_supported
+from lightning_nanguard.callbacks.fp32_evaluation import _sharded_refusal
 from lightning_nanguard.exceptions import UnsupportedSetupError
 
 pytestmark = pytest.mark.distributed
@@ -89,3 +90,10 @@ def test_fp32_evaluation_refuses_what_would_hang_or_bypass_fsdp2(
         UnsupportedSetupError, match=rf"FP32Evaluation\(mode=.*does not support ModelParallelStrategy.*{reason}"
     ):
         FP32Evaluation(**kwargs).setup(trainer, None, "fit")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("mode", "promote_after"), [("always", 2), ("on_nonfinite", 2)])
+def test_fp32_evaluation_is_a_no_op_and_allowed_under_fsdp2_in_full_precision(mode: str, promote_after: int) -> None:
+    # Under 32-true FP32Evaluation does nothing (no re-run, no promotion), so the preset's configuration is allowed.
+    assert _sharded_refusal(mode, "none", promote_after) == ""
+    assert _sharded_refusal(mode, "mixed", promote_after) != ""  # the same arguments under bf16-mixed: refused
