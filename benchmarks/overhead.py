@@ -11,13 +11,23 @@ params, 292 tensors):
   with ``lightning_nanguard.testing.HostReadCounter``; a dispatch mode would miss ``.tolist()``), minus the
   baseline's. The median step is reported: a logging step (every 50) may read more.
 
-Run: ``python benchmarks/overhead.py`` (about 5 minutes on 2 cores) or ``--quick`` (about 1 minute, noisier).
+And one FSDP2 row: ``ModelParallelStrategy`` with ``fully_shard`` on 2 gloo CPU ranks (an MLP of 8 layers x 256 in 9
+``fully_shard`` units, 527k parameters, batch 32 per rank, AdamW): plain vs GradNormMonitor vs the whole preset
+(``default_callbacks()``), side by side in one run of 2 processes (wall time per step on rank 0, rounds with the variant
+order rotated; ratio = median over rounds of variant median / same-round plain median). The ranks run in a child
+process (``--fsdp2-worker``), since Lightning launches rank 1 by re-running the command.
+
+Run: ``python benchmarks/overhead.py`` (about 6 minutes on 2 cores) or ``--quick`` (about 1.5 minutes, noisier);
+``--fsdp2-only`` for the FSDP2 row alone (about 1 minute), ``--no-fsdp2`` without it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -195,12 +205,146 @@ def isolated(cfg: GPTConfig, reps: int = 25) -> dict[str, float]:
     return out
 
 
+class WallTimer(pl.Callback):
+    """Wall time per step (the ranks wait for each other in the collectives, so process time would miss that)."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup, self.marks = warmup, []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.marks.append(time.perf_counter())
+
+    def on_train_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.marks.append(time.perf_counter())
+
+    def step_times(self) -> list[float]:
+        return [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)][self.warmup :]
+
+
+class ShardedMLP(pl.LightningModule):
+    """8 Linear(256, 256) + GELU and a head, each Linear and the root ``fully_shard``-ed (9 units, 527k parameters)."""
+
+    def __init__(self, steps: int, batch: int = 32, width: int = 256, depth: int = 8) -> None:
+        super().__init__()
+        layers: list[torch.nn.Module] = []
+        for _ in range(depth):
+            layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+        self.body = torch.nn.Sequential(*layers)
+        self.head = torch.nn.Linear(width, 10)
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(steps * batch * 2, width, generator=g)  # 2 ranks: each sees steps batches
+        self.y = torch.randint(0, 10, (steps * batch * 2,), generator=g)
+        self.batch = batch
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]  # type: ignore[index]
+        for layer in self.body:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> Any:
+        data = torch.utils.data.TensorDataset(self.x, self.y)
+        return torch.utils.data.DataLoader(data, batch_size=self.batch, shuffle=False)
+
+
+def _fsdp2_variants() -> dict[str, Callable[[], list[pl.Callback]]]:
+    from lightning_nanguard import default_callbacks
+
+    return {
+        "plain ModelParallelStrategy": list,
+        "GradNormMonitor()": lambda: [GradNormMonitor()],
+        "suite (default_callbacks())": lambda: default_callbacks(),
+    }
+
+
+def fsdp2_worker(out: str, rounds: int, warmup: int, timed: int) -> None:
+    """Both ranks run every variant, in the same order (each a fresh Trainer.fit in the same processes)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    variants = _fsdp2_variants()
+    names = list(variants)
+    medians: dict[str, list[float]] = {n: [] for n in names}
+    ratios: dict[str, list[float]] = {n: [] for n in names}
+    rank = 0
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        this_round: dict[str, float] = {}
+        for name in order:
+            timer = WallTimer(warmup)
+            torch.manual_seed(0)
+            trainer = pl.Trainer(
+                accelerator="cpu",
+                devices=2,
+                strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                max_steps=warmup + timed,
+                callbacks=[*variants[name](), timer],
+                logger=False,
+                log_every_n_steps=50,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                num_sanity_val_steps=0,
+                limit_val_batches=0,
+            )
+            trainer.fit(ShardedMLP(steps=warmup + timed + 1))
+            rank = trainer.global_rank
+            this_round[name] = statistics.median(timer.step_times())
+        for name in names:
+            medians[name].append(this_round[name])
+            ratios[name].append(this_round[name] / this_round[names[0]])
+    if rank == 0:
+        result = {
+            n: [statistics.median(medians[n]) * 1e3, statistics.median(ratios[n]), min(ratios[n]), max(ratios[n])]
+            for n in names
+        }
+        with open(out, "w", encoding="utf-8") as f:
+            json.dump({"rounds": rounds, "timed": timed, "variants": result}, f)
+
+
+def fsdp2_row(tmp: str, rounds: int, timed: int) -> dict[str, Any]:
+    """Run ``fsdp2_worker`` on 2 ranks in a child process; its result."""
+    out = os.path.join(tmp, "fsdp2.json")
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
+    cmd = [sys.executable, os.path.abspath(__file__), "--fsdp2-worker", out, "--rounds", str(rounds)]
+    subprocess.run([*cmd, "--timed", str(timed)], check=True, env=env, stdout=subprocess.DEVNULL)
+    with open(out, encoding="utf-8") as f:
+        result: dict[str, Any] = json.load(f)
+    return result
+
+
+def _print_fsdp2(row: dict[str, Any]) -> None:
+    print(
+        f"\nFSDP2 (ModelParallelStrategy + fully_shard), 2 gloo CPU ranks, MLP 8x256 (527k params, 9 units), batch 32 "
+        f"per rank, AdamW; wall time per step on rank 0, {row['rounds']} rounds x {row['timed']} timed steps"
+    )
+    print("| variant | step ms | ratio vs plain [min-max] |")
+    print("|---|---|---|")
+    for name, (ms, ratio, low, high) in row["variants"].items():
+        print(f"| {name} | {ms:.1f} | {ratio:.3f} [{low:.3f}-{high:.3f}] |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2 rounds, 6 timed steps (noisier)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timed", type=int, default=10)
     parser.add_argument("--isolated-only", action="store_true", help="only the isolated hook cost (about 1 minute)")
+    parser.add_argument("--fsdp2-only", action="store_true", help="only the FSDP2 row (2 CPU ranks, about 1 minute)")
+    parser.add_argument("--no-fsdp2", action="store_true", help="without the FSDP2 row")
+    parser.add_argument("--fsdp2-worker", metavar="OUT", help=argparse.SUPPRESS)  # internal: one rank of the row
     args = parser.parse_args()
     rounds, timed = (2, 6) if args.quick else (args.rounds, args.timed)
     torch.set_num_threads(1)
@@ -210,7 +354,21 @@ def main() -> None:
 
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    if args.fsdp2_worker:
+        fsdp2_worker(args.fsdp2_worker, args.rounds, warmup=20, timed=args.timed)
+        return
+    # The FSDP2 row's steps are ~10x shorter than the GPTs': 10x the timed steps for the same noise.
+    fsdp2_timed = 10 * timed
+    if args.fsdp2_only:
+        with tempfile.TemporaryDirectory() as tmp:
+            print("measuring FSDP2 (2 ranks) ...", file=sys.stderr, flush=True)
+            _print_fsdp2(fsdp2_row(tmp, rounds, fsdp2_timed))
+        return
+    fsdp2: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory() as tmp:
+        if not args.no_fsdp2:
+            print("measuring FSDP2 (2 ranks) ...", file=sys.stderr, flush=True)
+            fsdp2 = fsdp2_row(tmp, rounds, fsdp2_timed)
         results = {}
         for cfg in (SMALL, DEEP):
             print(f"measuring {cfg.name} ...", file=sys.stderr, flush=True)
@@ -222,6 +380,8 @@ def main() -> None:
     if not args.isolated_only:
         _print_in_trainer(small, deep, rounds, timed)
     _print_isolated(results)
+    if fsdp2 is not None:
+        _print_fsdp2(fsdp2)
 
 
 def _print_in_trainer(small: Any, deep: Any, rounds: int, timed: int) -> None:
