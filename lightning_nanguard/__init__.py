@@ -14,6 +14,7 @@ from lightning_nanguard.exceptions import (
     NanGuardConfigError,
     NanGuardError,
     NonFiniteTrainingError,
+    RankDivergenceError,
     RecoveryBudgetExhausted,
     UnsupportedSetupError,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "NanGuardError",
     "NonFiniteTrainingError",
     "OptimizerBackoff",
+    "RankDivergenceError",
     "RecoveryBudgetExhausted",
     "UnsupportedSetupError",
     "default_callbacks",

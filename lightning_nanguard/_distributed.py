@@ -6,7 +6,15 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor
 
-__all__ = ["all_gather_objects", "any_rank", "any_rank_each", "bad_ranks", "broadcast_object", "sum_across_ranks"]
+__all__ = [
+    "all_gather_objects",
+    "any_rank",
+    "any_rank_each",
+    "bad_ranks",
+    "broadcast_object",
+    "max_across_ranks",
+    "sum_across_ranks",
+]
 
 
 def any_rank(trainer: pl.Trainer, flag: Tensor | bool) -> bool:
@@ -59,6 +67,15 @@ def sum_across_ranks(trainer: pl.Trainer, vec: Tensor) -> Tensor:
         return vec
     # A copy: the all-reduce is in place, and the caller keeps ``vec`` as this rank's own values.
     reduced = trainer.strategy.reduce(vec.to(trainer.strategy.root_device, copy=True), reduce_op="sum")
+    assert isinstance(reduced, Tensor)
+    return reduced
+
+
+def max_across_ranks(trainer: pl.Trainer, vec: Tensor) -> Tensor:
+    """The element-wise maximum of ``vec`` over ranks (one all-reduce; no host read)."""
+    if trainer.world_size <= 1:
+        return vec
+    reduced = trainer.strategy.reduce(vec.to(trainer.strategy.root_device, copy=True), reduce_op="max")
     assert isinstance(reduced, Tensor)
     return reduced
 

@@ -62,6 +62,7 @@ class Signal(str, Enum):
     NONFINITE_LOSS_AND_GRADS = "nonfinite_loss_and_grads"
     NONFINITE_ON_OTHER_RANK = "nonfinite_on_other_rank"
     NONFINITE_STATE = "nonfinite_state"  # parameters/buffers non-finite outside a step's gradients (snapshot, end)
+    RANK_DIVERGENCE = "rank_divergence"  # DDP: the ranks' (replicated) parameters differ (snapshot, save, end)
     LOSS_SPIKE = "loss_spike"
     GRAD_NORM_SPIKE = "grad_norm_spike"
     LOSS_AND_GRAD_NORM_SPIKE = "loss_and_grad_norm_spike"
@@ -100,6 +101,7 @@ class EvidenceKind(str, Enum):
     TARGETS_OUT_OF_RANGE = "targets_out_of_range"  # class labels >= the model's output size (or < 0)
     HEAD_OVERSIZED = "head_oversized"  # the output layer is far larger than the labels in use
     STATE_NONFINITE = "state_nonfinite"  # named parameters / buffers / optimizer tensors
+    RANKS_DIVERGED = "ranks_diverged"  # named parameters whose copies differ across DDP ranks
     STATE_FROM_CHECKPOINT = "state_from_checkpoint"  # the state came non-finite from the resumed checkpoint
     HISTORY_RISING = "history_rising"  # loss / grad norm rising before the step
     GRADS_FINITE_UPDATE_NOT = "grads_finite_update_not"  # the last update made finite state non-finite

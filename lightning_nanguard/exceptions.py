@@ -17,6 +17,7 @@ __all__ = [
     "NanGuardConfigError",
     "NanGuardError",
     "NonFiniteTrainingError",
+    "RankDivergenceError",
     "RecoveryBudgetExhausted",
     "UnsupportedSetupError",
 ]
@@ -32,6 +33,11 @@ class NonFiniteTrainingError(NanGuardError):
 
 class RecoveryBudgetExhausted(NonFiniteTrainingError):
     """A recovery budget (rollbacks, backoffs, loss-scale collapses) ran out."""
+
+
+class RankDivergenceError(NanGuardError):
+    """Under DDP the ranks' parameters differ (DDP never re-broadcasts them) and nothing verified could restore an
+    agreed state."""
 
 
 class CheckpointVerificationError(NanGuardError):

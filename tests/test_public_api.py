@@ -17,6 +17,7 @@ EXPECTED = {
     "NanGuardError",
     "NonFiniteTrainingError",
     "OptimizerBackoff",
+    "RankDivergenceError",
     "RecoveryBudgetExhausted",
     "UnsupportedSetupError",
     "default_callbacks",
@@ -38,6 +39,7 @@ def test_error_hierarchy() -> None:
     from lightning_nanguard import exceptions as e
 
     assert issubclass(e.RecoveryBudgetExhausted, e.NonFiniteTrainingError)
+    assert issubclass(e.RankDivergenceError, e.NanGuardError)
     assert issubclass(e.NonFiniteTrainingError, e.NanGuardError)
     assert issubclass(e.NanGuardError, RuntimeError)
     assert issubclass(e.NanGuardConfigError, ValueError)

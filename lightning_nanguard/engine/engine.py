@@ -36,9 +36,9 @@ from lightning_nanguard.engine.capabilities import (
 from lightning_nanguard.engine.sensing import Reading, Sensor
 from lightning_nanguard.engine.sink import IncidentSink
 from lightning_nanguard.engine.state_check import (
-    model_finite,
     record_intended_infinities,
     state_before_update,
+    state_verdict,
     watched_buffers,
 )
 from lightning_nanguard.exceptions import NanGuardConfigError
@@ -227,7 +227,7 @@ class Engine:
             step = trainer.global_step
             if not self.restorer.before_batch(trainer, pl_module, step):
                 # Handled now, so that a restore lets this batch run on a good state.
-                self._events.append(PendingEvent(Signal.NONFINITE_STATE, []))
+                self._events.append(PendingEvent(self._unsound_signal(trainer, pl_module), []))
                 self._handle_events(trainer, pl_module)
                 if self.pending_error is not None:
                     # Nothing could restore it: training stops after this batch, whose update is dropped without a
@@ -237,13 +237,21 @@ class Engine:
                 self._drop_reason = self._drop_reason or "after_rollback"
 
     def check_state(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
-        """Check the parameters and buffers now (a collective: every rank must call it); a non-finite state is an
-        event handled at once. True when the state was finite."""
-        if model_finite(trainer, pl_module):
+        """Check the parameters and buffers now (a collective: every rank must call it); a non-finite state, or under
+        DDP parameters that differ across ranks, is an event handled at once. True when the state was sound."""
+        verdict = state_verdict(trainer, pl_module)
+        if verdict.sound:
             return True
-        self._events.append(PendingEvent(Signal.NONFINITE_STATE, []))
+        signal = Signal.NONFINITE_STATE if not verdict.finite else Signal.RANK_DIVERGENCE
+        self._events.append(PendingEvent(signal, []))
         self._handle_events(trainer, pl_module)
         return False
+
+    @staticmethod
+    def _unsound_signal(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Signal:
+        """Which way the state is unsound, where every rank just found it so (a collective, incident path only)."""
+        verdict = state_verdict(trainer, pl_module)
+        return Signal.RANK_DIVERGENCE if verdict.finite and verdict.diverged else Signal.NONFINITE_STATE
 
     def observe_loss(self, loss: Tensor) -> None:
         self._losses.append(loss.detach())

@@ -13,11 +13,26 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_nanguard import _distributed
-from lightning_nanguard.contract import Action, Cause, Diagnosis, Plan, RestoreSource, Signal, StateRestored
+from lightning_nanguard.contract import (
+    Action,
+    Cause,
+    Diagnosis,
+    Evidence,
+    EvidenceKind,
+    Plan,
+    RestoreSource,
+    Signal,
+    StateRestored,
+)
 from lightning_nanguard.engine.capabilities import DEFAULT_MAX_CONSECUTIVE_SKIPS, Restored
 from lightning_nanguard.engine.diagnose import EventFacts, diagnose
-from lightning_nanguard.engine.state_check import model_finite, nonfinite_names, state_before_update
-from lightning_nanguard.exceptions import NonFiniteTrainingError, RecoveryBudgetExhausted
+from lightning_nanguard.engine.state_check import model_finite, nonfinite_names, state_before_update, state_verdict
+from lightning_nanguard.exceptions import (
+    NanGuardError,
+    NonFiniteTrainingError,
+    RankDivergenceError,
+    RecoveryBudgetExhausted,
+)
 from lightning_nanguard.policies.remedy import Installed, RemedyFacts, plan_remedy
 from lightning_nanguard.reporting import messages
 from lightning_nanguard.reporting.incidents import Incident
@@ -31,6 +46,7 @@ __all__ = ["EventHandled", "final_check", "handle"]
 _SEVERITY = [
     Signal.LOSS_SCALE_COLLAPSE,
     Signal.NONFINITE_STATE,
+    Signal.RANK_DIVERGENCE,
     Signal.NONFINITE_LOSS_AND_GRADS,
     Signal.NONFINITE_LOSS,
     Signal.NONFINITE_GRADS,
@@ -77,7 +93,10 @@ def _handle_one(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModu
     before = next((r.extras["state_before"] for r in event.readings if "state_before" in r.extras), None)
     state_ok, names = before if before is not None else state_before_update(trainer, pl_module)
     facts = EventFacts(event, state_ok=state_ok, state_names=names, ranks=_bad_ranks(trainer, event))
-    diagnosis = diagnose(engine, trainer, pl_module, facts)
+    if event.signal is Signal.RANK_DIVERGENCE:
+        diagnosis = divergence_diagnosis(state_verdict(trainer, pl_module).diverged)
+    else:
+        diagnosis = diagnose(engine, trainer, pl_module, facts)
     plan = plan_remedy(_remedy_facts(engine, trainer, facts, diagnosis))
     details, values, checkpoint = _act(engine, trainer, pl_module, plan, diagnosis, step, facts.signal)
     failed = Action.ROLLBACK in plan.actions and "restored_from_step" not in values and not plan.stop
@@ -105,7 +124,10 @@ def _handle_one(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModu
             why=why,
         )
         budget = "rollback budget" in plan.reason or "collapse budget" in plan.reason
-        engine.request_stop(trainer, (RecoveryBudgetExhausted if budget else NonFiniteTrainingError)(message))
+        error_type: type[NanGuardError] = RecoveryBudgetExhausted if budget else NonFiniteTrainingError
+        if facts.signal is Signal.RANK_DIVERGENCE and not budget:
+            error_type = RankDivergenceError
+        engine.request_stop(trainer, error_type(message))
     else:
         message = messages.incident_message(facts.signal, where, diagnosis, plan, details, why=why)
     if Action.WARN in plan.actions:
@@ -270,9 +292,14 @@ def _remedy_facts(engine: Engine, trainer: pl.Trainer, facts: EventFacts, diagno
 
 
 def final_check(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-    """End of fit: a fit that returns normally has finite parameters and buffers; otherwise restore or raise."""
-    if model_finite(trainer, pl_module):
+    """End of fit: a fit that returns normally has finite parameters and buffers, identical on every rank (DDP);
+    otherwise restore or raise."""
+    verdict = state_verdict(trainer, pl_module)
+    if verdict.sound:
         engine.final_state = "finite (checked at the end of fit)"
+        return
+    if verdict.finite:
+        _final_divergence(engine, trainer, pl_module, verdict.diverged)
         return
     gathered = _distributed.all_gather_objects(trainer, nonfinite_names(pl_module))
     names = sorted({n for part in gathered for n in part})  # type: ignore[attr-defined]
@@ -317,6 +344,67 @@ def final_check(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModu
         engine.pending_error = error
 
 
+def divergence_diagnosis(names: tuple[str, ...]) -> Diagnosis:
+    """The diagnosis of a rank divergence: the state is damaged (the ranks no longer train one model)."""
+    listed = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
+    return Diagnosis(
+        Cause.CORRUPT_STATE,
+        where=f"{', '.join(names[:3])}: the ranks' copies differ",
+        evidence=(Evidence(EvidenceKind.RANKS_DIVERGED, f"differ across ranks: {listed}", {"tensors": names}),),
+        hint=(
+            "something changed one rank's copy only (a rank-local write, a fault after the gradient all-reduce); "
+            "DDP never re-broadcasts parameters, so the ranks would train different models from here on"
+        ),
+        state_tensors=names,
+        state_damaged=True,
+    )
+
+
+def _final_divergence(
+    engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModule, names: tuple[str, ...]
+) -> None:
+    """End of fit under DDP with finite parameters whose copies differ: restore an agreed state, or raise."""
+    restorer = engine.restorer
+    if restorer is not None and restorer.can_restore(trainer, trainer.global_step):
+        restored = restorer.restore(trainer, pl_module, trainer.global_step)
+        if restored is not None and model_finite(trainer, pl_module):
+            engine.final_state = (
+                f"finite and identical on every rank: restored from step {restored.step} ({restored.source}) at the "
+                f"end of fit, because the ranks' copies of {', '.join(names[:3])} differed"
+            )
+            diagnosis = divergence_diagnosis(names)
+            incident = Incident(
+                step=trainer.global_step,
+                epoch=int(trainer.current_epoch),
+                batch_idx=-1,
+                ranks=list(range(trainer.world_size)),
+                trigger=Signal.RANK_DIVERGENCE.value,
+                action=Action.ROLLBACK.value,
+                source=restorer.owner,
+                values={"restored_from_step": restored.step, "rollback_source": restored.source},
+                message=(
+                    f"the ranks' parameters differ at the end of fit ({', '.join(names[:5])}): "
+                    f"{_restored_text(restored)}, so every rank returns the same model. The last updates were lost."
+                ),
+                actions=[Action.ROLLBACK.value],
+                cause=Cause.CORRUPT_STATE.value,
+                where=diagnosis.where,
+                diagnosis=diagnosis.to_dict(),
+            )
+            engine.sink.record(trainer, incident)
+            engine.bus.emit(trainer, StateRestored(restored.step, RestoreSource(restored.source)))
+            return
+    engine.final_state = f"finite, but the ranks' copies of {', '.join(names[:3])} DIFFER"
+    hint = (
+        "AutoRollback had no verified snapshot or checkpoint to restore: snapshot more often (every_n_steps)"
+        if restorer is not None
+        else "add AutoRollback() so the last state verified identical on every rank is restored"
+    )
+    error = RankDivergenceError(messages.divergence_error(names, _tried(engine), hint))
+    if engine.pending_error is None:
+        engine.pending_error = error
+
+
 def _bad_ranks(trainer: pl.Trainer, event: PendingEvent) -> list[int]:
     """The ranks whose own reading was non-finite (an all-gather; every rank is here)."""
     if trainer.world_size <= 1:
@@ -340,9 +428,15 @@ def _restored_text(restored: Restored) -> str:
 
 
 def _state_now(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
-    if model_finite(trainer, pl_module):
-        return "parameters and buffers are finite (checked)"
-    return "parameters or buffers are NON-FINITE: do not save or export this model"
+    verdict = state_verdict(trainer, pl_module)
+    if not verdict.finite:
+        return "parameters or buffers are NON-FINITE: do not save or export this model"
+    if verdict.diverged:
+        return (
+            f"finite, but the ranks' copies of {', '.join(verdict.diverged[:3])} DIFFER: rank 0's model is not what "
+            "the other ranks trained"
+        )
+    return "parameters and buffers are finite (checked)"
 
 
 def _tried(engine: Engine) -> str:

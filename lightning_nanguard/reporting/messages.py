@@ -9,7 +9,14 @@ from typing import Any
 
 from lightning_nanguard.contract import Action, Diagnosis, Plan, Signal
 
-__all__ = ["actions_phrase", "final_state_error", "incident_message", "stop_message", "tried_phrase"]
+__all__ = [
+    "actions_phrase",
+    "divergence_error",
+    "final_state_error",
+    "incident_message",
+    "stop_message",
+    "tried_phrase",
+]
 
 _SIGNAL_TEXT = {
     Signal.NONFINITE_LOSS: "non-finite loss",
@@ -17,6 +24,7 @@ _SIGNAL_TEXT = {
     Signal.NONFINITE_LOSS_AND_GRADS: "non-finite loss and gradients",
     Signal.NONFINITE_ON_OTHER_RANK: "a non-finite loss or gradient on another rank",
     Signal.NONFINITE_STATE: "non-finite parameters or buffers",
+    Signal.RANK_DIVERGENCE: "parameters that differ across ranks",
     Signal.LOSS_SPIKE: "a loss spike",
     Signal.GRAD_NORM_SPIKE: "a gradient-norm spike",
     Signal.LOSS_AND_GRAD_NORM_SPIKE: "a loss and gradient-norm spike",
@@ -129,6 +137,16 @@ def final_state_error(names: Sequence[str], tried: str, hint: str) -> str:
         f"nanguard: training ended with non-finite parameters or buffers ({shown}) and nothing verified to "
         f"restore them. Tried in this run: {tried}. What to try: {hint or 'add AutoRollback() to restore the last good state'}; "
         "do not save or export this model."
+    )
+
+
+def divergence_error(names: Sequence[str], tried: str, hint: str) -> str:
+    shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+    return (
+        f"nanguard: training ended with the ranks' copies of {shown} different (finite, but DDP never re-broadcasts "
+        "parameters, so each rank trained its own model from the step something changed one rank's copy) and "
+        f"nothing verified identical on every rank to restore. Tried in this run: {tried}. What to try: {hint}; look "
+        "for code that writes parameters on one rank only; do not take rank 0's model for the run's."
     )
 
 

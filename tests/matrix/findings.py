@@ -28,27 +28,6 @@ def _incidents_mismatch(row: dict[str, Any]) -> bool:
 
 FINDINGS: list[Finding] = [
     Finding(
-        key="one-rank-desync-unseen",
-        title="DDP: a finite change on one rank (a parameter, or a gradient after the all-reduce) splits the ranks",
-        matches=lambda r: bool(r.get("diverged")) and r["value"] == "spike",
-        what=(
-            "A spike (x1e4) written into one rank's parameter at a step start, or into one rank's gradient after "
-            "DDP's all-reduce, is finite, so no step check fires (the preset leaves spike detection off; a lone "
-            "FP32Evaluation, CheckpointGuard or OptimizerBackoff watches no step at all, nor does "
-            "LossScaleWatchdog outside 16-mixed). "
-            "DDP never re-broadcasts parameters, so the ranks train on different weights from then on and `fit` "
-            "returns normally with rank 0's copy while the other ranks differ. Non-finite faults with the suite are "
-            "caught (their reading is rank-reduced) and the ranks stay identical."
-        ),
-        fix=(
-            "A cross-rank agreement check where a collective is already paid for: at AutoRollback's snapshot "
-            "(`lightning_nanguard/recovery/snapshot.py` `take`) and in the end-of-fit check "
-            "(`engine/incidents.py:final_check`), all-reduce one float64 checksum of the parameters (min and max, "
-            "through `lightning_nanguard/_distributed.py`) and treat a mismatch as corrupt state (restore every "
-            "rank from the same snapshot, or raise); optionally broadcast rank 0's parameters after a restore."
-        ),
-    ),
-    Finding(
         key="fp16-ddp-scaler-split-without-step-watcher",
         title=(
             "16-mixed DDP with only FP32Evaluation or CheckpointGuard (members that never touch a training step): a "

@@ -17,12 +17,7 @@ from tests.matrix.spec import DIMENSIONS, Case, subset_cases
 
 # Cases of the subset that break an invariant today (docs/RELIABILITY.md, "Failing cases"): package defects, left to
 # the package's owner; strict, so that the fix turns them into failures to be removed from here.
-KNOWN: dict[str, str] = {
-    "spike-once-param-32-true-ddp-rank0-automatic-suite": (
-        "a finite x1e4 spike in rank 0's parameter: no check fires, DDP never re-broadcasts parameters, the ranks "
-        "train on different weights to the end"
-    ),
-}
+KNOWN: dict[str, str] = {}
 
 SINGLE = [c for c in subset_cases() if not c.ddp]
 DDP = [c for c in subset_cases() if c.ddp]

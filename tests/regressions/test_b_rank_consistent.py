@@ -228,3 +228,38 @@ def test_fp32_evaluation_with_uneven_ddp_validation_finishes(
     ranks = load_ranks(tmp_path)
     assert [r["global_step"] for r in ranks] == [8, 8]
     assert_identical_finite_params(ranks)
+
+
+# fault matrix finding "one-rank-desync-unseen": a finite change on one rank's parameter
+@pytest.mark.distributed
+def test_a_finite_change_on_one_ranks_parameter_is_rolled_back_on_both_ranks(tmp_path: pathlib.Path) -> None:
+    # x1e4 on element 0 of rank 0's first parameter at the start of step 3: finite, so no step check fires, and DDP
+    # never re-broadcasts parameters. The snapshot at step 4 compares the ranks' copies first (2-norm and 1-norm per
+    # tensor, one MAX all-reduce): they differ, so both ranks roll back to step 2's agreed snapshot.
+    callbacks = [
+        FaultInjector("param", steps=[3], ranks=[0], value=1e4),
+        GradNormMonitor(),
+        AutoRollback(every_n_steps=2, quiet_steps=0),
+        RankDump(str(tmp_path)),
+    ]
+    trainer = make_trainer(tmp_path, strategy=ddp_spawn(), devices=2, callbacks=callbacks, max_steps=8)
+    trainer.fit(TinyModel())
+    ranks = load_ranks(tmp_path)
+    assert_identical_finite_params(ranks)
+    decided = [engine_decided(r["incidents"]) for r in ranks]
+    assert decided[0] == decided[1] == [(4, "rollback", ["rollback"])], decided
+    (incident,) = ranks[0]["incidents"]
+    assert incident["trigger"] == "rank_divergence"
+    assert incident["cause"] == "corrupt_state"
+    assert incident["values"]["restored_from_step"] == 2
+    assert "differ" in incident["where"]
+
+
+@pytest.mark.distributed
+def test_ranks_that_differ_at_the_end_with_nothing_to_restore_raise_rank_divergence_error(
+    tmp_path: pathlib.Path,
+) -> None:
+    callbacks = [FaultInjector("param", steps=[3], ranks=[1], value=1e4), GradNormMonitor()]
+    trainer = make_trainer(tmp_path, strategy=ddp_spawn(), devices=2, callbacks=callbacks, max_steps=6)
+    with pytest.raises(Exception, match="RankDivergenceError|ranks' copies of"):
+        trainer.fit(TinyModel())
