@@ -74,3 +74,33 @@ def test_suite_recovers_a_run_that_dies_without_it(tmp_path: Any) -> None:
 
     assert not all_finite(fit([]))
     assert all_finite(fit(_suite()))
+
+
+class DispatchedHooks(pl.Callback):
+    """Records, at one step, which nanguard callbacks Lightning would dispatch each per-batch hook to."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, list[str]] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == 2:
+            for hook in ("on_train_batch_start", "on_before_optimizer_step", "on_after_backward", "on_train_batch_end"):
+                self.seen[hook] = [
+                    type(cb).__name__
+                    for cb in trainer.callbacks  # type: ignore[attr-defined]
+                    if type(cb).__module__.startswith("lightning_nanguard") and callable(getattr(cb, hook))
+                ]
+
+
+def test_only_members_with_per_batch_work_are_dispatched_per_batch(tmp_path: Any) -> None:
+    # Lightning charges a profiler context per hook per callback even for a no-op; members hide the per-batch hooks
+    # they have nothing to do in (the driver's engine hooks, OptimizerBackoff's scheduler check stay).
+    probe = DispatchedHooks()
+    callbacks = ng.default_callbacks()
+    trainer = make_trainer(tmp_path, callbacks=[*callbacks, probe], max_steps=4)
+    trainer.fit(TinyModel())
+    assert probe.seen["on_after_backward"] == []
+    assert probe.seen["on_before_optimizer_step"] == ["GradNormMonitor"]  # the driver
+    assert probe.seen["on_train_batch_start"] == ["GradNormMonitor", "OptimizerBackoff"]
+    # After the fit every hook is a method again (a later fit, or a user calling it, finds it).
+    assert all(callable(cb.on_after_backward) for cb in callbacks)

@@ -18,7 +18,7 @@ from typing_extensions import override
 from lightning_nanguard.callbacks._common import check_strategy_supported
 from lightning_nanguard.engine import Engine, get_engine
 
-__all__ = ["NanGuardCallback"]
+__all__ = ["NanGuardCallback", "mute_idle_hooks", "unmute_hooks"]
 
 # The hooks Lightning dispatches once per batch or per step. For each, every installed callback costs a profiler
 # context and a ``state_key`` read even when the hook does nothing (about 2 µs each). Lightning skips a hook whose
@@ -84,16 +84,10 @@ class NanGuardCallback(Callback):
         self._mute_idle_hooks()
 
     def _mute_idle_hooks(self) -> None:
-        """Hide the per-batch hooks this member has nothing to do in, for this fit (see ``_PER_BATCH_HOOKS``)."""
-        cls = type(self)
-        for name in _PER_BATCH_HOOKS:
-            impl = getattr(cls, name)
-            if impl is getattr(Callback, name) or (impl is getattr(NanGuardCallback, name) and not self._drives):
-                self.__dict__[name] = None
+        mute_idle_hooks(self, drives=self._drives)
 
     def _unmute_hooks(self) -> None:
-        for name in _PER_BATCH_HOOKS:
-            self.__dict__.pop(name, None)
+        unmute_hooks(self)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -149,3 +143,18 @@ class NanGuardCallback(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self._drives:
             get_engine(trainer).finish(trainer, raise_pending=False)
+
+
+def mute_idle_hooks(callback: Callback, *, drives: bool) -> None:
+    """Hide the per-batch hooks ``callback`` has nothing to do in, until ``unmute_hooks``: Callback's own no-ops, and
+    the engine's forwarding hooks where ``callback`` does not drive (see ``_PER_BATCH_HOOKS``)."""
+    cls = type(callback)
+    for name in _PER_BATCH_HOOKS:
+        impl = getattr(cls, name)
+        if impl is getattr(Callback, name) or (impl is getattr(NanGuardCallback, name) and not drives):
+            callback.__dict__[name] = None
+
+
+def unmute_hooks(callback: Callback) -> None:
+    for name in _PER_BATCH_HOOKS:
+        callback.__dict__.pop(name, None)

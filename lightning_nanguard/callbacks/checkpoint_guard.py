@@ -111,6 +111,7 @@ class CheckpointGuard(NanGuardCallback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Every stage, not only fit: validate/test/predict(ckpt_path=...) load through the wrapper too.
+        self._unmute_hooks()
         self._check_environment(trainer)
         self._wrap(trainer)
         self._trainer = trainer
@@ -122,6 +123,7 @@ class CheckpointGuard(NanGuardCallback):
             engine = get_engine(trainer)
             self._drives = engine.join(trainer, self, fit=False)
             self._install(trainer, pl_module, engine)
+            self._mute_idle_hooks()  # it has no per-batch work: Lightning need not dispatch those hooks to it
 
     @override
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:

@@ -15,6 +15,7 @@ from typing_extensions import override
 
 from lightning_nanguard import _distributed, _lightning_compat
 from lightning_nanguard._validation import check_choice, check_int
+from lightning_nanguard.callbacks._base import mute_idle_hooks, unmute_hooks
 from lightning_nanguard.callbacks._common import check_strategy_supported, make_incident
 from lightning_nanguard.contract import Cause
 from lightning_nanguard.engine import get_engine
@@ -133,6 +134,7 @@ class FP32Evaluation(Callback):
     # ------------------------------------------------------------------ lifecycle
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        unmute_hooks(self)
         check_strategy_supported(trainer, type(self).__name__)
         self._stage = stage
         self._kind, self._half = _precision_kind(trainer.precision_plugin)
@@ -157,6 +159,7 @@ class FP32Evaluation(Callback):
         engine.join(trainer, self, fit=False)
         if stage == "fit" and self.promote_after is not None:
             engine.set_promoter(self)
+        mute_idle_hooks(self, drives=False)  # no per-batch work: Lightning need not dispatch those hooks to it
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -215,6 +218,7 @@ class FP32Evaluation(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        unmute_hooks(self)
         self._end()
         get_engine(trainer).close()
 
