@@ -66,6 +66,7 @@ class Signal(str, Enum):
     LOSS_SPIKE = "loss_spike"
     GRAD_NORM_SPIKE = "grad_norm_spike"
     LOSS_AND_GRAD_NORM_SPIKE = "loss_and_grad_norm_spike"
+    DIVERGING = "diverging"  # the state just snapshotted was taken mid-divergence (loss and grad norm far up)
     LOSS_SCALE_COLLAPSE = "loss_scale_collapse"
     SKIP_STREAK = "skip_streak"  # too many dropped updates in a row
     ROLLBACK_BUDGET_EXHAUSTED = "rollback_budget_exhausted"

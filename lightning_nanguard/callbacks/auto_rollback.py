@@ -265,6 +265,9 @@ class AutoRollback(NanGuardCallback):
             in_window=decision.in_window,
         )
 
+    def diverging(self) -> bool:
+        return False  # not judged yet
+
     def skip_batch(self) -> bool:
         if self._skip_left <= 0:
             return False

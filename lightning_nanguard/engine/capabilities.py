@@ -84,6 +84,11 @@ class Restorer(Protocol):
         """True while batches after a rollback are to be skipped (counts one)."""
         ...
 
+    def diverging(self) -> bool:
+        """True once when a snapshot was judged taken mid-divergence: the run is diverging now (the engine then
+        handles that event). Judged from the engine's reduced readings, so identical on every rank."""
+        ...
+
 
 class Backoff(Protocol):
     """OptimizerBackoff."""

@@ -225,9 +225,14 @@ class Engine:
             self._drop_reason = "quarantined"
         if self.restorer is not None:
             step = trainer.global_step
+            signal = None
             if not self.restorer.before_batch(trainer, pl_module, step):
+                signal = self._unsound_signal(trainer, pl_module)
+            elif self.restorer.diverging():
+                signal = Signal.DIVERGING
+            if signal is not None:
                 # Handled now, so that a restore lets this batch run on a good state.
-                self._events.append(PendingEvent(self._unsound_signal(trainer, pl_module), []))
+                self._events.append(PendingEvent(signal, []))
                 self._handle_events(trainer, pl_module)
                 if self.pending_error is not None:
                     # Nothing could restore it: training stops after this batch, whose update is dropped without a
