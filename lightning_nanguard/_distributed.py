@@ -11,6 +11,7 @@ __all__ = [
     "any_rank",
     "any_rank_each",
     "bad_ranks",
+    "barrier",
     "broadcast_object",
     "max_across_ranks",
     "sum_across_ranks",
@@ -54,6 +55,12 @@ def bad_ranks(trainer: pl.Trainer, flag: Tensor | bool) -> list[int]:
         return [0] if bool(local.item()) else []
     gathered = trainer.strategy.all_gather(local.to(trainer.strategy.root_device)).reshape(-1)
     return [int(i) for i in torch.nonzero(gathered > 0).reshape(-1).tolist()]
+
+
+def barrier(trainer: pl.Trainer) -> None:
+    """Every rank waits here until every rank has arrived (the strategy's barrier; nothing on one process)."""
+    if trainer.world_size > 1:
+        trainer.strategy.barrier("nanguard")
 
 
 def broadcast_object(trainer: pl.Trainer, obj: object, src: int = 0) -> object:

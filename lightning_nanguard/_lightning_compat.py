@@ -21,6 +21,7 @@ __all__ = [
     "log_step",
     "optimizer_handles_unscaling",
     "or_into_found_inf",
+    "saves_distributed_checkpoint",
     "scale_tensor",
     "scaler_state",
     "set_found_inf",
@@ -149,6 +150,12 @@ def or_into_found_inf(scaler: Any, optimizer: Optimizer, flag: Tensor) -> None:
                 head = p.grad.view(-1)[:1]
                 head.copy_(torch.where(flag.to(head.device), torch.full_like(head, torch.inf), head))
                 return
+
+
+def saves_distributed_checkpoint(strategy: Any) -> bool:
+    """``ModelParallelStrategy(save_distributed_checkpoint=...)``: whether it saves a directory of shards (Lightning
+    keeps the argument in a private attribute; its default is ``True``)."""
+    return bool(getattr(strategy, "_save_distributed_checkpoint", True))
 
 
 def agree_scaler_skip(trainer: pl.Trainer, optimizer: Optimizer) -> None:

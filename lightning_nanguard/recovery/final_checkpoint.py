@@ -31,7 +31,11 @@ def save_verified_checkpoint(trainer: pl.Trainer, dirpath: str, name: str) -> st
     trainer.save_checkpoint(path)
     failed = False
     if trainer.is_global_zero:
-        if not os.path.isfile(path):
+        if os.path.isdir(path):
+            # A distributed checkpoint (ModelParallelStrategy): CheckpointGuard's manifest verifies it; without one
+            # it is not verified, and not blessed.
+            failed = not verify_checkpoint(path).ok
+        elif not os.path.isfile(path):
             failed = True  # refused by a CheckpointGuard (non-finite state): nothing was written
         elif os.path.isfile(path + SIDECAR_SUFFIX):
             failed = not verify_checkpoint(path).ok  # written by a CheckpointGuard, which wrote the sidecar too

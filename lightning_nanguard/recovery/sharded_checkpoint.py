@@ -43,7 +43,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_nanguard import _distributed
+from lightning_nanguard import _distributed, _lightning_compat
 from lightning_nanguard.checkpoint_manifest import (
     directory_files,
     files_of_rank,
@@ -72,9 +72,8 @@ __all__ = ["LoadDecision", "decide_load", "install", "saves_directories"]
 
 
 def saves_directories(strategy: Any) -> bool:
-    """``ModelParallelStrategy(save_distributed_checkpoint=...)``: does it save directories? (Lightning keeps the
-    argument in a private attribute; its default is ``True``.)"""
-    return bool(getattr(strategy, "_save_distributed_checkpoint", True))
+    """``ModelParallelStrategy(save_distributed_checkpoint=...)``: does it save directories?"""
+    return _lightning_compat.saves_distributed_checkpoint(strategy)
 
 
 def install(trainer: pl.Trainer, io: VerifyingCheckpointIO) -> None:
@@ -132,7 +131,7 @@ class _GuardedSave(_Bound):
         if trainer.is_global_zero:
             _remove_tree(tmp)  # left by an earlier save of this process that failed
             os.makedirs(os.path.dirname(target), exist_ok=True)
-        _distributed.any_rank(trainer, False)  # every rank waits until the leftover is gone
+        _distributed.barrier(trainer)  # every rank waits until the leftover is gone
         self.original(checkpoint, tmp, storage_options=storage_options)
         mine: dict[str, dict[str, Any]] = {}
         error = ""
