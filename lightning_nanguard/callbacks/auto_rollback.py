@@ -18,7 +18,14 @@ from lightning_nanguard.engine.capabilities import Restored
 from lightning_nanguard.engine.incidents import EventHandled
 from lightning_nanguard.engine.state_check import model_finite
 from lightning_nanguard.exceptions import NanGuardConfigError, UnsupportedSetupError
-from lightning_nanguard.policies.rollback import RollbackPolicy, SnapshotJudge, StepHealth, snapshot_due
+from lightning_nanguard.policies.rollback import (
+    Divergence,
+    RollbackPolicy,
+    SnapshotJudge,
+    StepHealth,
+    diverging_now,
+    snapshot_due,
+)
 from lightning_nanguard.recovery.final_checkpoint import checkpoint_dir, save_verified_checkpoint
 from lightning_nanguard.recovery.rollback import PassedOverSnapshots, restore_state
 from lightning_nanguard.recovery.snapshot import SnapshotRing
@@ -54,9 +61,13 @@ class AutoRollback(NanGuardCallback):
     last sound snapshot was taken mid-divergence: a restore passes over it (an older sound one is restored; a
     planned learning-rate backoff goes one notch further for each one passed over, the recurrence restoring it would
     have met), and the ring never evicts the last sound snapshot for it. A level that holds for a whole interval with
-    no incident is a new normal, not a divergence. ``skip_batches`` more batches then get no update
-    (PaLM's recipe). At the end of fit, non-finite parameters or buffers left by the last update are restored too, so
-    a fit that returns has finite weights.
+    no incident is a new normal, not a divergence. The snapshot just taken being judged so, with the median of the
+    steps up to it also 10x the median of the steps after the last sound one (not one odd batch on either side), is
+    itself an event (``diverging``): training is diverging *now*, often many steps before anything goes non-finite,
+    and the engine handles it at that batch's start (a rollback past it and a learning-rate backoff, like a gradient
+    explosion). After a rollback, ``skip_batches`` more batches get no update (PaLM's recipe). At the end of fit,
+    non-finite parameters or buffers left by the last update are restored too, so a fit that returns has finite
+    weights.
 
     **What rolls back**: parameters, buffers and the optimizer state (moments, step counts), copied in place. What
     does not: param-group hyperparameters (lr, eps: an ``OptimizerBackoff`` stays applied), schedulers (not rewound,
@@ -145,6 +156,8 @@ class AutoRollback(NanGuardCallback):
         self._last_event: int | None = None
         self.judge = SnapshotJudge()
         self._unscored: list[int] = []  # snapshots whose step reading has not reached the engine's history yet
+        self._diverging = False  # the snapshot just judged was taken mid-divergence: not reported to the engine yet
+        self.divergence: Divergence | None = None  # the verdict behind the last ``diverging()`` that answered True
         self._engine: Engine | None = None
 
     @override
@@ -163,6 +176,7 @@ class AutoRollback(NanGuardCallback):
         self._engine = engine
         self.judge.reset()
         self._unscored = []
+        self._diverging, self.divergence = False, None
         engine.set_restorer(self)
         engine.bus.subscribe(EventHandled, self._on_event)
         engine.add_metrics(self._metrics)
@@ -183,7 +197,7 @@ class AutoRollback(NanGuardCallback):
     # ------------------------------------------------------------------ the engine's Restorer
     def before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> bool:
         if self._unscored:
-            self._score(step)
+            self._diverging = self._score(step)
         if self.source != "memory" or step % self.every_n_steps:
             return True  # the healthy path: not a snapshot step
         if not snapshot_due(
@@ -195,6 +209,7 @@ class AutoRollback(NanGuardCallback):
         ):
             return True
         if not model_finite(trainer, pl_module):  # one fused pass and one host read per snapshot, reduced
+            self._diverging = False  # the non-finite state is the event; its restore passes over the snapshot anyway
             return False
         scaler = _lightning_compat.get_scaler(trainer)
         scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
@@ -212,11 +227,17 @@ class AutoRollback(NanGuardCallback):
         self._unscored.append(step)
         return True
 
-    def _score(self, now: int) -> None:
-        """Judge snapshots by the engine's reading of their own step (host floats it keeps anyway; no device read)."""
+    def _score(self, now: int) -> bool:
+        """Judge snapshots by the engine's reading of their own step (host floats it keeps anyway; no device read).
+
+        Returns whether the newest snapshot in the ring was just judged taken mid-divergence and the steps around it
+        and the last sound one confirm it (``diverging_now``): the run is diverging now. The readings are
+        rank-reduced, so every rank returns the same."""
         history = self._engine.history if self._engine is not None else ()
         pending, self._unscored = self._unscored, []
         newest = history[-1][0] if history else -1
+        latest = max(self.ring.steps(), default=None)
+        diverging = False
         for step in pending:
             found = next((StepHealth(float(g), loss) for s, g, loss in history if s == step), None)
             if found is None and newest <= step and now - step <= self.every_n_steps:
@@ -225,7 +246,10 @@ class AutoRollback(NanGuardCallback):
             # No finite reading of that step (or none at all): nothing says the snapshot is unsound.
             prev = self.judge.previous_step
             quiet = self._last_event is None or prev is None or self._last_event < prev
-            self.judge.judge(step, found, incident_since_previous=not quiet)
+            sound = self.judge.judge(step, found, incident_since_previous=not quiet)
+            if not sound and step == latest and self.judge.last_divergence is not None:
+                diverging = diverging_now(self.judge.last_divergence, history)
+        return diverging
 
     def can_restore(self, trainer: pl.Trainer, step: int) -> bool:
         """A verified snapshot, or a verified checkpoint of a step at or before ``step``, exists (every rank agrees:
@@ -233,7 +257,11 @@ class AutoRollback(NanGuardCallback):
         if self.ring.steps():
             return True
         dirpath = checkpoint_dir(trainer, self.checkpoint_dir)
-        found = dirpath is not None and trainer.is_global_zero and last_good_checkpoint(dirpath, at_or_before_step=step)
+        found = (  # files only, as the disk restore loads them (a distributed checkpoint directory it cannot)
+            dirpath is not None
+            and trainer.is_global_zero
+            and last_good_checkpoint(dirpath, at_or_before_step=step, directories=False)
+        )
         return bool(_distributed.broadcast_object(trainer, bool(found)))
 
     def budget_left(self, step: int) -> int:
@@ -241,6 +269,7 @@ class AutoRollback(NanGuardCallback):
         return max(0, self.max_rollbacks - len(recent))
 
     def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Restored | None:
+        self._diverging = False  # this restore answers it (passing over the snapshot judged so)
         if self._unscored:
             self._score(step)
         decision = self.policy.decide(step)
@@ -266,7 +295,14 @@ class AutoRollback(NanGuardCallback):
         )
 
     def diverging(self) -> bool:
-        return False  # not judged yet
+        """True once, right after the snapshot just taken was judged taken mid-divergence (``divergence`` then says
+        what was seen). Judged from the engine's rank-reduced history: every rank answers the same. The healthy path
+        is one attribute check."""
+        if not self._diverging:
+            return False
+        self._diverging = False
+        self.divergence = self.judge.last_divergence
+        return True
 
     def skip_batch(self) -> bool:
         if self._skip_left <= 0:

@@ -2,7 +2,8 @@
 
 The cheap evidence is gathered here (``gather_findings``): the batch's non-finite, outlying and out-of-range values
 (``signals.batch``), the non-finite state by kind and the optimizer's part in it (``signals.state``), the recent
-history (``signals.history``), the GradScaler's facts and the resumed checkpoint. Each rank reads its own and one
+history (``signals.history``), the GradScaler's facts, the resumed checkpoint and, for a ``diverging`` event (which,
+like a non-finite state found at a snapshot, has no step reading), the restorer's verdict on the snapshot. Each rank reads its own and one
 all-gather makes it everyone's, so ``policies.diagnosis.classify`` decides the same on every rank.
 ``lightning_nanguard.forensics`` adds a replay of the batch when that evidence does not settle the cause.
 """
@@ -16,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 
 from lightning_nanguard import _distributed
-from lightning_nanguard.contract import Diagnosis
+from lightning_nanguard.contract import Diagnosis, Signal
 from lightning_nanguard.engine.sensing import Reading
 from lightning_nanguard.engine.state_check import nonfinite_names
 from lightning_nanguard.policies.diagnosis import Findings, classify
+from lightning_nanguard.policies.rollback import Divergence
 from lightning_nanguard.signals.batch import BatchFindings, read_batch
 from lightning_nanguard.signals.history import read_history
 from lightning_nanguard.signals.state import StateFindings, read_state
@@ -113,7 +115,17 @@ def gather_findings(engine: Engine, trainer: pl.Trainer, pl_module: pl.Lightning
         half_precision=is_half(precision),
         precision=precision,
         step_seconds=max(clocks) if clocks else math.nan,
+        divergence=divergence_of(engine, facts),
     )
+
+
+def divergence_of(engine: Engine, facts: EventFacts) -> Divergence | None:
+    """What the restorer saw when it reported a ``diverging`` event (rank-consistent: judged from the engine's reduced
+    history). ``None`` for any other event, or a restorer that does not say."""
+    if facts.signal is not Signal.DIVERGING:
+        return None
+    found = getattr(engine.restorer, "divergence", None)
+    return found if isinstance(found, Divergence) else None
 
 
 def _merge_states(parts: list[StateFindings], names: Sequence[str]) -> StateFindings:

@@ -11,6 +11,8 @@ optimizer numerics           state non-finite, the step before was finite, and t
 corrupt state                state non-finite otherwise (tensors named; buffers name their module and the batch rows
                              that wrote them, when the batch shows any)
 gradient explosion           a spike or loss-scale collapse signal (the history is the evidence)
+gradient explosion           a snapshot taken mid-divergence (its step's loss and grad norm both >10x those of the
+                             last sound snapshot: the run is diverging while still finite)
 input data                   NaN/inf in an input row
 targets                      class targets < 0 or >= the output size the replay saw (ignore_index -100 excepted)
 input data                   a row ``1e3`` x larger than the batch's median row
@@ -33,6 +35,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from lightning_nanguard.contract import Cause, Diagnosis, Evidence, EvidenceKind, Signal
+from lightning_nanguard.policies.rollback import Divergence
 from lightning_nanguard.signals.batch import BatchFindings
 from lightning_nanguard.signals.history import HistoryFindings
 from lightning_nanguard.signals.state import StateFindings
@@ -131,6 +134,7 @@ class Findings:
     step_seconds: float = math.nan  # one training step's time, the slowest rank's (NaN: unknown)
     output_size: int | None = None  # the model's output size as a replay saw it
     note: str = ""  # why no replay, or whose replay is reused
+    divergence: Divergence | None = None  # a ``diverging`` event: the snapshot judged and the reference it failed
 
 
 def signature(f: Findings) -> tuple[object, ...]:
@@ -270,6 +274,8 @@ def _cheap_cause(f: Findings) -> Diagnosis | None:
             Cause.GRADIENT_EXPLOSION,
             evidence=(Evidence(EvidenceKind.HISTORY_RISING, f.history.summary()),),
         )
+    if f.signal is Signal.DIVERGING:
+        return _diverging(f)
     evidence = _cheap_evidence(f)
     kinds = {e.kind: e for e in evidence}
     for kind, cause in (
@@ -314,6 +320,48 @@ def _cheap_cause(f: Findings) -> Diagnosis | None:
             hint="routine for fp16 with a GradScaler: it dropped the update and lowered its scale",
         )
     return None
+
+
+def _num(value: float | None) -> str:
+    return "?" if value is None else f"{value:.3g}"
+
+
+def _times(value: float | None, reference: float | None) -> str:
+    """``value`` as a multiple of ``reference`` (``"?"`` where no ratio means anything)."""
+    if value is None or reference is None or reference <= 0 or not math.isfinite(value / reference):
+        return "?"
+    return f"{value / reference:.3g}x"
+
+
+def _diverging(f: Findings) -> Diagnosis:
+    """A snapshot was taken mid-divergence: finite, but its step's loss and grad norm far above the last sound one's.
+    No batch is to blame (the event comes before this batch runs) and nothing needs a replay: the history is the
+    evidence."""
+    history = Evidence(EvidenceKind.HISTORY_RISING, f.history.summary())
+    d = f.divergence
+    if d is None:
+        return Diagnosis(Cause.GRADIENT_EXPLOSION, where="a snapshot taken mid-divergence", evidence=(history,))
+    at = "" if d.reference_step is None else f" (step {d.reference_step})"
+    now, ref = d.health, d.reference
+    where = (
+        f"the snapshot of step {d.step}: loss {_num(now.loss)}, grad norm {_num(now.grad_norm)}, against "
+        f"{_num(ref.loss)} and {_num(ref.grad_norm)} at the last sound snapshot{at}"
+    )
+    seen = Evidence(
+        EvidenceKind.HISTORY_RISING,
+        f"step {d.step}: loss {_times(now.loss, ref.loss)} and grad norm {_times(now.grad_norm, ref.grad_norm)} "
+        f"those of the last sound snapshot{at}, more than {d.factor:g}x in both: the run is diverging while finite",
+        {
+            "step": d.step,
+            "loss": now.loss,
+            "grad_norm": now.grad_norm,
+            "reference_step": d.reference_step,
+            "reference_loss": ref.loss,
+            "reference_grad_norm": ref.grad_norm,
+            "factor": d.factor,
+        },
+    )
+    return Diagnosis(Cause.GRADIENT_EXPLOSION, where=where, evidence=(seen, history))
 
 
 def _state_cause(f: Findings) -> Diagnosis:

@@ -18,6 +18,8 @@ half-precision overflow                        ``skip`` (+ ``promote`` the modul
 gradient explosion / divergence, a spike       ``skip`` + ``rollback`` + ``backoff``
 (``on_spike="rollback"``), a loss-scale
 collapse
+a snapshot taken mid-divergence (diverging,    ``rollback`` + ``backoff`` (no update is at stake: judged at a batch
+still finite)                                  start); the rollback passes over that snapshot
 loss function, unknown                         ``skip`` (+ ``rollback`` if damaged)
 too many dropped updates in a row              ``rollback`` + ``backoff`` when AutoRollback is installed, else ``stop``
 state damaged and nothing can restore it       ``stop`` (the error names the tensors)
@@ -92,6 +94,8 @@ def plan_remedy(f: RemedyFacts) -> Plan:
         return _collapse(f)
     if f.signal in _SPIKES:
         return _spike(f)
+    if f.signal is Signal.DIVERGING:
+        return _diverging(f)
     drop = Action.SCALER_SKIP if f.scaler_dropped else Action.SKIP
     if not f.has_update:
         drop = Action.NONE
@@ -209,6 +213,20 @@ def _spike(f: RemedyFacts) -> Plan:
     if f.max_consecutive_skips is not None and f.skip_streak > f.max_consecutive_skips:
         return _stop(acts, f"{f.skip_streak} dropped updates in a row, more than max_consecutive_skips")
     return _with_restore(f, acts, "a loss/gradient-norm spike")
+
+
+def _diverging(f: RemedyFacts) -> Plan:
+    """The snapshot just taken was judged taken mid-divergence: the run is diverging now, while still finite.
+
+    As for a gradient explosion: restore a sound state (the rollback passes over the snapshot, so a backoff planned
+    with it goes one notch deeper) and lower the learning rate. Nothing is dropped: no update is at stake yet.
+    """
+    if not f.installed.rollback:
+        return Plan((), "training is diverging, and no AutoRollback is installed to restore a sound state")
+    acts = [Action.ROLLBACK]
+    if f.installed.backoff and "rollback" in f.backoff_triggers:
+        acts.append(Action.BACKOFF)
+    return _with_restore(f, acts, "training is diverging: the newest snapshot was taken mid-divergence")
 
 
 _CAUSE_REASONS = {

@@ -12,17 +12,20 @@ Pure: step numbers and host floats in, decisions out. No Lightning, no tensors.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+import statistics
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
     "DIVERGED_FACTOR",
+    "Divergence",
     "RollbackDecision",
     "RollbackPolicy",
     "SnapshotJudge",
     "StepHealth",
     "choose_sound",
     "diverged",
+    "diverging_now",
     "snapshot_due",
 ]
 
@@ -135,6 +138,25 @@ def diverged(health: StepHealth, reference: StepHealth, factor: float = DIVERGED
     return bool(verdicts) and all(verdicts)
 
 
+@dataclass(frozen=True)
+class Divergence:
+    """A snapshot judged taken mid-divergence, with the reading of the last sound snapshot it was judged against.
+
+    Attributes:
+        step: the snapshot's step.
+        health: the engine's reading of that step.
+        reference_step: the last sound snapshot's step (``None`` when its step is not known).
+        reference: that snapshot's reading.
+        factor: how many times the reference both readings exceeded (``DIVERGED_FACTOR``).
+    """
+
+    step: int
+    health: StepHealth
+    reference_step: int | None
+    reference: StepHealth
+    factor: float = DIVERGED_FACTOR
+
+
 @dataclass
 class SnapshotJudge:
     """Which snapshots were taken mid-divergence, judged by each snapshot's own step reading.
@@ -152,9 +174,11 @@ class SnapshotJudge:
 
     factor: float = DIVERGED_FACTOR
     reference: StepHealth | None = None
+    reference_step: int | None = None
     unsound: set[int] = field(default_factory=set)
     healths: dict[int, StepHealth] = field(default_factory=dict)  # readings of the judged snapshots still kept
     _previous: tuple[int, StepHealth, bool] | None = None  # the last judged snapshot: step, reading, sound
+    last_divergence: Divergence | None = None  # the verdict behind the last snapshot judged unsound
 
     @property
     def previous_step(self) -> int | None:
@@ -176,9 +200,11 @@ class SnapshotJudge:
             sound = True
             self.unsound.discard(prev[0])  # vindicated too (if it is still kept)
         if sound:
-            self.reference = health
+            self.reference, self.reference_step = health, step
         else:
             self.unsound.add(step)
+            if self.reference is not None:
+                self.last_divergence = Divergence(step, health, self.reference_step, self.reference, self.factor)
         self._previous = (step, health, sound)
         return sound
 
@@ -188,7 +214,7 @@ class SnapshotJudge:
         self.healths = {s: h for s, h in self.healths.items() if s <= step}
         health = self.healths.get(step)
         if health is not None and step not in self.unsound:
-            self.reference = health
+            self.reference, self.reference_step = health, step
         self._previous = None if health is None else (step, health, step not in self.unsound)
 
     def keep_only(self, steps: Collection[int]) -> None:
@@ -197,9 +223,40 @@ class SnapshotJudge:
         self.healths = {s: h for s, h in self.healths.items() if s in steps}
 
     def reset(self) -> None:
-        self.reference, self._previous = None, None
+        self.reference, self.reference_step, self._previous, self.last_divergence = None, None, None, None
         self.unsound.clear()
         self.healths.clear()
+
+
+# Steps read on each side for ``diverging_now``: the median of this many is not moved by one odd batch.
+CONFIRM_WINDOW = 5
+
+
+def _median(readings: Sequence[StepHealth]) -> StepHealth:
+    losses = [h.loss for h in readings if h.loss is not None]
+    return StepHealth(statistics.median(h.grad_norm for h in readings), statistics.median(losses) if losses else None)
+
+
+def diverging_now(
+    divergence: Divergence, history: Iterable[tuple[int, float, float | None]], window: int = CONFIRM_WINDOW
+) -> bool:
+    """A snapshot judged taken mid-divergence is worth acting on now (a rollback and a backoff, not only passing it
+    over later): the median of the last ``window`` readings up to its step, against the median of those of the
+    ``window`` steps from the last sound snapshot's, is ``diverged`` too.
+
+    One reading on each side can be one odd batch: a hard batch at the snapshot, or an easy one at the reference
+    (then every later snapshot reads 10x above it, and acting on each would roll a healthy run back until its budget
+    ran out). A divergence lifts every step. ``history`` is the engine's ``(step, grad_norm, loss)`` of finite steps.
+    Without readings near the reference, the reference's own reading stands in.
+    """
+    readings = [(s, StepHealth(float(g), loss)) for s, g, loss in history if s <= divergence.step]
+    recent = [h for _, h in readings[-window:]]
+    start = divergence.reference_step
+    end = divergence.step if start is None else min(start + window, divergence.step)
+    base = [h for s, h in readings if start is not None and start <= s < end]
+    if not recent:
+        return False
+    return diverged(_median(recent), _median(base) if base else divergence.reference, divergence.factor)
 
 
 def choose_sound(

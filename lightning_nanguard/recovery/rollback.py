@@ -101,7 +101,8 @@ def _from_ring(
 
 def _from_disk(trainer: pl.Trainer, dirpath: str | None, at_or_before_step: int | None) -> Restored | None:
     local = (
-        last_good_checkpoint(dirpath, at_or_before_step=at_or_before_step)
+        # Files only: a distributed checkpoint directory is not something ``torch.load`` can restore.
+        last_good_checkpoint(dirpath, at_or_before_step=at_or_before_step, directories=False)
         if dirpath is not None and trainer.is_global_zero
         else None
     )

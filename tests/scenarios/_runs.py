@@ -12,7 +12,8 @@ class Runner(Protocol):
 
 
 class RunCache:
-    """``cache(task, config, devices=1)``: ``config`` is ``"healthy"``, ``"unguarded"`` or ``"preset"``."""
+    """``cache(task, config, devices=1)``: ``config`` is ``"healthy"``, ``"unguarded"``, ``"preset"`` or
+    ``"preset-nofault"`` (the preset on the healthy task)."""
 
     def __init__(self, root: str) -> None:
         self.root = root
@@ -22,9 +23,10 @@ class RunCache:
         key = (task, config, devices)
         if key not in self.results:
             ddp: dict[str, Any] = {"devices": 2, "strategy": "ddp_spawn"} if devices == 2 else {}
-            callbacks = preset() if config == "preset" else []
+            callbacks = preset() if config.startswith("preset") else []
             name = config if devices == 1 else f"{config}-ddp"
+            healthy = config in ("healthy", "preset-nofault")
             self.results[key] = run_task(
-                task, callbacks, seed=0, root_dir=self.root, healthy=config == "healthy", config=name, **ddp
+                task, callbacks, seed=0, root_dir=self.root, healthy=healthy, config=name, **ddp
             )
         return self.results[key]

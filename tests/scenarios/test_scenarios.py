@@ -53,13 +53,8 @@ UNGUARDED: dict[str, Callable[[RunResult, RunResult], bool]] = {
     "corrupt-resume": lambda r, h: _nan(r.train_loss) and _nan(r.val_loss),
 }
 
-# What the preset does today where it does not save the run (seed 0); see the report in the scenario note.
-SAVE_XFAIL = {
-    "spike-then-diverge": "saved but 1.26x (train 0.0342 vs 0.0272; val 0.95x): step 56 gradient_explosion (skip, "
-    "rollback to step 0 past the step-50 snapshot taken mid-divergence, backoff 2 notches to 0.25): 56 steps lost. "
-    "The first non-finite step comes 17 steps after the loss left its range (step 39, 25x); only an earlier "
-    "detection can save those steps",
-}
+# What the preset does today where it does not save the run (seed 0), as a strict xfail with what happens instead.
+SAVE_XFAIL: dict[str, str] = {}
 CAUSE_XFAIL: dict[str, str] = {}
 TASKS = list(UNGUARDED)
 
@@ -145,11 +140,25 @@ def test_bad_data_is_skip_and_quarantine_only(scenario_run: Runner) -> None:
 
 
 def test_spike_then_diverge_rolls_back_past_the_snapshot_taken_mid_divergence(scenario_run: Runner) -> None:
-    # The step-50 snapshot is finite, but its own step's loss was ~1e14 (the healthy level is ~0.5): restoring it
-    # leaves a state no learning rate brings back. The rollback restores step 0 instead, and the backoff answers both
-    # divergences (the one seen, and the one restoring step 50 would have met): two notches.
+    # The step-50 snapshot is finite, but its own step's loss was ~1e15 (the healthy level is ~0.5): restoring it
+    # leaves a state no learning rate brings back. Judged at step 51, it is itself the event (training is diverging
+    # now, five steps before anything goes non-finite): the rollback restores step 0 instead, and the backoff answers
+    # both divergences (the one seen, and the one restoring step 50 would have met): two notches.
     run = scenario_run("spike-then-diverge", "preset")
     first = next((i for i in run.incidents if "rollback" in i.actions), None)
     assert first is not None, _describe(run)
+    assert (first.trigger, first.step, first.cause) == ("diverging", 51, "gradient_explosion"), _describe(run)
     assert first.values["restored_from_step"] == 0, _describe(run)
     assert first.values.get("lr_notches") == 2, _describe(run)
+    assert first.where.startswith("the snapshot of step 50: "), first.where
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_no_divergence_is_reported_where_none_happens(scenario_run: Runner, task: str) -> None:
+    # A snapshot judged mid-divergence rolls back and lowers the learning rate: it must never fire on a healthy run,
+    # nor on a fault of another kind (a bad sample, a poisoned buffer, an overflow).
+    runs = [scenario_run(task, "preset-nofault")]
+    if task != "spike-then-diverge":
+        runs.append(scenario_run(task, "preset"))
+    for run in runs:
+        assert not [i for i in run.incidents if i.trigger == "diverging"], _describe(run)
