@@ -31,21 +31,21 @@ FINDINGS: list[Finding] = [
         key="fp16-ddp-scaler-split-without-step-watcher",
         title=(
             "16-mixed DDP with only FP32Evaluation or CheckpointGuard (members that never touch a training step): a "
-            "NaN/inf gradient on one rank makes only that rank's GradScaler skip"
+            "NaN/inf gradient on one rank makes only that rank's GradScaler skip, and the fit ends with "
+            "RankDivergenceError"
         ),
-        matches=lambda r: bool(r.get("diverged")) and r["value"] != "spike",
+        matches=lambda r: bool(r.get("diverged")) and r["value"] != "spike" and r["outcome"] == "finite",
         what=(
             "The gradient fault lands after DDP's all-reduce on one rank. Whenever a member drives the engine "
             "(GradNormMonitor, AutoRollback, OptimizerBackoff, LossScaleWatchdog) every rank's GradScaler drops the "
             "step together: the sensor's reduced verdict, or, when no member senses steps (OptimizerBackoff alone), "
             "one all-reduce of the scalers' `found_inf` (`_lightning_compat.agree_scaler_skip`). FP32Evaluation and "
-            "CheckpointGuard join without driving (they have no per-step hook at all), so with only them installed a "
-            "rank-local fault splits the scalers exactly as in plain Lightning."
+            "CheckpointGuard join without driving (no per-step hook), so with only them installed a rank-local fault "
+            "splits the scalers as in plain Lightning; the end-of-fit check compares the ranks' parameters and "
+            "raises `RankDivergenceError` (a documented error, not a violation). A row here would be a divergence "
+            "that the end-of-fit check missed."
         ),
-        fix=(
-            "Let a non-driving member that is alone drive the scaler agreement (or document that those two add "
-            "nothing per step, as now)."
-        ),
+        fix="A divergence the end-of-fit check missed: `engine/state_check.py` `state_verdict`.",
     ),
 ]
 
