@@ -412,11 +412,13 @@ def _bad_ranks(trainer: pl.Trainer, event: PendingEvent) -> list[int]:
         return [0]
     import math
 
-    local = [r.local.detach().float().cpu().tolist() if r.local is not None else [] for r in event.readings]
+    local = [
+        (r.inline or 1, r.local.detach().float().cpu().tolist()) for r in event.readings if r.local is not None
+    ]  # (where the loss is, this rank's own vector): the fast path puts the per-tensor norms first
     # This rank's own loss (never reduced) names the rank best: gradients are all-reduced in the backward, so every
     # rank sees another rank's NaN gradient; a gradient that went bad after the reduction is this rank's own.
-    loss_bad = any(len(vec) > 1 and not math.isfinite(vec[1]) for vec in local)
-    any_bad = any(not all(math.isfinite(v) for v in vec) for vec in local)
+    loss_bad = any(len(vec) > at and not math.isfinite(vec[at]) for at, vec in local)
+    any_bad = any(not all(math.isfinite(v) for v in vec) for _, vec in local)
     gathered = [cast(tuple[bool, bool], g) for g in _distributed.all_gather_objects(trainer, (loss_bad, any_bad))]
     ranks = [i for i, g in enumerate(gathered) if g[0]] or [i for i, g in enumerate(gathered) if g[1]]
     return ranks or list(range(trainer.world_size))

@@ -37,7 +37,14 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_nanguard import _distributed, _lightning_compat
-from lightning_nanguard.signals.gradients import GradNorms, ParamIndex, grad_norms, weighted_squares
+from lightning_nanguard.signals.gradients import (
+    INLINE_MAX,
+    GradNorms,
+    ParamIndex,
+    grad_norms,
+    norms_with,
+    weighted_squares,
+)
 
 __all__ = ["HostMirror", "Reading", "Sensor", "current_grad_norm", "wrapper_prefixes"]
 
@@ -58,6 +65,7 @@ class Reading:
         local: this rank's own ``[grad norm, loss]`` device vector, for the incident path's per-rank attribution.
         device_skipped: the update was dropped on the device (device path, non-finite verdict).
         buffers_finite: the module's watched buffers (``state_check.watched_buffers``) were finite at this step.
+        inline: ``local`` (and the reduced vector) start with this many per-tensor norms instead of the total.
     """
 
     step: int
@@ -72,6 +80,7 @@ class Reading:
     local: Tensor | None = None
     device_skipped: bool = False
     buffers_finite: bool = True
+    inline: int = 0  # the vector carries this many per-tensor norms first (the fast path), not the total
     dropped: bool = False  # the update was dropped (by nanguard or the GradScaler), filled in by the engine
     spike: str = ""  # "loss_spike" / "grad_norm_spike" / "loss_and_grad_norm_spike", filled in by the engine
     extras: dict[str, Any] = field(default_factory=dict)
@@ -252,6 +261,10 @@ class Sensor:
         scale = _lightning_compat.scale_tensor(scaler) if scaler is not None else None
         # Fused optimizers under a GradScaler are not unscaled before this hook: their norm is divided here.
         fused_scaled = scale is not None and _lightning_compat.optimizer_handles_unscaling(optimizer)
+        if not (index.sharded or fused_scaled) and index.count <= INLINE_MAX:
+            fast = self._measure_inline(trainer, optimizer, index, losses, scaler, scale, path, opt_idx, step, batch)
+            if fast is not None:
+                return self._deliver(*fast, host_only=host_only, squared=False)
         norms = grad_norms(index, scale=scale if fused_scaled else None)
         if index.sharded:
             return self._measure_sharded(
@@ -269,7 +282,7 @@ class Sensor:
                 batch,
                 host_only,
             )
-        device = norms.total.device if norms is not None else _first_device(pl_module)
+        device = norms.tensor_norms.device if norms is not None else _first_device(pl_module)
         loss = _loss_sum(losses)
         total = norms.total if norms is not None else self._zero(device)
         parts = [_f32(total, device), _f32(self._zero(device) if loss is None else loss, device)]
@@ -310,6 +323,64 @@ class Sensor:
             squared=False,
         )
 
+    def _measure_inline(
+        self,
+        trainer: pl.Trainer,
+        optimizer: Optimizer,
+        index: ParamIndex,
+        losses: list[Tensor],
+        scaler: Any,
+        scale: Tensor | None,
+        path: str,
+        opt_idx: int,
+        step: int,
+        batch: int,
+    ) -> tuple[Any, ...] | None:
+        """The fast path (``signals.gradients.norms_with``): the vector ``[norm_0, ..., norm_k-1, loss, (scale),
+        (buffer probe)]`` from one fused pass and one ``stack``; the host sums the norms' squares. ``None`` where it
+        does not apply. Returns ``_deliver``'s positional arguments."""
+        device = index.params[0].device
+        loss = _loss_sum(losses)
+        tail = [_f32(self._zero(device) if loss is None else loss, device)]
+        if scale is not None:
+            tail.append(_f32(scale, device))
+        probe = self._buffer_probe()
+        if probe is not None:
+            tail.append(_f32(probe, device))
+        got = norms_with(index, tail)
+        if got is None:
+            return None
+        norms, vec = got
+        local = vec
+        world = trainer.world_size
+        if world > 1:
+            vec = _distributed.sum_across_ranks(trainer, vec)
+        reading = Reading(
+            step=step,
+            optimizer_idx=opt_idx,
+            batch=batch,
+            grad_norm=math.nan,
+            loss=None,
+            scale=None,
+            has_grads=True,
+            norms=norms,
+            index=index,
+            local=local,
+            inline=index.count,
+        )
+        return (
+            reading,
+            vec,
+            optimizer,
+            scaler,
+            path,
+            opt_idx,
+            world,
+            loss is not None,
+            scale is not None,
+            probe is not None,
+        )
+
     def _deliver(
         self,
         reading: Reading,
@@ -338,8 +409,8 @@ class Sensor:
         else:
             _lightning_compat.set_found_inf(optimizer, bad)
         mirror = self._mirrors.get(opt_idx)
-        if mirror is None:
-            mirror = self._mirrors[opt_idx] = HostMirror(4, head.device)
+        if mirror is None or mirror.size < head.numel():
+            mirror = self._mirrors[opt_idx] = HostMirror(max(4, head.numel()), head.device)
         mirror.fill(head)
         reading.extras["pending"] = (mirror, head.numel(), world, has_loss, has_scale, has_probe, squared)
         return reading
@@ -361,7 +432,7 @@ class Sensor:
         host_only: bool,
     ) -> Reading:
         """``measure`` for sharded gradients: squared norms in float64, one SUM all-reduce, sqrt afterwards."""
-        device = norms.total.device if norms is not None else _first_device(pl_module)
+        device = norms.tensor_norms.device if norms is not None else _first_device(pl_module)
         squares = weighted_squares(index, norms, device)
         loss = _loss_sum(losses)
         head = [squares.sum(), torch.zeros((), device=device) if loss is None else loss]
@@ -383,7 +454,7 @@ class Sensor:
                 per_tensor = per_tensor.index_select(
                     0, torch.tensor(norms.present, dtype=torch.long, device=per_tensor.device)
                 )
-            reduced = GradNorms(total=vec[0].sqrt().float(), tensor_norms=per_tensor, present=norms.present)
+            reduced = GradNorms(tensor_norms=per_tensor, present=norms.present, _total=vec[0].sqrt().float())
         reading = Reading(
             step=step,
             optimizer_idx=opt_idx,
@@ -434,8 +505,15 @@ class Sensor:
         *,
         squared: bool = False,
     ) -> None:
-        """Host values from the reduced vector ``[grad norm, loss, (scale), (buffer probe)]``. ``squared``:
-        ``values[0]`` is the global squared norm (sharded)."""
+        """Host values from the reduced vector ``[grad norm, loss, (scale), (buffer probe)]``, or with
+        ``reading.inline`` norms first, ``[norm_0, ..., norm_k-1, loss, ...]`` (the fast path: the total is summed
+        here). ``squared``: ``values[0]`` is the global squared norm (sharded)."""
+        if reading.inline:
+            k = reading.inline
+            squares = 0.0
+            for v in values[:k]:
+                squares += v * v
+            values = [math.sqrt(squares), *values[k:]]
         if squared:
             # Already global (shares weighted): no division by the world size. NaN stays NaN; +inf stays +inf.
             values = [math.sqrt(values[0]) if values[0] >= 0 else math.nan, *values[1:]]

@@ -24,22 +24,37 @@ from torch import Tensor, nn
 
 from lightning_nanguard.signals.sharded import is_sharded, local_tensor, share_of
 
-__all__ = ["GradNorms", "ParamIndex", "grad_norms", "layer_norms", "layer_of", "weighted_squares"]
+__all__ = [
+    "INLINE_MAX",
+    "GradNorms",
+    "ParamIndex",
+    "grad_norms",
+    "layer_norms",
+    "layer_of",
+    "norms_with",
+    "weighted_squares",
+]
 
 
-@dataclass(frozen=True)
+@dataclass
 class GradNorms:
     """The gradient norms of one optimizer step, on the gradients' device.
 
     Attributes:
-        total: 0-d float32, the 2-norm of all gradients (NaN/inf if any element is); divided by ``scale`` if given.
-        tensor_norms: 1-d float32, one norm per gradient tensor, in ``present`` order.
+        tensor_norms: 1-d float32, one norm per gradient tensor, in ``present`` order; divided by ``scale`` if given.
         present: indices (into ``ParamIndex.params``) of the parameters that had a gradient; ``None`` means all.
+        total: 0-d float32, the 2-norm of all gradients (NaN/inf if any element is), computed on first use.
     """
 
-    total: Tensor
     tensor_norms: Tensor
     present: tuple[int, ...] | None
+    _total: Tensor | None = None
+
+    @property
+    def total(self) -> Tensor:
+        if self._total is None:
+            self._total = torch.linalg.vector_norm(self.tensor_norms)
+        return self._total
 
 
 class ParamIndex:
@@ -159,7 +174,24 @@ def grad_norms(index: ParamIndex, scale: Tensor | None = None) -> GradNorms | No
     stacked = torch.stack(norms)  # type: ignore[arg-type]
     if scale is not None:
         stacked = stacked / scale.to(device=stacked.device, dtype=stacked.dtype)
-    return GradNorms(total=torch.linalg.vector_norm(stacked), tensor_norms=stacked, present=present)
+    return GradNorms(tensor_norms=stacked, present=present)
+
+
+INLINE_MAX = 32  # up to this many gradients, the step vector carries each norm and the host sums their squares
+
+
+def norms_with(index: ParamIndex, tail: Sequence[Tensor]) -> tuple[GradNorms, Tensor] | None:
+    """The healthy step's fast path: ``[norm_0, ..., norm_k-1, *tail]`` in one ``stack`` after one fused norm pass,
+    for a few (``INLINE_MAX``) plain gradients, every one present, of one (device, dtype). The total norm is then
+    summed on the host from the per-tensor norms (two fewer device ops than a ``vector_norm`` and a second
+    ``stack``). ``None`` where the fast path does not apply (``grad_norms`` then)."""
+    if index.sharded or not index.uniform or index.count == 0 or index.count > INLINE_MAX:
+        return None
+    grads = [p.grad for p in index.params]
+    if not all(g is not None for g in grads):
+        return None
+    vec = torch.stack([*_foreach_norm_fp32(grads), *tail])  # type: ignore[arg-type]
+    return GradNorms(tensor_norms=vec[: index.count], present=None), vec
 
 
 def _grouped_norms(index: ParamIndex, grads: list[Tensor | None], present: list[int]) -> list[Tensor]:
