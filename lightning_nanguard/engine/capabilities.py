@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 
 from lightning_nanguard.contract import Signal
 from lightning_nanguard.engine.sensing import Reading
+from lightning_nanguard.policies.rollback import Divergence
 
 __all__ = [
     "DEFAULT_MAX_CONSECUTIVE_SKIPS",
@@ -69,6 +70,7 @@ class Restorer(Protocol):
     """AutoRollback."""
 
     owner: str
+    divergence: Divergence | None  # what the last ``diverging()`` that answered True saw
 
     def can_restore(self, trainer: pl.Trainer, step: int) -> bool: ...
 

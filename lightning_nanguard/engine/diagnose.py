@@ -122,10 +122,9 @@ def gather_findings(engine: Engine, trainer: pl.Trainer, pl_module: pl.Lightning
 def divergence_of(engine: Engine, facts: EventFacts) -> Divergence | None:
     """What the restorer saw when it reported a ``diverging`` event (rank-consistent: judged from the engine's reduced
     history). ``None`` for any other event, or a restorer that does not say."""
-    if facts.signal is not Signal.DIVERGING:
+    if facts.signal is not Signal.DIVERGING or engine.restorer is None:
         return None
-    found = getattr(engine.restorer, "divergence", None)
-    return found if isinstance(found, Divergence) else None
+    return engine.restorer.divergence
 
 
 def _merge_states(parts: list[StateFindings], names: Sequence[str]) -> StateFindings:
