@@ -305,37 +305,24 @@ def final_check(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModu
     gathered = _distributed.all_gather_objects(trainer, nonfinite_names(pl_module))
     names = sorted({n for part in gathered for n in part})  # type: ignore[attr-defined]
     restorer = engine.restorer
-    if restorer is not None and restorer.can_restore(trainer, trainer.global_step):
-        restored = restorer.restore(trainer, pl_module, trainer.global_step)
-        if restored is not None and model_finite(trainer, pl_module):
-            engine.final_state = (
-                f"finite: restored from step {restored.step} ({restored.source}) at the end of fit, because the "
-                f"last update(s) left {', '.join(names[:3])} non-finite"
-            )
-            diagnosis = Diagnosis(
-                Cause.CORRUPT_STATE, where=", ".join(names[:3]), state_tensors=tuple(names), state_damaged=True
-            )
-            incident = Incident(
-                step=trainer.global_step,
-                epoch=int(trainer.current_epoch),
-                batch_idx=-1,
-                ranks=list(range(trainer.world_size)),
-                trigger=Signal.NONFINITE_STATE.value,
-                action=Action.ROLLBACK.value,
-                source=restorer.owner,
-                values={"restored_from_step": restored.step, "rollback_source": restored.source},
-                message=(
-                    f"non-finite parameters or buffers at the end of fit ({', '.join(names[:5])}): {_restored_text(restored)}, "
-                    "so the model fit() returns is finite. The last updates were lost."
-                ),
-                actions=[Action.ROLLBACK.value],
-                cause=Cause.CORRUPT_STATE.value,
-                where=diagnosis.where,
-                diagnosis=diagnosis.to_dict(),
-            )
-            engine.sink.record(trainer, incident)
-            engine.bus.emit(trainer, StateRestored(restored.step, RestoreSource(restored.source)))
-            return
+    diagnosis = Diagnosis(
+        Cause.CORRUPT_STATE, where=", ".join(names[:3]), state_tensors=tuple(names), state_damaged=True
+    )
+    restored = _restore_at_end(
+        engine,
+        trainer,
+        pl_module,
+        Signal.NONFINITE_STATE,
+        diagnosis,
+        problem=f"non-finite parameters or buffers at the end of fit ({', '.join(names[:5])})",
+        promise="the model fit() returns is finite",
+    )
+    if restored is not None:
+        engine.final_state = (
+            f"finite: restored from step {restored.step} ({restored.source}) at the end of fit, because the "
+            f"last update(s) left {', '.join(names[:3])} non-finite"
+        )
+        return
     engine.final_state = f"NON-FINITE ({', '.join(names[:3])})"
     hint = "" if restorer is not None else "add AutoRollback() so the last verified state is restored"
     if restorer is not None:
@@ -343,6 +330,44 @@ def final_check(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModu
     error = NonFiniteTrainingError(messages.final_state_error(names, _tried(engine), hint))
     if engine.pending_error is None:
         engine.pending_error = error
+
+
+def _restore_at_end(
+    engine: Engine,
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    signal: Signal,
+    diagnosis: Diagnosis,
+    *,
+    problem: str,
+    promise: str,
+) -> Restored | None:
+    """End of fit: restore the newest verified state and record the incident (``problem``: what was found;
+    ``promise``: what the restore guarantees). ``None`` when nothing verified could be restored."""
+    restorer = engine.restorer
+    if restorer is None or not restorer.can_restore(trainer, trainer.global_step):
+        return None
+    restored = restorer.restore(trainer, pl_module, trainer.global_step)
+    if restored is None or not model_finite(trainer, pl_module):
+        return None
+    incident = Incident(
+        step=trainer.global_step,
+        epoch=int(trainer.current_epoch),
+        batch_idx=-1,
+        ranks=list(range(trainer.world_size)),
+        trigger=signal.value,
+        action=Action.ROLLBACK.value,
+        source=restorer.owner,
+        values={"restored_from_step": restored.step, "rollback_source": restored.source},
+        message=f"{problem}: {_restored_text(restored)}, so {promise}. The last updates were lost.",
+        actions=[Action.ROLLBACK.value],
+        cause=Cause.CORRUPT_STATE.value,
+        where=diagnosis.where,
+        diagnosis=diagnosis.to_dict(),
+    )
+    engine.sink.record(trainer, incident)
+    engine.bus.emit(trainer, StateRestored(restored.step, RestoreSource(restored.source)))
+    return restored
 
 
 def divergence_diagnosis(names: tuple[str, ...]) -> Diagnosis:
@@ -366,35 +391,21 @@ def _final_divergence(
 ) -> None:
     """End of fit under DDP with finite parameters whose copies differ: restore an agreed state, or raise."""
     restorer = engine.restorer
-    if restorer is not None and restorer.can_restore(trainer, trainer.global_step):
-        restored = restorer.restore(trainer, pl_module, trainer.global_step)
-        if restored is not None and model_finite(trainer, pl_module):
-            engine.final_state = (
-                f"finite and identical on every rank: restored from step {restored.step} ({restored.source}) at the "
-                f"end of fit, because the ranks' copies of {', '.join(names[:3])} differed"
-            )
-            diagnosis = divergence_diagnosis(names)
-            incident = Incident(
-                step=trainer.global_step,
-                epoch=int(trainer.current_epoch),
-                batch_idx=-1,
-                ranks=list(range(trainer.world_size)),
-                trigger=Signal.RANK_DIVERGENCE.value,
-                action=Action.ROLLBACK.value,
-                source=restorer.owner,
-                values={"restored_from_step": restored.step, "rollback_source": restored.source},
-                message=(
-                    f"the ranks' parameters differ at the end of fit ({', '.join(names[:5])}): "
-                    f"{_restored_text(restored)}, so every rank returns the same model. The last updates were lost."
-                ),
-                actions=[Action.ROLLBACK.value],
-                cause=Cause.CORRUPT_STATE.value,
-                where=diagnosis.where,
-                diagnosis=diagnosis.to_dict(),
-            )
-            engine.sink.record(trainer, incident)
-            engine.bus.emit(trainer, StateRestored(restored.step, RestoreSource(restored.source)))
-            return
+    restored = _restore_at_end(
+        engine,
+        trainer,
+        pl_module,
+        Signal.RANK_DIVERGENCE,
+        divergence_diagnosis(names),
+        problem=f"the ranks' parameters differ at the end of fit ({', '.join(names[:5])})",
+        promise="every rank returns the same model",
+    )
+    if restored is not None:
+        engine.final_state = (
+            f"finite and identical on every rank: restored from step {restored.step} ({restored.source}) at the "
+            f"end of fit, because the ranks' copies of {', '.join(names[:3])} differed"
+        )
+        return
     engine.final_state = f"finite, but the ranks' copies of {', '.join(names[:3])} DIFFER"
     hint = (
         "AutoRollback had no verified snapshot or checkpoint to restore: snapshot more often (every_n_steps)"

@@ -38,7 +38,6 @@ from torch.optim import Optimizer
 
 from lightning_nanguard import _distributed, _lightning_compat
 from lightning_nanguard.signals.gradients import (
-    INLINE_MAX,
     GradNorms,
     ParamIndex,
     grad_norms,
@@ -261,18 +260,13 @@ class Sensor:
         scale = _lightning_compat.scale_tensor(scaler) if scaler is not None else None
         # Fused optimizers under a GradScaler are not unscaled before this hook: their norm is divided here.
         fused_scaled = scale is not None and _lightning_compat.optimizer_handles_unscaling(optimizer)
-        if not (index.sharded or fused_scaled) and index.count <= INLINE_MAX:
-            fast = self._measure_inline(trainer, optimizer, index, losses, scaler, scale, path, opt_idx, step, batch)
-            if fast is not None:
-                return self._deliver(*fast, host_only=host_only, squared=False)
-        norms = grad_norms(index, scale=scale if fused_scaled else None)
         if index.sharded:
             return self._measure_sharded(
                 trainer,
                 pl_module,
                 optimizer,
                 index,
-                norms,
+                grad_norms(index, scale=scale if fused_scaled else None),
                 losses,
                 scaler,
                 scale,
@@ -282,16 +276,25 @@ class Sensor:
                 batch,
                 host_only,
             )
-        device = norms.tensor_norms.device if norms is not None else _first_device(pl_module)
+        device = index.params[0].device if index.params else _first_device(pl_module)
         loss = _loss_sum(losses)
-        total = norms.total if norms is not None else self._zero(device)
-        parts = [_f32(total, device), _f32(self._zero(device) if loss is None else loss, device)]
+        tail = [_f32(self._zero(device) if loss is None else loss, device)]
         if scale is not None:
-            parts.append(_f32(scale, device))
+            tail.append(_f32(scale, device))
         probe = self._buffer_probe()
         if probe is not None:
-            parts.append(_f32(probe, device))
-        vec = torch.stack(parts)
+            tail.append(_f32(probe, device))
+        # The fast path for a few gradients: [norm_0, ..., norm_k-1, *tail] in one stack, the total summed on the
+        # host (``norms_with``); else [total, *tail].
+        fast = None if fused_scaled else norms_with(index, tail)
+        norms: GradNorms | None
+        if fast is not None:
+            norms, vec = fast
+            inline = index.count
+        else:
+            norms = grad_norms(index, scale=scale if fused_scaled else None)
+            vec = torch.stack([_f32(norms.total if norms is not None else self._zero(device), device), *tail])
+            inline = 0
         local = vec
         world = trainer.world_size
         if world > 1:
@@ -307,6 +310,7 @@ class Sensor:
             norms=norms,
             index=index,
             local=local,
+            inline=inline,
         )
         return self._deliver(
             reading,
@@ -321,64 +325,6 @@ class Sensor:
             probe is not None,
             host_only=host_only,
             squared=False,
-        )
-
-    def _measure_inline(
-        self,
-        trainer: pl.Trainer,
-        optimizer: Optimizer,
-        index: ParamIndex,
-        losses: list[Tensor],
-        scaler: Any,
-        scale: Tensor | None,
-        path: str,
-        opt_idx: int,
-        step: int,
-        batch: int,
-    ) -> tuple[Any, ...] | None:
-        """The fast path (``signals.gradients.norms_with``): the vector ``[norm_0, ..., norm_k-1, loss, (scale),
-        (buffer probe)]`` from one fused pass and one ``stack``; the host sums the norms' squares. ``None`` where it
-        does not apply. Returns ``_deliver``'s positional arguments."""
-        device = index.params[0].device
-        loss = _loss_sum(losses)
-        tail = [_f32(self._zero(device) if loss is None else loss, device)]
-        if scale is not None:
-            tail.append(_f32(scale, device))
-        probe = self._buffer_probe()
-        if probe is not None:
-            tail.append(_f32(probe, device))
-        got = norms_with(index, tail)
-        if got is None:
-            return None
-        norms, vec = got
-        local = vec
-        world = trainer.world_size
-        if world > 1:
-            vec = _distributed.sum_across_ranks(trainer, vec)
-        reading = Reading(
-            step=step,
-            optimizer_idx=opt_idx,
-            batch=batch,
-            grad_norm=math.nan,
-            loss=None,
-            scale=None,
-            has_grads=True,
-            norms=norms,
-            index=index,
-            local=local,
-            inline=index.count,
-        )
-        return (
-            reading,
-            vec,
-            optimizer,
-            scaler,
-            path,
-            opt_idx,
-            world,
-            loss is not None,
-            scale is not None,
-            probe is not None,
         )
 
     def _deliver(
