@@ -89,7 +89,8 @@ def markdown(
         "",
         "* **finished finite** or **documented error**: a fit that returns normally has finite parameters and buffers "
         "(every rank's); otherwise it raises a `NanGuardError` subclass (`NonFiniteTrainingError`, "
-        "`RecoveryBudgetExhausted`, `CheckpointVerificationError`, `UnsupportedSetupError`). *non-finite return* "
+        "`RecoveryBudgetExhausted`, `RankDivergenceError`, `CheckpointVerificationError`, `UnsupportedSetupError`). "
+        "*non-finite return* "
         "(returned with NaN/inf state) and *other errors* (any other exception) are violations.",
         "* **checkpoint verifies**: with the suite, a run stopped by a documented error that left checkpoint files "
         "(ModelCheckpoint every 4 steps, all kept) has at least one that passes `verify_checkpoint` (the newest such "
