@@ -254,13 +254,7 @@ def verify_checkpoint(path: str, *, require_sidecar: bool = True) -> VerifyResul
 
 def checkpoint_files(dirpath: str) -> list[str]:
     """The regular ``*.ckpt`` files of ``dirpath``, newest first (ties: the original name before the tag link)."""
-    if not os.path.isdir(dirpath):
-        return []
-    found: list[tuple[int, bool, str, str]] = []
-    for entry in os.scandir(dirpath):
-        if entry.name.endswith(".ckpt") and entry.is_file(follow_symlinks=False):
-            found.append((entry.stat().st_mtime_ns, entry.name != LAST_GOOD_NAME, entry.name, entry.path))
-    return [path for *_, path in sorted(found, reverse=True)]
+    return checkpoint_candidates(dirpath, directories=False)
 
 
 def checkpoint_candidates(dirpath: str, *, directories: bool = True) -> list[str]:

@@ -63,6 +63,7 @@ from lightning_nanguard.exceptions import CheckpointVerificationError
 from lightning_nanguard.recovery.verifying_io import (
     CheckpointEvent,
     VerifyingCheckpointIO,
+    fsync_dir,
     step_in_name,
     tmp_name,
 )
@@ -199,11 +200,11 @@ class _GuardedSave(_Bound):
                 epoch=int(epoch) if isinstance(epoch, int) else None,
                 world_size=trainer.world_size,
             )
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             _publish_dir(tmp, target)
             with contextlib.suppress(FileNotFoundError):  # a single-file save of this name had a sidecar
                 os.remove(target + SIDECAR_SUFFIX)
-            _fsync_dir(os.path.dirname(target))
+            fsync_dir(os.path.dirname(target))
         except OSError as err:
             return f"{type(err).__name__}: {err}"
         finally:
@@ -253,15 +254,6 @@ def _remove_tree(path: str) -> None:
             shutil.rmtree(path)
         else:
             os.remove(path)
-
-
-def _fsync_dir(directory: str) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------------------------- load

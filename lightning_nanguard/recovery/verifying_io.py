@@ -41,6 +41,7 @@ __all__ = [
     "STALE_TMP_SECONDS",
     "CheckpointEvent",
     "VerifyingCheckpointIO",
+    "fsync_dir",
     "remove_stale_tmp_files",
     "step_in_name",
     "tmp_name",
@@ -167,7 +168,7 @@ class VerifyingCheckpointIO(CheckpointIO):
             self._writing.discard(tmp)
             with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)
-        _fsync_dir(directory)
+        fsync_dir(directory)
         # The sidecar comes last: until it is written, the new file fails verification (missing or stale digest).
         write_sidecar(target, digest=digest)
         if self.tag_last_good and os.path.basename(target) != LAST_GOOD_NAME:
@@ -359,7 +360,7 @@ def _fsync_and_hash(path: str) -> str:
     return h.hexdigest()
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str) -> None:
     # Makes the rename durable on POSIX; directories cannot be opened this way on Windows.
     with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
