@@ -261,5 +261,5 @@ def test_ranks_that_differ_at_the_end_with_nothing_to_restore_raise_rank_diverge
 ) -> None:
     callbacks = [FaultInjector("param", steps=[3], ranks=[1], value=1e4), GradNormMonitor()]
     trainer = make_trainer(tmp_path, strategy=ddp_spawn(), devices=2, callbacks=callbacks, max_steps=6)
-    with pytest.raises(Exception, match="RankDivergenceError|ranks' copies of"):
+    with pytest.raises(Exception, match=r"RankDivergenceError|ranks' copies of"):
         trainer.fit(TinyModel())
