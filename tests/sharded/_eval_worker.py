@@ -82,3 +82,7 @@ def main(config: dict[str, Any], out_dir: str) -> None:
 
 if __name__ == "__main__":
     main(json.loads(sys.argv[1]), sys.argv[2])
+    # Lightning leaves the process group up; its threads torn down with the interpreter can abort the process
+    # ("terminate called without an active exception", exit -6) after a run that succeeded.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
