@@ -70,19 +70,19 @@ def broadcast_object(trainer: pl.Trainer, obj: object, src: int = 0) -> object:
 
 def sum_across_ranks(trainer: pl.Trainer, vec: Tensor) -> Tensor:
     """``vec`` summed over ranks (one all-reduce; no host read). A NaN/inf on any rank is non-finite on every rank."""
-    if trainer.world_size <= 1:
-        return vec
-    # A copy: the all-reduce is in place, and the caller keeps ``vec`` as this rank's own values.
-    reduced = trainer.strategy.reduce(vec.to(trainer.strategy.root_device, copy=True), reduce_op="sum")
-    assert isinstance(reduced, Tensor)
-    return reduced
+    return _all_reduce(trainer, vec, "sum")
 
 
 def max_across_ranks(trainer: pl.Trainer, vec: Tensor) -> Tensor:
     """The element-wise maximum of ``vec`` over ranks (one all-reduce; no host read)."""
+    return _all_reduce(trainer, vec, "max")
+
+
+def _all_reduce(trainer: pl.Trainer, vec: Tensor, op: str) -> Tensor:
     if trainer.world_size <= 1:
         return vec
-    reduced = trainer.strategy.reduce(vec.to(trainer.strategy.root_device, copy=True), reduce_op="max")
+    # A copy: the all-reduce is in place, and the caller keeps ``vec`` as this rank's own values.
+    reduced = trainer.strategy.reduce(vec.to(trainer.strategy.root_device, copy=True), reduce_op=op)
     assert isinstance(reduced, Tensor)
     return reduced
 
