@@ -24,13 +24,16 @@ __all__ = [
     "Action",
     "Cause",
     "Diagnosis",
+    "Divergence",
     "Evidence",
     "EvidenceKind",
+    "PassedOverSnapshots",
     "Plan",
     "RestoreSource",
     "RollbackRequest",
     "Signal",
     "StateRestored",
+    "StepHealth",
 ]
 
 
@@ -218,3 +221,45 @@ class RollbackRequest:
 
     signal: Signal
     source: str
+
+
+@dataclass(frozen=True)
+class StepHealth:
+    """The engine's reading of one step (rank-reduced host floats): the gradient norm and the loss, if any."""
+
+    grad_norm: float
+    loss: float | None = None
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """A snapshot judged taken mid-divergence, with the reading of the last sound snapshot it was judged against
+    (``policies.rollback.SnapshotJudge``).
+
+    Attributes:
+        step: the snapshot's step.
+        health: the engine's reading of that step.
+        reference_step: the last sound snapshot's step (``None`` when its step is not known).
+        reference: that snapshot's reading.
+        factor: how many times the reference both readings exceeded (``policies.rollback.DIVERGED_FACTOR``).
+    """
+
+    step: int
+    health: StepHealth
+    reference_step: int | None
+    reference: StepHealth
+    factor: float
+
+
+@dataclass(frozen=True)
+class PassedOverSnapshots:
+    """Emitted on the engine's bus by a rollback that passed over snapshots taken mid-divergence.
+
+    Each of them is a state that, restored, would have led straight back into the divergence: the recurrence the
+    ladder would otherwise have paid for with one more rollback and one more learning-rate backoff. A backoff planned
+    for the same event goes one notch further per snapshot passed over. Engine-decided (the verdicts come from
+    rank-reduced readings), so identical on every rank.
+    """
+
+    restored_from: int
+    passed_over: tuple[int, ...]

@@ -12,22 +12,15 @@ from lightning_nanguard import _distributed, _lightning_compat
 from lightning_nanguard._validation import check_choice, check_int, check_path
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.checkpoints import last_good_checkpoint
-from lightning_nanguard.contract import Cause
+from lightning_nanguard.contract import Cause, Divergence, PassedOverSnapshots, StepHealth
 from lightning_nanguard.engine import Engine
 from lightning_nanguard.engine.capabilities import Restored
 from lightning_nanguard.engine.incidents import EventHandled
 from lightning_nanguard.engine.state_check import model_finite
 from lightning_nanguard.exceptions import NanGuardConfigError, UnsupportedSetupError
-from lightning_nanguard.policies.rollback import (
-    Divergence,
-    RollbackPolicy,
-    SnapshotJudge,
-    StepHealth,
-    diverging_now,
-    snapshot_due,
-)
+from lightning_nanguard.policies.rollback import RollbackPolicy, SnapshotJudge, diverging_now, snapshot_due
 from lightning_nanguard.recovery.final_checkpoint import checkpoint_dir, save_verified_checkpoint
-from lightning_nanguard.recovery.rollback import PassedOverSnapshots, restore_state
+from lightning_nanguard.recovery.rollback import restore_state
 from lightning_nanguard.recovery.snapshot import SnapshotRing
 from lightning_nanguard.reporting import keys
 

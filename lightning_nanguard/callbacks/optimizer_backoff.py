@@ -10,7 +10,7 @@ from typing_extensions import override
 from lightning_nanguard._validation import check_choice, check_float, check_int
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._preflight import OnHazard, run_preflight
-from lightning_nanguard.contract import StateRestored
+from lightning_nanguard.contract import PassedOverSnapshots, StateRestored
 from lightning_nanguard.engine import Engine
 from lightning_nanguard.engine.incidents import EventHandled
 from lightning_nanguard.exceptions import NanGuardConfigError
@@ -24,7 +24,6 @@ from lightning_nanguard.recovery.backoff import (
     sync_eps_scale,
     sync_lr_scale,
 )
-from lightning_nanguard.recovery.rollback import PassedOverSnapshots
 from lightning_nanguard.reporting import keys
 
 __all__ = ["OptimizerBackoff"]

@@ -11,9 +11,8 @@ from typing import Any, Protocol
 
 import lightning.pytorch as pl
 
-from lightning_nanguard.contract import Signal
+from lightning_nanguard.contract import Divergence, Signal
 from lightning_nanguard.engine.sensing import Reading
-from lightning_nanguard.policies.rollback import Divergence
 
 __all__ = [
     "DEFAULT_MAX_CONSECUTIVE_SKIPS",

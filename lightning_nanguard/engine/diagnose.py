@@ -17,11 +17,10 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 
 from lightning_nanguard import _distributed
-from lightning_nanguard.contract import Diagnosis, Signal
+from lightning_nanguard.contract import Diagnosis, Divergence, Signal
 from lightning_nanguard.engine.sensing import Reading
 from lightning_nanguard.engine.state_check import nonfinite_names
 from lightning_nanguard.policies.diagnosis import Findings, classify
-from lightning_nanguard.policies.rollback import Divergence
 from lightning_nanguard.signals.batch import BatchFindings, read_batch
 from lightning_nanguard.signals.history import read_history
 from lightning_nanguard.signals.state import StateFindings, read_state

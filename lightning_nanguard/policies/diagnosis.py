@@ -34,8 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from lightning_nanguard.contract import Cause, Diagnosis, Evidence, EvidenceKind, Signal
-from lightning_nanguard.policies.rollback import Divergence
+from lightning_nanguard.contract import Cause, Diagnosis, Divergence, Evidence, EvidenceKind, Signal
 from lightning_nanguard.signals.batch import BatchFindings
 from lightning_nanguard.signals.history import HistoryFindings
 from lightning_nanguard.signals.state import StateFindings

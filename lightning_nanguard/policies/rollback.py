@@ -16,13 +16,13 @@ import statistics
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from lightning_nanguard.contract import Divergence, StepHealth
+
 __all__ = [
     "DIVERGED_FACTOR",
-    "Divergence",
     "RollbackDecision",
     "RollbackPolicy",
     "SnapshotJudge",
-    "StepHealth",
     "choose_sound",
     "diverged",
     "diverging_now",
@@ -107,14 +107,6 @@ class RollbackPolicy:
         return max(0, self.max_rollbacks - len(self.history))
 
 
-@dataclass(frozen=True)
-class StepHealth:
-    """The engine's reading of one step (rank-reduced host floats): the gradient norm and the loss, if any."""
-
-    grad_norm: float
-    loss: float | None = None
-
-
 def _above(value: float | None, reference: float | None, factor: float) -> bool | None:
     """``value > factor * reference``; ``None`` when the pair is not comparable (missing, non-finite, not positive)."""
     if value is None or reference is None or not (math.isfinite(value) and math.isfinite(reference)):
@@ -136,25 +128,6 @@ def diverged(health: StepHealth, reference: StepHealth, factor: float = DIVERGED
         if v is not None
     ]
     return bool(verdicts) and all(verdicts)
-
-
-@dataclass(frozen=True)
-class Divergence:
-    """A snapshot judged taken mid-divergence, with the reading of the last sound snapshot it was judged against.
-
-    Attributes:
-        step: the snapshot's step.
-        health: the engine's reading of that step.
-        reference_step: the last sound snapshot's step (``None`` when its step is not known).
-        reference: that snapshot's reading.
-        factor: how many times the reference both readings exceeded (``DIVERGED_FACTOR``).
-    """
-
-    step: int
-    health: StepHealth
-    reference_step: int | None
-    reference: StepHealth
-    factor: float = DIVERGED_FACTOR
 
 
 @dataclass

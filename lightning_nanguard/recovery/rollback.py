@@ -18,7 +18,7 @@ from lightning_nanguard.policies.rollback import RollbackDecision, choose_sound
 from lightning_nanguard.recovery.disk_restore import restore_from_checkpoint
 from lightning_nanguard.recovery.snapshot import SnapshotRing
 
-__all__ = ["PassedOverSnapshots", "Restored", "keep_lower_scale", "restore_state"]
+__all__ = ["Restored", "keep_lower_scale", "restore_state"]
 
 
 @dataclass(frozen=True)
@@ -28,20 +28,6 @@ class Restored:
     source: str  # "memory" or "disk"
     path: str = ""  # the checkpoint, for "disk"
     passed_over: tuple[int, ...] = ()  # newer snapshots not restored: taken mid-divergence (newest first)
-
-
-@dataclass(frozen=True)
-class PassedOverSnapshots:
-    """Emitted on the engine's bus by a rollback that passed over snapshots taken mid-divergence.
-
-    Each of them is a state that, restored, would have led straight back into the divergence: the recurrence the
-    ladder would otherwise have paid for with one more rollback and one more learning-rate backoff. A backoff planned
-    for the same event goes one notch further per snapshot passed over. Engine-decided (the verdicts come from
-    rank-reduced readings), so identical on every rank.
-    """
-
-    restored_from: int
-    passed_over: tuple[int, ...]
 
 
 def restore_state(

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from lightning_nanguard import AutoRollback, OptimizerBackoff
-from lightning_nanguard.contract import Action, Cause, EvidenceKind, Signal
+from lightning_nanguard.contract import Action, Cause, Divergence, EvidenceKind, Signal, StepHealth
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.policies.diagnosis import Findings, classify, needs_replay
 from lightning_nanguard.policies.remedy import Installed, RemedyFacts, plan_remedy
-from lightning_nanguard.policies.rollback import Divergence, SnapshotJudge, StepHealth, diverging_now
+from lightning_nanguard.policies.rollback import DIVERGED_FACTOR, SnapshotJudge, diverging_now
 from lightning_nanguard.signals.batch import BatchFindings
 from lightning_nanguard.signals.history import read_history
 from tests.helpers import TinyModel, make_trainer
@@ -43,7 +43,7 @@ def _history(levels: dict[int, float], steps: int = 60) -> list[tuple[int, float
     ],
 )
 def test_acting_on_a_divergence_needs_the_steps_around_both_snapshots(levels: dict[int, float], expected: bool) -> None:
-    seen = Divergence(50, StepHealth(CALM.grad_norm * 1e3, (CALM.loss or 0.0) * 1e3), 0, CALM)
+    seen = Divergence(50, StepHealth(CALM.grad_norm * 1e3, (CALM.loss or 0.0) * 1e3), 0, CALM, DIVERGED_FACTOR)
     assert diverging_now(seen, _history(levels)) is expected
     # Nothing read near the reference (evicted from the history): its own reading stands in.
     assert diverging_now(seen, [r for r in _history(levels) if r[0] >= 40]) is (expected or 1 in levels)
@@ -54,13 +54,13 @@ def test_the_judge_keeps_what_it_saw_of_the_snapshot_judged_unsound() -> None:
     judge = SnapshotJudge()
     judge.judge(0, CALM)
     judge.judge(50, RUNAWAY)
-    assert judge.last_divergence == Divergence(50, RUNAWAY, 0, CALM, 10.0)
+    assert judge.last_divergence == Divergence(50, RUNAWAY, 0, CALM, DIVERGED_FACTOR)
     judge.reset()
     assert judge.last_divergence is None
 
 
 def test_diverging_is_a_gradient_explosion_that_says_what_was_seen() -> None:
-    f = _findings(divergence=Divergence(50, RUNAWAY, 0, CALM))
+    f = _findings(divergence=Divergence(50, RUNAWAY, 0, CALM, DIVERGED_FACTOR))
     assert not needs_replay(f)  # the history settles it: no replay of a batch that has not run yet
     d = classify(f)
     assert d.cause is Cause.GRADIENT_EXPLOSION
@@ -82,7 +82,7 @@ def test_diverging_is_a_gradient_explosion_that_says_what_was_seen() -> None:
 def test_diverging_is_not_blamed_on_the_batch_about_to_run() -> None:
     # The event is found at a batch start: that batch has not touched the weights.
     bad = BatchFindings(nonfinite_rows=(3,))
-    d = classify(_findings(divergence=Divergence(50, RUNAWAY, 0, CALM), batch=(bad,)))
+    d = classify(_findings(divergence=Divergence(50, RUNAWAY, 0, CALM, DIVERGED_FACTOR), batch=(bad,)))
     assert d.cause is Cause.GRADIENT_EXPLOSION
     assert not d.rows
 
@@ -91,7 +91,9 @@ def test_diverging_without_the_restorers_verdict_still_names_the_history() -> No
     d = classify(_findings())
     assert d.cause is Cause.GRADIENT_EXPLOSION
     assert d.evidence[0].kind is EvidenceKind.HISTORY_RISING
-    no_loss = classify(_findings(divergence=Divergence(50, StepHealth(30.0, None), None, StepHealth(1.0, None))))
+    no_loss = classify(
+        _findings(divergence=Divergence(50, StepHealth(30.0, None), None, StepHealth(1.0, None), DIVERGED_FACTOR))
+    )
     assert "loss ?, grad norm 30" in no_loss.where
     assert "last sound snapshot," not in no_loss.where  # no step to name
 
