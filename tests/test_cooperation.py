@@ -79,11 +79,12 @@ def test_suite_recovers_a_run_that_dies_without_it(tmp_path: Any) -> None:
 class DispatchedHooks(pl.Callback):
     """Records, at one step, which nanguard callbacks Lightning would dispatch each per-batch hook to."""
 
-    def __init__(self) -> None:
+    def __init__(self, at_step: int = 2) -> None:
         self.seen: dict[str, list[str]] = {}
+        self.at_step = at_step
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        if trainer.global_step == 2:
+        if trainer.global_step == self.at_step:
             for hook in ("on_train_batch_start", "on_before_optimizer_step", "on_after_backward", "on_train_batch_end"):
                 self.seen[hook] = [
                     type(cb).__name__
@@ -94,13 +95,36 @@ class DispatchedHooks(pl.Callback):
 
 def test_only_members_with_per_batch_work_are_dispatched_per_batch(tmp_path: Any) -> None:
     # Lightning charges a profiler context per hook per callback even for a no-op; members hide the per-batch hooks
-    # they have nothing to do in (the driver's engine hooks, OptimizerBackoff's scheduler check stay).
+    # they have nothing to do in (the driver's engine hooks stay; OptimizerBackoff's only while backed off).
     probe = DispatchedHooks()
     callbacks = ng.default_callbacks()
     trainer = make_trainer(tmp_path, callbacks=[*callbacks, probe], max_steps=4)
     trainer.fit(TinyModel())
     assert probe.seen["on_after_backward"] == []
     assert probe.seen["on_before_optimizer_step"] == ["GradNormMonitor"]  # the driver
-    assert probe.seen["on_train_batch_start"] == ["GradNormMonitor", "OptimizerBackoff"]
+    assert probe.seen["on_train_batch_start"] == ["GradNormMonitor"]
+    assert probe.seen["on_train_batch_end"] == ["GradNormMonitor"]
     # After the fit every hook is a method again (a later fit, or a user calling it, finds it).
     assert all(callable(cb.on_after_backward) for cb in callbacks)
+
+
+class _BackOffAt(pl.Callback):
+    def __init__(self, backoff: ng.OptimizerBackoff, step: int) -> None:
+        self.backoff, self.step = backoff, step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            self.backoff.back_off(trainer, lr=True, eps=False, cause="test")
+
+
+def test_optimizer_backoff_is_dispatched_per_batch_while_the_lr_is_backed_off(tmp_path: Any) -> None:
+    # Its batch hooks re-apply the scale to a scheduler built mid-fit (SWA) and run the recovery timer: hidden while
+    # the scale is 1, dispatched again from the backoff on.
+    probe = DispatchedHooks(at_step=4)
+    callbacks = ng.default_callbacks()
+    backoff = next(cb for cb in callbacks if isinstance(cb, ng.OptimizerBackoff))
+    trainer = make_trainer(tmp_path, callbacks=[*callbacks, _BackOffAt(backoff, 2), probe], max_steps=6)
+    trainer.fit(TinyModel())
+    assert backoff.lr_scale < 1.0
+    assert probe.seen["on_train_batch_start"] == ["GradNormMonitor", "OptimizerBackoff"]
+    assert probe.seen["on_train_batch_end"] == ["GradNormMonitor", "OptimizerBackoff"]

@@ -276,7 +276,24 @@ class OptimizerBackoff(NanGuardCallback):
             moved = sync_eps_scale(group, self._eps_scale, self.max_eps)
             if moved is not None:
                 eps_before[f"opt{i}_group{j}"], eps_after[f"opt{i}_group{j}"] = moved
+        self._refresh_hooks()
         return eps_before, eps_after
+
+    @override
+    def _mute_idle_hooks(self) -> None:
+        super()._mute_idle_hooks()
+        self._refresh_hooks()
+
+    def _refresh_hooks(self) -> None:
+        """Its own per-batch hooks (re-applying the scale to a scheduler built mid-fit, the recovery timer) have work
+        only while the learning rate is backed off: hidden from Lightning's per-batch dispatch otherwise, where it
+        does not drive the engine (``_base.mute_idle_hooks``). Every change of the scale passes through ``_sync``."""
+        idle = not self._drives and self._policy.scale == 1.0
+        for name in ("on_train_batch_start", "on_train_batch_end"):
+            if idle:
+                self.__dict__[name] = None
+            else:
+                self.__dict__.pop(name, None)
 
     def _metrics(self, trainer: pl.Trainer) -> dict[str, float]:
         return {keys.LR_SCALE: self._policy.scale, **eps_metrics(trainer.optimizers, keys.EPS)}
