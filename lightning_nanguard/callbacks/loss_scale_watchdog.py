@@ -1,4 +1,8 @@
-"""LossScaleWatchdog: the GradScaler's scale on the dashboard, a floor it lacks, and a collapse met by a remedy."""
+"""LossScaleWatchdog: the loss scale on the dashboard, a floor it lacks, and a collapse met by a remedy.
+
+The GradScaler (``16-mixed``) is watched through the engine's step reading; DeepSpeed's own fp16 loss scaler
+(``DeepSpeedStrategy``) after DeepSpeed's step, by ``callbacks/_deepspeed.py``.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +17,12 @@ from typing_extensions import override
 from lightning_nanguard import _lightning_compat
 from lightning_nanguard._validation import check_choice, check_float, check_int
 from lightning_nanguard.callbacks._base import NanGuardCallback
+from lightning_nanguard.callbacks._deepspeed import DeepSpeedScaleWatch, is_deepspeed, step_reader
 from lightning_nanguard.contract import StateRestored
 from lightning_nanguard.engine import Engine, get_engine
 from lightning_nanguard.engine.capabilities import CollapseFacts
 from lightning_nanguard.engine.sensing import Reading
-from lightning_nanguard.exceptions import NanGuardConfigError, UnsupportedSetupError
+from lightning_nanguard.exceptions import NanGuardConfigError
 from lightning_nanguard.policies.loss_scale import CollapsePolicy
 from lightning_nanguard.reporting import keys
 
@@ -42,6 +47,15 @@ class LossScaleWatchdog(NanGuardCallback):
     reading; with no GradScaler (``32-true``, ``bf16-mixed``, ``16-true``) the watchdog says so once and does
     nothing.
 
+    Under ``DeepSpeedStrategy`` (fp16) the watchdog watches DeepSpeed's own dynamic loss scaler instead, read after
+    each ``engine.step()``: the same keys are logged, the scale is held in ``[min_scale, max_scale]`` (never below
+    DeepSpeed's own ``min_loss_scale``), and an overflow is DeepSpeed's own skip (its flag is all-reduced by
+    DeepSpeed, so every rank decides alike). With a collapse rule set the watchdog takes the collapse decision over
+    from DeepSpeed, whose ZeRO scaler would otherwise end the run with "Current loss scale already at minimum -
+    cannot decrease scale anymore. Exiting run.": the collapse is an incident that explains it, then a stop (no
+    rollback under DeepSpeed) or, with ``on_collapse="warn"``, a warning. With both rules off DeepSpeed keeps its
+    exit, and the watchdog explains it when it happens.
+
     Args:
         min_scale: the floor (> 0), so the scale never reaches ``0.0``. Megatron and DeepSpeed default to 1.
         max_scale: an optional cap (``None``: the GradScaler's growth is unbounded).
@@ -62,7 +76,7 @@ class LossScaleWatchdog(NanGuardCallback):
 
     Raises:
         NanGuardConfigError: at construction, for an argument outside its rule.
-        UnsupportedSetupError: at setup, under a strategy that keeps its own loss scaler (DeepSpeed) or shards.
+        UnsupportedSetupError: at setup, under a strategy it does not support (``callbacks/_common.py``).
         NonFiniteTrainingError / RecoveryBudgetExhausted: at the end of training, when a collapse stopped it.
 
     Example::
@@ -109,6 +123,7 @@ class LossScaleWatchdog(NanGuardCallback):
         self._history: deque[tuple[int, float]] = deque(maxlen=_HISTORY)
         self._active = False
         self._last_scale: float | None = None
+        self._deepspeed: DeepSpeedScaleWatch | None = None
 
     @override
     def _make_state_key(self) -> str:
@@ -121,17 +136,14 @@ class LossScaleWatchdog(NanGuardCallback):
 
     # ------------------------------------------------------------------ lifecycle
     @override
-    def _check_environment(self, trainer: pl.Trainer) -> None:
-        if "DeepSpeedStrategy" in _lightning_compat.strategy_class_names(trainer):
-            raise UnsupportedSetupError(
-                f"{type(self).__name__} does not support DeepSpeedStrategy: DeepSpeed keeps its own loss scaler "
-                "inside its engine and exposes none to Lightning's precision plugin. Configure DeepSpeed's scaler "
-                "instead (fp16: 'min_loss_scale', 'loss_scale_window', 'hysteresis'), or remove the callback."
-            )
-        super()._check_environment(trainer)
-
-    @override
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
+        if is_deepspeed(trainer):
+            # DeepSpeed's engine owns the scaler and the step: watched after it (the scaler exists from train start).
+            self._active = True
+            self._deepspeed = DeepSpeedScaleWatch(self, engine)
+            step_reader(engine).subscribe(type(self).__name__, self._deepspeed.on_step)
+            engine.add_metrics(self._deepspeed.metrics)
+            return
         scaler = _lightning_compat.get_scaler(trainer)
         self._active = scaler is not None and bool(scaler.is_enabled())
         if not self._active:
@@ -146,7 +158,10 @@ class LossScaleWatchdog(NanGuardCallback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._active:
+        if self._deepspeed is not None:
+            self._deepspeed.train_start(trainer)
+            self._active = self._deepspeed.active
+        elif self._active:
             # The scaler's state is restored from a checkpoint before this hook: hold it to the floor from step 1.
             _lightning_compat.clamp_scale(_lightning_compat.get_scaler(trainer), self.min_scale, self.max_scale)
             if self.on_collapse == "rollback" and get_engine(trainer).restorer is None:
@@ -159,14 +174,22 @@ class LossScaleWatchdog(NanGuardCallback):
     @override
     def _uninstall(self, trainer: pl.Trainer) -> None:
         self._active = False
+        if self._deepspeed is not None:
+            self._deepspeed.restore()
+            self._deepspeed = None
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._deepspeed is not None:
+            self._deepspeed.on_exception(trainer, exception)
+            self._deepspeed.restore()
+        super().on_exception(trainer, pl_module, exception)
 
     # ------------------------------------------------------------------ the engine's ScaleWatch
     def observe(self, trainer: pl.Trainer, reading: Reading) -> CollapseFacts | None:
         scale = reading.scale
         assert scale is not None
-        self._last_scale = scale
-        if not self._history or self._history[-1][1] != scale:
-            self._history.append((reading.step, scale))
+        self._note_scale(reading.step, scale)
         at_floor = scale <= self.min_scale  # identical on every rank: the scale came with the reduced reading
         if not self._policy.observe(reading.bad, at_floor):
             return None
@@ -180,6 +203,12 @@ class LossScaleWatchdog(NanGuardCallback):
         facts = CollapseFacts(reason, values, self._policy.budget_left)
         self._policy.reset_streaks()
         return facts
+
+    def _note_scale(self, step: int, scale: float) -> None:
+        """The scale ``step`` ran with: kept when it changed (``scale_history``)."""
+        self._last_scale = scale
+        if not self._history or self._history[-1][1] != scale:
+            self._history.append((step, scale))
 
     def collapses_left(self) -> int | None:
         """Further collapses the budget allows (``None``: unlimited)."""
