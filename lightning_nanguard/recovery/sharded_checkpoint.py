@@ -1,5 +1,10 @@
-"""CheckpointGuard under ``ModelParallelStrategy``: checksummed, atomically published distributed checkpoints, and
-verified resumes decided on rank 0 and taken by every rank together.
+"""CheckpointGuard under ``ModelParallelStrategy`` and ``FSDPStrategy``: checksummed, atomically published
+distributed checkpoints, and verified resumes decided on rank 0 and taken by every rank together.
+
+``FSDPStrategy`` (FSDP1) saves and loads the same way: ``state_dict_type="sharded"`` writes the same directory
+(``torch.distributed.checkpoint`` shards ``__{rank}_0.distcp``, ``.metadata``, ``meta.pt``; the state dict holds
+``ShardedTensor``s, read here through their local shards), ``state_dict_type="full"`` (its default) one file
+written by rank 0 through ``checkpoint_io``; its ``load_checkpoint`` reads either itself, on every rank.
 
 ``ModelParallelStrategy`` does not route its checkpoints through ``CheckpointIO`` the way other strategies do: every
 rank calls ``strategy.save_checkpoint`` (with ``save_distributed_checkpoint=True`` each writes its shards of a
@@ -67,13 +72,23 @@ from lightning_nanguard.recovery.verifying_io import (
     step_in_name,
     tmp_name,
 )
+from lightning_nanguard.signals.fsdp1 import is_fsdp1
 from lightning_nanguard.signals.sharded import is_sharded, local_tensor
+
+_ShardedTensor: Any = None
+try:  # FSDP1's SHARDED_STATE_DICT holds ShardedTensors (without a device mesh); absent from some torch builds
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor as _ShardedTensor
+except ImportError:  # pragma: no cover - depends on the torch build
+    pass
 
 __all__ = ["LoadDecision", "decide_load", "install", "saves_directories"]
 
 
 def saves_directories(strategy: Any) -> bool:
-    """``ModelParallelStrategy(save_distributed_checkpoint=...)``: does it save directories?"""
+    """``ModelParallelStrategy(save_distributed_checkpoint=...)``, ``FSDPStrategy(state_dict_type=...)``: does it
+    save directories?"""
+    if is_fsdp1(strategy):  # "sharded": a directory of torch.distributed.checkpoint shards; "full" (default): a file
+        return getattr(strategy, "_state_dict_type", "full") == "sharded"
     return _lightning_compat.saves_distributed_checkpoint(strategy)
 
 
@@ -213,11 +228,14 @@ class _GuardedSave(_Bound):
 
 
 def _local(obj: Any) -> Any:
-    """``obj`` with every ``DTensor`` replaced by this rank's local shard (a view; no communication)."""
+    """``obj`` with every ``DTensor`` replaced by this rank's local shard (a view; no communication), and every
+    ``ShardedTensor`` (FSDP1's sharded state dict) by the list of this rank's local shards."""
     if isinstance(obj, dict):
         return {k: _local(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_local(v) for v in obj]
+    if _ShardedTensor is not None and isinstance(obj, _ShardedTensor):
+        return [shard.tensor for shard in obj.local_shards()]
     return local_tensor(obj) if is_sharded(obj) else obj
 
 

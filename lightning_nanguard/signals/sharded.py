@@ -10,6 +10,10 @@ local squared norm times ``share``: the fraction of the world that holds *distin
 (``shards / world``). Shards are disjoint, so their squared norms add up; a piece held by ``world / shards`` ranks
 (replicated: HSDP's replicate dimension, a tensor-parallel group outside the tensor's mesh, or a plain tensor under
 data parallelism) is counted once in total. Under plain DDP every tensor is plain and every share is ``1 / world``.
+
+FSDP1 (``FSDPStrategy(use_orig_params=True)``): the original parameters are plain tensors, flat views of the rank's
+piece of a flat shard; ``signals/fsdp1.py`` writes each one's share on it once at setup, and ``is_sharded`` and
+``share_of`` read it. Their local piece is the tensor itself.
 """
 
 from __future__ import annotations
@@ -20,7 +24,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["dtensor_spec", "from_local_like", "is_sharded", "local_tensor", "local_tensors", "share_of"]
+__all__ = [
+    "dtensor_spec",
+    "from_local_like",
+    "is_sharded",
+    "local_grads",
+    "local_tensor",
+    "local_tensors",
+    "original_name",
+    "share_of",
+]
+
+_SHARE_ATTR = "_nanguard_share"  # signals/fsdp1.SHARE_ATTR: an FSDP1 original parameter's share, set at setup
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
 _DTensor: Any = None
 try:  # torch.distributed may be unavailable (some builds): then nothing is a DTensor
@@ -30,8 +46,9 @@ except ImportError:  # pragma: no cover - depends on the torch build
 
 
 def is_sharded(t: Any) -> bool:
-    """``t`` is a ``DTensor`` (a parameter, gradient or optimizer state tensor of a sharded model)."""
-    return _DTensor is not None and isinstance(t, _DTensor)
+    """``t`` is a ``DTensor`` (a parameter, gradient or optimizer state tensor of a sharded model), or an FSDP1
+    original parameter (a view of this rank's piece of a flat shard, marked at setup)."""
+    return (_DTensor is not None and isinstance(t, _DTensor)) or getattr(t, _SHARE_ATTR, None) is not None
 
 
 def local_tensor(t: Tensor) -> Tensor:
@@ -47,6 +64,35 @@ def local_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
     return [local_tensor(t) for t in tensors]
 
 
+def local_grads(params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> list[Tensor | None]:
+    """Each gradient's local piece (``local_tensor``); for an FSDP1 parameter whose piece on this rank is empty
+    (``numel() == 0``: FSDP1 sets its gradient to ``None`` there), the empty parameter itself stands for a present
+    gradient of norm 0, so that every rank counts the same gradients as present (its global norm comes from the
+    ranks that hold pieces of it). Only while some gradient is present here: with none at all (a dropped step), none
+    is made up."""
+    out: list[Tensor | None] = []
+    some = any(g is not None for g in grads)
+    for p, g in zip(params, grads, strict=True):
+        if g is None:
+            if some and p.requires_grad and p.numel() == 0 and getattr(p, _SHARE_ATTR, None) is not None:
+                out.append(p.detach())
+            else:
+                out.append(None)
+        else:
+            out.append(local_tensor(g))
+    return out
+
+
+def original_name(name: str) -> str:
+    """A parameter name without the wrapper modules FSDP1 (and activation checkpointing) insert
+    (``body.0._fsdp_wrapped_module.weight`` -> ``body.0.weight``); other names unchanged."""
+    if "_wrapped_module." not in name:
+        return name
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
 def share_of(t: Tensor, world_size: int) -> float:
     """The weight of this rank's local squared norm of ``t`` in a SUM over ``world_size`` ranks (module docstring).
 
@@ -55,6 +101,9 @@ def share_of(t: Tensor, world_size: int) -> float:
     """
     if world_size <= 1:
         return 1.0
+    marked = getattr(t, _SHARE_ATTR, None)  # FSDP1: shard group size / world, written at setup
+    if marked is not None:
+        return float(marked)
     shards = 1
     if _DTensor is not None and isinstance(t, _DTensor):
         mesh = t.device_mesh

@@ -1,7 +1,9 @@
-"""One 2-rank CPU run with CheckpointGuard under ModelParallelStrategy + FSDP2:
+"""One 2-rank CPU run with CheckpointGuard under ModelParallelStrategy + FSDP2 (or FSDPStrategy, FSDP1):
 ``python -m tests.sharded._ckpt_worker CONFIG_JSON OUT_DIR``.
 
-Config keys: ``ckpt_dir`` (ModelCheckpoint's dirpath, one checkpoint every ``every_n_steps``, all kept),
+Config keys: ``strategy`` ("fsdp2", default, or "fsdp1": ``tests.sharded._fsdp1_worker.CPUFSDPStrategy``, one FSDP1
+unit per Linear, ``state_dict_type="sharded"`` if ``distributed`` else ``"full"``), ``accelerator`` ("cpu", default,
+or "gpu": Lightning's own FSDPStrategy), ``ckpt_dir`` (ModelCheckpoint's dirpath, one checkpoint every ``every_n_steps``, all kept),
 ``max_steps``, ``ckpt_path`` (resume from it, or null), ``fallback`` (CheckpointGuard's), ``distributed``
 (``save_distributed_checkpoint``; default true), ``poison`` (``[step, rank]``: a NaN written into that rank's local
 shard of ``body.0.weight`` after that step's update, just before ModelCheckpoint saves; or null).
@@ -26,11 +28,21 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_nanguard import CheckpointGuard
 from lightning_nanguard.engine import get_engine
+from lightning_nanguard.signals.sharded import local_tensor
 from tests.sharded._worker import ShardedMLP, _full
 
 
 def _save_params(pl_module: pl.LightningModule, path: str, rank: int) -> None:
-    full = {n: _full(p.detach()).clone() for n, p in pl_module.named_parameters()}  # a collective: every rank
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from lightning_nanguard.signals.sharded import original_name
+
+    model = pl_module.trainer.strategy.model
+    if isinstance(model, FSDP):  # FSDP1: its own gather of the full parameters (a collective: every rank)
+        with FSDP.summon_full_params(model, writeback=False):
+            full = {original_name(n): p.detach().clone() for n, p in pl_module.named_parameters()}
+    else:
+        full = {n: _full(p.detach()).clone() for n, p in pl_module.named_parameters()}  # a collective: every rank
     if rank == 0:
         torch.save(full, path)
 
@@ -58,9 +70,9 @@ class PoisonBeforeSave(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
         if trainer.global_step == self.step and trainer.global_rank == self.rank:
-            weight = pl_module.body[0].weight
+            weight = local_tensor(pl_module.body[0].weight)  # FSDP1: the parameter is this rank's piece already
             with torch.no_grad():
-                weight.to_local().view(-1)[0] = float("nan")  # the local shard: no collective
+                weight.view(-1)[0] = float("nan")  # the local shard: no collective
 
 
 def main(config: dict[str, Any], out_dir: str) -> None:
@@ -74,12 +86,24 @@ def main(config: dict[str, Any], out_dir: str) -> None:
     callbacks: list[pl.Callback] = [checkpointing, guard, record]
     if config.get("poison"):
         callbacks.insert(0, PoisonBeforeSave(*config["poison"]))
-    strategy = ModelParallelStrategy(
-        data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=config.get("distributed", True)
-    )
+    strategy: Any
+    fsdp1 = config.get("strategy", "fsdp2") == "fsdp1"
+    if fsdp1:
+        from lightning.pytorch.strategies import FSDPStrategy
+        from torch import nn
+
+        from tests.sharded._fsdp1_worker import CPUFSDPStrategy
+
+        sharded = "sharded" if config.get("distributed", True) else "full"
+        strategy_cls = FSDPStrategy if config.get("accelerator") == "gpu" else CPUFSDPStrategy
+        strategy = strategy_cls(auto_wrap_policy={nn.Linear}, state_dict_type=sharded)
+    else:
+        strategy = ModelParallelStrategy(
+            data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=config.get("distributed", True)
+        )
     trainer = pl.Trainer(
         default_root_dir=out_dir,
-        accelerator="cpu",
+        accelerator=config.get("accelerator", "cpu"),
         devices=2,
         strategy=strategy,
         max_steps=int(config.get("max_steps", 4)),
@@ -92,7 +116,7 @@ def main(config: dict[str, Any], out_dir: str) -> None:
     )
     error: dict[str, str] = {}
     try:
-        trainer.fit(ShardedMLP(shard=True), ckpt_path=config.get("ckpt_path"))
+        trainer.fit(ShardedMLP(shard=not fsdp1), ckpt_path=config.get("ckpt_path"))
     except Exception as err:  # recorded, not re-raised: the test compares what both ranks saw
         error = {"type": type(err).__name__, "message": str(err)}
     out = {

@@ -43,11 +43,14 @@ def run_module(module: str, args: list[str], timeout: float) -> str:
     return output
 
 
-def run_ranks(config: dict[str, Any], out_dir: str, timeout: float = 80.0) -> dict[str, Any]:
-    """Train with ``config`` on 2 ranks (``tests.sharded._worker``); what each rank wrote:
+def run_ranks(
+    config: dict[str, Any], out_dir: str, timeout: float = 80.0, module: str = "tests.sharded._worker"
+) -> dict[str, Any]:
+    """Train with ``config`` on 2 ranks (``module``: ``tests.sharded._worker``, FSDP2/DDP, or
+    ``tests.sharded._fsdp1_worker``, FSDP1); what each rank wrote:
     ``{"ranks": [rank0.json, rank1.json], "params": {name: full tensor}, "output": str}``."""
     os.makedirs(out_dir, exist_ok=True)
-    output = run_module("tests.sharded._worker", [json.dumps(config), out_dir], timeout)
+    output = run_module(module, [json.dumps(config), out_dir], timeout)
     ranks = []
     for r in (0, 1):
         with open(os.path.join(out_dir, f"rank{r}.json"), encoding="utf-8") as f:
