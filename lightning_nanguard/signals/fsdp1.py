@@ -40,6 +40,15 @@ _NOT_SUPPORTED = {
 }
 
 
+_TESTED_PRECISIONS = (
+    "32-true",
+    "32",
+    "64-true",
+    "64",
+    "bf16-mixed",
+)  # tests/sharded/test_fsdp1.py: 32-true, bf16-mixed
+
+
 def is_fsdp1(strategy: Any) -> bool:
     """``strategy`` is Lightning's ``FSDPStrategy`` (or a subclass): read from the class names, no import."""
     return any(cls.__name__ == "FSDPStrategy" for cls in type(strategy).__mro__)
@@ -57,6 +66,11 @@ def refusal(trainer: Any, owner: str) -> str | None:
             "FSDPStrategy under precision='16-mixed' steps through a ShardedGradScaler whose skip and found-inf "
             "reduction nanguard is not tested with (FSDPStrategy needs a GPU for it). Use precision='bf16-mixed' "
             "or '32-true'"
+        )
+    if precision not in _TESTED_PRECISIONS:
+        return (
+            f"FSDPStrategy under precision={precision!r} is not tested (tested: '32-true' and 'bf16-mixed', whose "
+            "sharded gradients are float32). Use precision='bf16-mixed' or '32-true'"
         )
     if owner == "CheckpointGuard" and getattr(strategy, "_state_dict_type", "full") != "sharded":
         return (

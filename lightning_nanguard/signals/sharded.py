@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_nanguard.signals.fsdp1 import SHARE_ATTR as _SHARE_ATTR  # an FSDP1 parameter's share, set at setup
+
 __all__ = [
     "dtensor_spec",
     "from_local_like",
@@ -35,7 +37,6 @@ __all__ = [
     "share_of",
 ]
 
-_SHARE_ATTR = "_nanguard_share"  # signals/fsdp1.SHARE_ATTR: an FSDP1 original parameter's share, set at setup
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
 _DTensor: Any = None
