@@ -119,6 +119,12 @@ def _params_finite(trainer: pl.Trainer) -> bool | None:
     return bool(torch.stack([torch.isfinite(p).all() for p in params]).all())
 
 
+def _ranks(trainer: pl.Trainer) -> list[int]:
+    """An incident's ranks: DeepSpeed reduces its overflow flag over the ranks before anyone sees it, so which rank
+    overflowed is not known beyond one device (``[]``)."""
+    return [0] if trainer.world_size == 1 else []
+
+
 def _step_of(trainer: pl.Trainer) -> int:
     return max(int(trainer.global_step) - 1, 0)  # the batch end: Lightning has counted the step already
 
@@ -235,6 +241,7 @@ class DeepSpeedScaleWatch:
             message=message,
             step=step,
             cause=Cause.CORRUPT_STATE.value if weights_finite is False else "",
+            ranks=_ranks(trainer),
         )
         self.engine.sink.record(trainer, incident)
         policy.reset_streaks()
@@ -260,6 +267,7 @@ class DeepSpeedScaleWatch:
             values={**self.watchdog._policy.readings(), "deepspeed_error": str(exception)},
             message=message,
             step=_step_of(trainer),
+            ranks=_ranks(trainer),
         )
         self.engine.sink.record(trainer, incident)
         rank_zero_warn(message)
@@ -341,6 +349,7 @@ class DeepSpeedGradWatch:
             values={"grad_norm": math.inf, "deepspeed_skipped_steps": outcome.skipped_total, "update_applied": False},
             message=message,
             step=step,
+            ranks=_ranks(trainer),
         )
         engine.sink.record(trainer, incident)
         if too_many:

@@ -18,7 +18,10 @@ import sys
 import traceback
 from typing import Any
 
-if "--gpu" not in sys.argv:
+# Before anything imports DeepSpeed, which picks its accelerator once.
+if "--gpu" in sys.argv:
+    os.environ.pop("DS_ACCELERATOR", None)
+else:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch
@@ -101,7 +104,7 @@ class Model(LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = ((self.layer(x).float() - y.float()) ** 2).mean()
-        if self.poison == "always":
+        if self.poison == "always" or (self.poison == "rank1_always" and self.global_rank == 1):
             loss = loss * 1e30  # inf in fp16 at any loss scale: every step overflows
         elif self.poison == "nan_at_3" and self.global_step == 3:
             loss = loss * float("nan")
@@ -125,7 +128,9 @@ class Model(LightningModule):
 GPU = False  # --gpu: the real DeepSpeedStrategy on one CUDA device, nothing bypassed
 
 
-def fit(model: Model, callbacks: list[Any], precision: str, steps: int, **strategy: Any) -> dict[str, Any]:
+def fit(
+    model: Model, callbacks: list[Any], precision: str, steps: int, devices: int = 1, **strategy: Any
+) -> dict[str, Any]:
     logger = Capture()
     if GPU:
         chosen: DeepSpeedStrategy = DeepSpeedStrategy(stage=2, **strategy)
@@ -133,7 +138,7 @@ def fit(model: Model, callbacks: list[Any], precision: str, steps: int, **strate
         chosen = CPUDeepSpeedStrategy(stage=2, process_group_backend="gloo", **strategy)
     trainer = Trainer(
         accelerator="gpu" if GPU else "cpu",
-        devices=1,
+        devices=devices,
         strategy=chosen,
         precision=precision,
         callbacks=callbacks,
@@ -150,12 +155,20 @@ def fit(model: Model, callbacks: list[Any], precision: str, steps: int, **strate
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     incidents = [
-        {"trigger": i.trigger, "action": i.action, "step": i.step, "message": i.message, "values": i.values}
+        {
+            "trigger": i.trigger,
+            "action": i.action,
+            "step": i.step,
+            "message": i.message,
+            "values": i.values,
+            "ranks": i.ranks,
+        }
         for i in get_engine(trainer).sink.records
     ]
     ds = trainer.strategy.model
     scaler = getattr(getattr(ds, "optimizer", None), "loss_scaler", None)
     return {
+        "rank": int(trainer.global_rank),
         "error": error,
         "incidents": incidents,
         "loss_scale": logger.values("nanguard/loss_scale"),
@@ -186,6 +199,9 @@ def scenario(name: str) -> dict[str, Any]:
         return fit(Model("always"), [watchdog], "16-mixed", 12, **collapse_strategy)
     if name == "fp16_skips_counted":
         return fit(Model(), [GradNormMonitor(), LossScaleWatchdog()], "16-mixed", 10, initial_scale_power=18)
+    if name == "two_ranks":  # only rank 1 overflows: DeepSpeed's reduced flag makes both ranks decide alike
+        watchdog = LossScaleWatchdog(min_scale=1.0, floor_patience=3, max_overflow_streak=None)
+        return fit(Model("rank1_always"), [watchdog, GradNormMonitor()], "16-mixed", 12, devices=2, **collapse_strategy)
     if name == "bf16_check_forced":
         return fit(Model("nan_at_3"), [GradNormMonitor()], "bf16-mixed", 6)
     raise ValueError(name)
@@ -196,9 +212,7 @@ def main() -> None:
     args = sys.argv[1:]
     GPU = "--gpu" in args
     out, *names = [a for a in args if a != "--gpu"]
-    if GPU:
-        os.environ.pop("DS_ACCELERATOR", None)
-    else:
+    if not GPU:
         prepare_cpu()
     results: dict[str, Any] = {}
     for name in names:
@@ -206,7 +220,8 @@ def main() -> None:
             results[name] = scenario(name)
         except Exception:
             results[name] = {"crash": traceback.format_exc()}
-    with open(out, "w", encoding="utf-8") as f:
+    rank = int(os.environ.get("LOCAL_RANK", "0"))  # two_ranks: Lightning relaunches this module as rank 1
+    with open(out if rank == 0 else f"{out}.rank{rank}", "w", encoding="utf-8") as f:
         json.dump(results, f, default=lambda v: None if isinstance(v, float) and math.isnan(v) else str(v))
 
 

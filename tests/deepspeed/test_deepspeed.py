@@ -266,6 +266,28 @@ def check_bf16_check_forced(run: dict[str, Any]) -> None:
 CHECKS = {name: globals()[f"check_{name}"] for name in SCENARIOS}
 
 
+@pytest.mark.distributed
+def test_two_ranks_take_deepspeeds_reduced_decision_alike(tmp_path: Any) -> None:
+    """2 CPU ranks, fp16, only rank 1's loss overflows: DeepSpeed all-reduces its overflow flag, so both ranks see
+    every overflow, floor alike, and stop at the same step with the same incidents (no collective of nanguard's)."""
+    out = str(tmp_path / "fits.json")
+    run_module("tests.deepspeed._fit_worker", [out, "two_ranks"], timeout=240)
+    ranks = []
+    for path in (out, f"{out}.rank1"):
+        with open(path, encoding="utf-8") as f:
+            run = json.load(f)["two_ranks"]
+        assert "crash" not in run, run.get("crash")
+        ranks.append(run)
+    assert [r["rank"] for r in ranks] == [0, 1]
+    events = [[(i["step"], i["trigger"], i["action"], i["ranks"]) for i in r["incidents"]] for r in ranks]
+    assert events[0] == events[1]
+    assert ("loss_scale_collapse", "stop") in [(t, a) for _, t, a, _ in events[0]]
+    assert all(i[3] == [] for i in events[0])  # which rank overflowed is not known after DeepSpeed's reduction
+    assert ranks[0]["error"] == ranks[1]["error"]
+    assert ranks[0]["error"].startswith("NonFiniteTrainingError: nanguard: DeepSpeed's fp16 loss scale collapsed")
+    assert ranks[0]["ds_applied"] == ranks[1]["ds_applied"] == [False] * len(ranks[0]["ds_applied"])
+
+
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_deepspeed_fit_on_cpu(cpu_fits: dict[str, Any], scenario: str) -> None:
     CHECKS[scenario](cpu_fits[scenario])
