@@ -9,26 +9,39 @@ import lightning.pytorch as pl
 from lightning_nanguard.exceptions import UnsupportedSetupError
 from lightning_nanguard.policies.verdict import Action
 from lightning_nanguard.reporting.incidents import Incident
+from lightning_nanguard.signals import fsdp1
 
 __all__ = ["check_strategy_supported", "make_incident", "refusal_reason"]
 
 # Why a strategy is refused, per strategy (its class name or a base's); ``"*"``: every callback.
 _REFUSED: dict[str, dict[str, str]] = {
-    "FSDPStrategy": {
-        "*": (
-            "FSDPStrategy (FSDP1) flattens parameters into FlatParameters and shards them outside DTensor, so neither "
-            "the per-parameter reading nor the snapshots can see which piece a rank holds; nanguard's sharded support "
-            "is built and tested for FSDP2 only, and FSDPStrategy cannot run on CPU to be tested here. Use "
-            "strategy=ModelParallelStrategy() with torch.distributed.fsdp.fully_shard in configure_model (FSDP2), "
-            "or strategy='ddp'"
-        ),
-    },
+    # FSDP1: decided per Trainer (use_orig_params, precision, callback) by signals/fsdp1.refusal.
+    "FSDPStrategy": {},
+    # DeepSpeed: LossScaleWatchdog and GradNormMonitor read DeepSpeed's own step after it (callbacks/_deepspeed.py).
     "DeepSpeedStrategy": {
-        "*": (
-            "DeepSpeed's engine owns the step: ZeRO partitions and reduces the gradients in its own buckets, keeps "
-            "its own loss scaler and decides its own overflow skips, so a reading or a skip in "
-            "on_before_optimizer_step does not reach it. Use ModelParallelStrategy with fully_shard (FSDP2), or "
-            "strategy='ddp'"
+        "AutoRollback": (
+            "DeepSpeed keeps the fp32 master weights and the optimizer state inside its own (ZeRO-partitioned) "
+            "optimizer, not in the module or an optimizer state Lightning hands over, so a snapshot of them would "
+            "not restore training: the master copy overwrites restored parameters at the next step, and restoring "
+            "it needs DeepSpeed's own checkpoint (engine.load_checkpoint), which AutoRollback does not drive. Use "
+            "DeepSpeed's checkpoints to resume, or strategy='ddp' / ModelParallelStrategy (FSDP2)"
+        ),
+        "OptimizerBackoff": (
+            "it lowers the learning rate as part of the engine's remedy for an incident (with a rollback), and "
+            "under DeepSpeed no such remedy runs (no rollback; LossScaleWatchdog and GradNormMonitor stop or warn), "
+            "while DeepSpeed steps its own optimizer and LR scheduler inside engine.step(). Lower the learning rate "
+            "in DeepSpeed's config or the LightningModule instead"
+        ),
+        "FP32Evaluation": (
+            "DeepSpeed converts the module to fp16/bf16 itself and keeps the fp32 master weights partitioned inside "
+            "its optimizer, so neither a float32 re-run nor a float32 evaluation copy can be built from the module "
+            "Lightning holds. Evaluate from a DeepSpeed checkpoint converted to fp32 "
+            "(zero_to_fp32.py) instead"
+        ),
+        "CheckpointGuard": (
+            "DeepSpeed writes its own checkpoint directory (mp_rank_*_model_states.pt and one "
+            "zero_pp_rank_*_optim_states.pt per rank, through engine.save_checkpoint), whose layout CheckpointGuard's "
+            "verification and manifest do not read; it is untested there"
         ),
     },
     "XLAStrategy": {
@@ -57,7 +70,12 @@ def check_strategy_supported(trainer: pl.Trainer, owner: str) -> None:
     parameters) by GradNormMonitor, AutoRollback, OptimizerBackoff, LossScaleWatchdog, CheckpointGuard (directory
     and single-file checkpoints) and FP32Evaluation (``mode="always"`` under ``bf16-mixed``; it refuses its other
     combinations itself, ``fp32_evaluation.py``), tested on 2 CPU ranks;
-    FSDPStrategy (FSDP1), DeepSpeedStrategy and XLAStrategy by none, each for the reason in its message.
+    FSDPStrategy (FSDP1) under ``use_orig_params=True`` (Lightning's default) and a precision other than
+    ``16-mixed`` by GradNormMonitor, AutoRollback, OptimizerBackoff and LossScaleWatchdog (``signals/fsdp1.py``:
+    ``refusal`` says why the rest are refused; ``install`` marks the parameters' shares once the model is wrapped);
+    DeepSpeedStrategy by LossScaleWatchdog and GradNormMonitor (DeepSpeed's own loss scaler, overflow flag and
+    global grad norm, read after its step: ``callbacks/_deepspeed.py``), the rest refused for the reason in
+    ``_REFUSED``; XLAStrategy by none, for the reason in its message.
 
     Raises:
         UnsupportedSetupError: ``owner`` does not support the Trainer's strategy.
@@ -66,6 +84,11 @@ def check_strategy_supported(trainer: pl.Trainer, owner: str) -> None:
     if hit is not None:
         strategy, why = hit
         raise UnsupportedSetupError(f"{owner} does not support {strategy}: {why}, or remove the callback.")
+    if fsdp1.is_fsdp1(trainer.strategy):
+        fsdp1_why = fsdp1.refusal(trainer, owner)
+        if fsdp1_why is not None:
+            raise UnsupportedSetupError(f"{owner} does not support FSDPStrategy: {fsdp1_why}, or remove the callback.")
+        fsdp1.install(trainer.strategy)
 
 
 def make_incident(

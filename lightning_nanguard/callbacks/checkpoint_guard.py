@@ -135,7 +135,7 @@ class CheckpointGuard(NanGuardCallback):
         if isinstance(io, VerifyingCheckpointIO):  # a second fit on the same Trainer: reuse, with our settings
             io.listener = self._on_event
             io.require_sidecar, io.fallback, io.tag_last_good = self.require_sidecar, self.fallback, self.tag_last_good
-            if "ModelParallelStrategy" in _lightning_compat.strategy_class_names(trainer):
+            if {"ModelParallelStrategy", "FSDPStrategy"} & _lightning_compat.strategy_class_names(trainer):
                 sharded_checkpoint.install(trainer, io)
             return
         if "AsyncCheckpointIO" in {cls.__name__ for cls in type(io).__mro__}:
@@ -152,7 +152,7 @@ class CheckpointGuard(NanGuardCallback):
             listener=self._on_event,
         )
         trainer.strategy.checkpoint_io = wrapper
-        if "ModelParallelStrategy" in _lightning_compat.strategy_class_names(trainer):
+        if {"ModelParallelStrategy", "FSDPStrategy"} & _lightning_compat.strategy_class_names(trainer):
             # Its checkpoints bypass checkpoint_io on load (and, as directories, on save): wrap the strategy's own.
             sharded_checkpoint.install(trainer, wrapper)
 

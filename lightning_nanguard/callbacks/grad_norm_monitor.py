@@ -11,6 +11,7 @@ from typing_extensions import override
 
 from lightning_nanguard import _lightning_compat
 from lightning_nanguard._validation import check_choice, check_float, check_int, check_path
+from lightning_nanguard.callbacks import _deepspeed
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.engine import Engine, get_engine
 from lightning_nanguard.engine.capabilities import GuardSettings
@@ -165,6 +166,9 @@ class GradNormMonitor(NanGuardCallback):
 
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
         self._engine = engine
+        if _deepspeed.is_deepspeed(trainer):  # DeepSpeed's engine owns the step: its outcome is read after it
+            _deepspeed.install_grad_watch(self, trainer, engine)
+            return
         settings = GuardSettings(
             owner=type(self).__name__,
             on_nonfinite=self.on_nonfinite,

@@ -81,6 +81,9 @@ class Engine:
         self.scale_watch: ScaleWatch | None = None
         self.promoter: Promoter | None = None
         self.metric_sources: list[MetricSource] = []
+        # Run first at each batch end, after the optimizer step: DeepSpeed's own step outcome is read there
+        # (callbacks/_deepspeed.py), since its engine steps after the last hook Lightning gives before it.
+        self.step_hooks: list[Any] = []
         self.monitors_steps = False  # some member watches training steps (sensing runs)
         self.quarantine: Quarantine | None = None
         self.driver: Any = None
@@ -304,6 +307,8 @@ class Engine:
             reading.dropped = True
 
     def batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for hook in self.step_hooks:
+            hook(trainer)
         readings, self._readings = self._readings, []
         for reading in readings:
             if Sensor.resolve(reading):  # device path: the verdict reaches the host now, synchronized already
@@ -345,7 +350,7 @@ class Engine:
             self.sink.summary(
                 trainer,
                 self.member_names,
-                monitored=self.monitors_steps,
+                monitored=self.monitors_steps or bool(self.step_hooks),
                 final_state=self.final_state,
                 notes=notes,
             )

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_nanguard import _distributed
-from lightning_nanguard.signals.sharded import is_sharded, local_tensor
+from lightning_nanguard.signals.sharded import is_sharded, local_tensor, original_name
 from lightning_nanguard.signals.tensors import all_finite
 
 __all__ = [
@@ -183,10 +183,10 @@ def nonfinite_names(module: nn.Module, optimizers: Sequence[Optimizer] = (), lim
     out: list[str] = []
     for name, t in _model_tensors(module):
         if _bad(t):
-            out.append(name)
+            out.append(original_name(name))  # FSDP1: without its `_fsdp_wrapped_module.`
     skip = intended_infinities(module)
     out.extend(n for n, b in module.named_buffers() if n in skip and bool(torch.isnan(local_tensor(b)).any()))
-    names = {id(p): n for n, p in module.named_parameters()}
+    names = {id(p): original_name(n) for n, p in module.named_parameters()}
     for i, opt in enumerate(optimizers):
         for p, state in opt.state.items():
             for k, v in state.items():

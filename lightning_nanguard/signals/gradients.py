@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from lightning_nanguard.signals.sharded import is_sharded, local_tensor, share_of
+from lightning_nanguard.signals.sharded import is_sharded, local_grads, original_name, share_of
 
 __all__ = [
     "INLINE_MAX",
@@ -83,7 +83,8 @@ class ParamIndex:
         world_size: int = 1,
     ) -> None:
         self.params = list(params)
-        self.names = list(names)
+        names = [original_name(n) for n in names]  # FSDP1 inserts `_fsdp_wrapped_module.` into the module paths
+        self.names = names
         self.count = len(self.params)
         self.groups = [layer_of(_strip(name, skip_wrappers), depth, _prefix(name, skip_wrappers)) for name in names]
         self.layer_names = sorted(set(self.groups))
@@ -158,7 +159,7 @@ def grad_norms(index: ParamIndex, scale: Tensor | None = None) -> GradNorms | No
     """
     grads = [p.grad for p in index.params]
     if index.sharded:  # local shards only: a DTensor op could start a collective on this rank alone
-        grads = [None if g is None else local_tensor(g) for g in grads]
+        grads = local_grads(index.params, grads)
     # `is not None` per item: `None in grads` would call Tensor.__eq__ on every gradient (~16 us each).
     if index.uniform and all(g is not None for g in grads):
         if not grads:
