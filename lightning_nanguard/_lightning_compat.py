@@ -18,6 +18,7 @@ __all__ = [
     "clear_found_inf_of",
     "get_scaler",
     "guard_clipping",
+    "is_train_logging_step",
     "log_step",
     "optimizer_handles_unscaling",
     "or_into_found_inf",
@@ -53,6 +54,19 @@ def should_update_logs(trainer: pl.Trainer) -> bool:
     except (AttributeError, NotImplementedError):
         n = int(getattr(trainer, "log_every_n_steps", 50))
         return n > 0 and ((log_step(trainer) + 1) % n == 0 or trainer.should_stop)
+
+
+def is_train_logging_step(trainer: pl.Trainer) -> bool:
+    """``should_update_logs`` from a training batch hook, computed as Lightning does it there (its fit-loop branch)
+    without the property's loop dispatch: called every step."""
+    n = getattr(trainer, "log_every_n_steps", 50)
+    if not n:
+        return False
+    loop = getattr(trainer.fit_loop, "epoch_loop", None)
+    stepped = getattr(loop, "_batches_that_stepped", None)
+    if not isinstance(stepped, int):
+        return should_update_logs(trainer)
+    return (stepped + 1) % n == 0 or trainer.should_stop
 
 
 def get_scaler(trainer: pl.Trainer) -> Any | None:

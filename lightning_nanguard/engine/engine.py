@@ -262,7 +262,7 @@ class Engine:
         return Signal.RANK_DIVERGENCE if verdict.finite and verdict.diverged else Signal.NONFINITE_STATE
 
     def observe_loss(self, loss: Tensor) -> None:
-        self._losses.append(loss.detach())
+        self._losses.append(loss)  # detached only where needed (``sensing._loss_sum``)
 
     def before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
         if not self.monitors_steps:
@@ -281,8 +281,8 @@ class Engine:
             host_only=self._host_only,
         )
         self._readings.append(reading)
-        path = reading.extras["path"]
-        if "pending" in reading.extras:  # device path: the optimizer acts on the verdict itself
+        path = reading.path
+        if reading.pending is not None:  # device path: the optimizer acts on the verdict itself
             if self._drop_reason:
                 drop_update(optimizer, path)
                 reading.dropped = True
@@ -316,7 +316,7 @@ class Engine:
                     reading.dropped = True
                 elif self._spikes is not None:
                     reading.spike = self._spike(reading)
-            if reading.extras.get("path") == "fused":
+            if reading.path == "fused":
                 _lightning_compat.clear_found_inf_of(trainer, reading.optimizer_idx)
             self._account(trainer, reading)
         if self._events:
@@ -327,7 +327,7 @@ class Engine:
             self.step_seconds = took if math.isnan(self.step_seconds) else 0.9 * self.step_seconds + 0.1 * took
         if self.scale_watch is not None:
             self.scale_watch.after_step(trainer)
-        if _lightning_compat.should_update_logs(trainer):
+        if _lightning_compat.is_train_logging_step(trainer):
             self._flush_metrics(trainer)
 
     def train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -41,6 +41,7 @@ from lightning_nanguard.signals.gradients import (
     GradNorms,
     ParamIndex,
     grad_norms,
+    inline_applies,
     norms_with,
     weighted_squares,
 )
@@ -48,7 +49,7 @@ from lightning_nanguard.signals.gradients import (
 __all__ = ["HostMirror", "Reading", "Sensor", "current_grad_norm", "wrapper_prefixes"]
 
 
-@dataclass
+@dataclass(slots=True)
 class Reading:
     """The health of one optimizer step, as host values identical on every rank (after the reduction).
 
@@ -65,6 +66,8 @@ class Reading:
         device_skipped: the update was dropped on the device (device path, non-finite verdict).
         buffers_finite: the module's watched buffers (``state_check.watched_buffers``) were finite at this step.
         inline: ``local`` (and the reduced vector) start with this many per-tensor norms instead of the total.
+        path: how this optimizer drops an update (``Sensor.path``): ``"host"``, ``"scaler"`` or ``"fused"``.
+        pending: device path only, until the batch end: what ``Sensor.resolve`` needs to fill the host values.
     """
 
     step: int
@@ -82,6 +85,8 @@ class Reading:
     inline: int = 0  # the vector carries this many per-tensor norms first (the fast path), not the total
     dropped: bool = False  # the update was dropped (by nanguard or the GradScaler), filled in by the engine
     spike: str = ""  # "loss_spike" / "grad_norm_spike" / "loss_and_grad_norm_spike", filled in by the engine
+    path: str = ""
+    pending: tuple[Any, ...] | None = None
     extras: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -141,6 +146,34 @@ def wrapper_prefixes(module: nn.Module) -> tuple[str, ...]:
         prefix += "."
 
 
+class _Plan:
+    """What one optimizer's reading needs that does not change from step to step, built on its first step."""
+
+    __slots__ = ("device", "handles_unscaling", "index", "inline", "opt_idx", "optimizer", "path", "world")
+
+    def __init__(
+        self,
+        trainer: pl.Trainer,
+        optimizer: Optimizer,
+        opt_idx: int,
+        index: ParamIndex,
+        path: str,
+        device: torch.device,
+    ) -> None:
+        self.optimizer = optimizer
+        self.opt_idx = opt_idx
+        self.index = index
+        self.path = path
+        self.device = device
+        self.world = trainer.world_size
+        self.handles_unscaling = _lightning_compat.optimizer_handles_unscaling(optimizer)
+        self.inline = inline_applies(index)
+
+    def current(self, trainer: pl.Trainer, optimizer: Optimizer) -> bool:
+        """Still valid: the same optimizer object, holding the same parameters (``ParamIndex.matches``)."""
+        return self.optimizer is optimizer and self.index.matches(optimizer)
+
+
 class Sensor:
     """Computes the step reading. One per engine; the parameter index is cached per optimizer."""
 
@@ -151,6 +184,7 @@ class Sensor:
         self._positions: dict[int, int] = {}  # id(optimizer) -> index in trainer.optimizers
         self._mirrors: dict[int, HostMirror] = {}
         self._device_path: dict[int, str] = {}  # id(optimizer) -> "host" | "scaler" | "fused"
+        self._plans: dict[int, _Plan] = {}  # id(optimizer) -> its plan
         self._zeros: dict[torch.device, Tensor] = {}
         self._buffers: list[list[Tensor]] = []  # watched buffers, one list per (device, dtype)
 
@@ -185,6 +219,7 @@ class Sensor:
         self._positions.clear()
         self._mirrors.clear()
         self._device_path.clear()
+        self._plans.clear()
 
     # ------------------------------------------------------------------ structure (cached)
     def optimizer_index(self, trainer: pl.Trainer, optimizer: Optimizer) -> int:
@@ -232,6 +267,22 @@ class Sensor:
         return found
 
     # ------------------------------------------------------------------ the reading
+    def _plan(self, trainer: pl.Trainer, pl_module: nn.Module, optimizer: Optimizer) -> _Plan:
+        """This optimizer's cached plan, rebuilt when it went stale (``_Plan.current``)."""
+        plan = self._plans.get(id(optimizer))
+        if plan is not None and plan.current(trainer, optimizer):
+            return plan
+        self.world_size = trainer.world_size
+        opt_idx = self.optimizer_index(trainer, optimizer)
+        index = self.param_index(pl_module, optimizer, opt_idx)
+        path = self.path(trainer, optimizer)
+        if index.sharded and path == "fused":
+            # A fused kernel over DTensors is handed no plain found_inf tensor: drop on the host (grads to None).
+            path = self._device_path[id(optimizer)] = "host"
+        device = index.params[0].device if index.params else _first_device(pl_module)
+        plan = self._plans[id(optimizer)] = _Plan(trainer, optimizer, opt_idx, index, path, device)
+        return plan
+
     def measure(
         self,
         trainer: pl.Trainer,
@@ -249,17 +300,12 @@ class Sensor:
             host_only: read the verdict now even where the optimizer could act on a device flag (a decision that
                 needs host values before the update, e.g. dropping a spike).
         """
-        opt_idx = self.optimizer_index(trainer, optimizer)
-        self.world_size = trainer.world_size
-        index = self.param_index(pl_module, optimizer, opt_idx)
-        path = self.path(trainer, optimizer)
-        if index.sharded and path == "fused":
-            # A fused kernel over DTensors is handed no plain found_inf tensor: drop on the host (grads to None).
-            path = self._device_path[id(optimizer)] = "host"
+        plan = self._plan(trainer, pl_module, optimizer)
+        index, path, opt_idx = plan.index, plan.path, plan.opt_idx
         scaler = _lightning_compat.get_scaler(trainer) if path == "scaler" else None
         scale = _lightning_compat.scale_tensor(scaler) if scaler is not None else None
         # Fused optimizers under a GradScaler are not unscaled before this hook: their norm is divided here.
-        fused_scaled = scale is not None and _lightning_compat.optimizer_handles_unscaling(optimizer)
+        fused_scaled = scale is not None and plan.handles_unscaling
         if index.sharded:
             return self._measure_sharded(
                 trainer,
@@ -276,7 +322,7 @@ class Sensor:
                 batch,
                 host_only,
             )
-        device = index.params[0].device if index.params else _first_device(pl_module)
+        device = plan.device
         loss = _loss_sum(losses)
         tail = [_f32(self._zero(device) if loss is None else loss, device)]
         if scale is not None:
@@ -286,7 +332,7 @@ class Sensor:
             tail.append(_f32(probe, device))
         # The fast path for a few gradients: [norm_0, ..., norm_k-1, *tail] in one stack, the total summed on the
         # host (``norms_with``); else [total, *tail].
-        fast = None if fused_scaled else norms_with(index, tail)
+        fast = norms_with(index, tail) if plan.inline and not fused_scaled else None
         norms: GradNorms | None
         if fast is not None:
             norms, vec = fast
@@ -296,22 +342,12 @@ class Sensor:
             vec = torch.stack([_f32(norms.total if norms is not None else self._zero(device), device), *tail])
             inline = 0
         local = vec
-        world = trainer.world_size
+        world = plan.world
         if world > 1:
             vec = _distributed.sum_across_ranks(trainer, vec)
-        reading = Reading(
-            step=step,
-            optimizer_idx=opt_idx,
-            batch=batch,
-            grad_norm=math.nan,
-            loss=None,
-            scale=None,
-            has_grads=norms is not None,
-            norms=norms,
-            index=index,
-            local=local,
-            inline=inline,
-        )
+        # Positional: this runs every step (keyword construction of the dataclass costs more).
+        reading = Reading(step, opt_idx, batch, math.nan, None, None, norms is not None, norms, index, local)
+        reading.inline = inline
         return self._deliver(
             reading,
             vec,
@@ -345,7 +381,7 @@ class Sensor:
     ) -> Reading:
         """The reduced ``head`` vector to its consumer: read now (the step's one host read), or, on the device path,
         handed to the optimizer as its ``found_inf`` flag and copied to a host mirror read at the batch end."""
-        reading.extras["path"] = path
+        reading.path = path
         if host_only or path == "host":
             self.fill(reading, head.tolist(), world, has_loss, has_scale, has_probe, squared=squared)
             return reading
@@ -358,7 +394,7 @@ class Sensor:
         if mirror is None or mirror.size < head.numel():
             mirror = self._mirrors[opt_idx] = HostMirror(max(4, head.numel()), head.device)
         mirror.fill(head)
-        reading.extras["pending"] = (mirror, head.numel(), world, has_loss, has_scale, has_probe, squared)
+        reading.pending = (mirror, head.numel(), world, has_loss, has_scale, has_probe, squared)
         return reading
 
     def _measure_sharded(
@@ -432,9 +468,10 @@ class Sensor:
     @staticmethod
     def resolve(reading: Reading) -> bool:
         """Fill a device-path reading from its host mirror. True if it was pending."""
-        pending = reading.extras.pop("pending", None)
+        pending = reading.pending
         if pending is None:
             return False
+        reading.pending = None
         mirror, n, world, has_loss, has_scale, has_probe, squared = pending
         Sensor.fill(reading, mirror.values(n), world, has_loss, has_scale, has_probe, squared=squared)
         reading.device_skipped = reading.bad
@@ -509,8 +546,13 @@ def _f32(t: Tensor, device: torch.device) -> Tensor:
 
 
 def _loss_sum(losses: list[Tensor]) -> Tensor | None:
+    """The step's (micro-batch) losses summed, as ``on_before_backward`` passed them (not detached there: a detach is
+    a device op; the reading runs under the optimizer's ``no_grad``, so nothing is recorded; detached here where a
+    custom optimizer left grad mode on)."""
     if not losses:
         return None
+    if torch.is_grad_enabled():
+        losses = [loss.detach() for loss in losses]
     if len(losses) == 1:
         loss = losses[0]
         return loss if loss.dim() == 0 else loss.reshape(())

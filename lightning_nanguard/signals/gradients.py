@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -29,6 +28,7 @@ __all__ = [
     "GradNorms",
     "ParamIndex",
     "grad_norms",
+    "inline_applies",
     "layer_norms",
     "layer_of",
     "norms_with",
@@ -36,19 +36,42 @@ __all__ = [
 ]
 
 
-@dataclass
 class GradNorms:
     """The gradient norms of one optimizer step, on the gradients' device.
 
     Attributes:
         tensor_norms: 1-d float32, one norm per gradient tensor, in ``present`` order; divided by ``scale`` if given.
+            On the fast path (``norms_with``) the first ``count`` entries of the step vector, sliced on first use.
         present: indices (into ``ParamIndex.params``) of the parameters that had a gradient; ``None`` means all.
         total: 0-d float32, the 2-norm of all gradients (NaN/inf if any element is), computed on first use.
     """
 
-    tensor_norms: Tensor
-    present: tuple[int, ...] | None
-    _total: Tensor | None = None
+    __slots__ = ("_count", "_tensor_norms", "_total", "_vec", "present")
+
+    def __init__(
+        self,
+        tensor_norms: Tensor | None = None,
+        present: tuple[int, ...] | None = None,
+        _total: Tensor | None = None,
+        *,
+        vec: Tensor | None = None,
+        count: int = 0,
+    ) -> None:
+        if tensor_norms is None and vec is None:
+            raise ValueError("GradNorms needs tensor_norms or vec")
+        self._tensor_norms = tensor_norms
+        self.present = present
+        self._total = _total
+        self._vec = vec
+        self._count = count
+
+    @property
+    def tensor_norms(self) -> Tensor:
+        norms = self._tensor_norms
+        if norms is None:
+            assert self._vec is not None
+            norms = self._tensor_norms = self._vec[: self._count]
+        return norms
 
     @property
     def total(self) -> Tensor:
@@ -181,18 +204,22 @@ def grad_norms(index: ParamIndex, scale: Tensor | None = None) -> GradNorms | No
 INLINE_MAX = 32  # up to this many gradients, the step vector carries each norm and the host sums their squares
 
 
+def inline_applies(index: ParamIndex) -> bool:
+    """Whether ``norms_with`` can read this index: a few (``INLINE_MAX``) plain gradients of one (device, dtype)."""
+    return not index.sharded and index.uniform and 0 < index.count <= INLINE_MAX
+
+
 def norms_with(index: ParamIndex, tail: Sequence[Tensor]) -> tuple[GradNorms, Tensor] | None:
     """The healthy step's fast path: ``[norm_0, ..., norm_k-1, *tail]`` in one ``stack`` after one fused norm pass,
-    for a few (``INLINE_MAX``) plain gradients, every one present, of one (device, dtype). The total norm is then
-    summed on the host from the per-tensor norms (two fewer device ops than a ``vector_norm`` and a second
-    ``stack``). ``None`` where the fast path does not apply (``grad_norms`` then)."""
-    if index.sharded or not index.uniform or index.count == 0 or index.count > INLINE_MAX:
-        return None
+    for an index ``inline_applies`` to, every gradient present. The total norm is then summed on the host from the
+    per-tensor norms (two fewer device ops than a ``vector_norm`` and a second ``stack``; the per-tensor norms are
+    sliced out of the vector only where they are used). ``None`` where a gradient is missing (``grad_norms`` then)."""
     grads = [p.grad for p in index.params]
-    if not all(g is not None for g in grads):
-        return None
+    for g in grads:
+        if g is None:
+            return None
     vec = torch.stack([*_foreach_norm_fp32(grads), *tail])  # type: ignore[arg-type]
-    return GradNorms(tensor_norms=vec[: index.count], present=None), vec
+    return GradNorms(present=None, vec=vec, count=index.count), vec
 
 
 def _grouped_norms(index: ParamIndex, grads: list[Tensor | None], present: list[int]) -> list[Tensor]:
