@@ -13,7 +13,11 @@ each round, so drift and warm-up hit every variant alike):
 * ``default_callbacks()``: only where the package has such a preset;
 * reference rows (``--no-floor`` leaves them out): 1 and 6 ``Callback`` objects that override nothing, i.e. what
   Lightning's hook dispatch alone charges per installed callback (it enters a profiler context for every hook of
-  every callback, overridden or not), a floor no callback can go below.
+  every callback, overridden or not), a floor no callback can go below; and one callback that does nothing but the
+  step check's own tensor work, written inline (the loss kept in ``on_before_backward``; in
+  ``on_before_optimizer_step`` one ``torch._foreach_norm`` over the gradients, one ``stack`` with the loss and one
+  ``.tolist()``; its other per-batch hooks hidden as nanguard's are): the floor of any per-step check that reads
+  every gradient before the update, which is what GradNormMonitor adds its bookkeeping to.
 
 A step's time is measured with ``time.perf_counter`` from one ``on_train_batch_start`` to the next (the first
 ``--warmup`` steps are dropped). Reported per variant: the median over rounds of the run's median µs/step; the µs/step
@@ -75,6 +79,7 @@ PLAIN = "plain Lightning"
 SUITE = "suite (6 callbacks)"
 FLOOR_1 = "reference: 1 empty Callback"
 FLOOR_6 = "reference: 6 empty Callbacks"
+FLOOR_OPS = "reference: the check's tensor ops alone"
 
 
 def _suite() -> list[pl.Callback]:
@@ -92,6 +97,31 @@ class EmptyCallback(pl.Callback):
     """Overrides nothing: what Lightning's hook dispatch alone costs per callback."""
 
 
+class TensorOpsOnly(pl.Callback):
+    """The per-step check's tensor work and nothing else (the ``FLOOR_OPS`` row): one fused norm pass over the
+    gradients, one ``stack`` with the loss, one host read. Per-batch hooks it does not use are hidden from Lightning's
+    dispatch, as nanguard's members do (``callbacks/_base.mute_idle_hooks``)."""
+
+    def __init__(self) -> None:
+        self.loss: torch.Tensor | None = None
+        self.params: list[torch.Tensor] = []
+        self.values: list[float] = []
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        from lightning_nanguard.callbacks._base import mute_idle_hooks
+
+        mute_idle_hooks(self, drives=True)
+        self.params = [p for p in pl_module.parameters() if p.requires_grad]
+
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self.loss = loss
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        grads = [p.grad for p in self.params]
+        assert self.loss is not None
+        self.values = torch.stack([*torch._foreach_norm(grads, 2), self.loss]).tolist()  # type: ignore[arg-type]
+
+
 def variants(floor: bool = False) -> dict[str, Callable[[], list[pl.Callback]]]:
     out: dict[str, Callable[[], list[pl.Callback]]] = {PLAIN: list}
     if floor:
@@ -100,6 +130,7 @@ def variants(floor: bool = False) -> dict[str, Callable[[], list[pl.Callback]]]:
     # Forensics runs on the incident path only: on healthy steps "off" and the default "first" must cost the same.
     out['GradNormMonitor(forensics="off")'] = lambda: [GradNormMonitor(forensics="off")]
     if floor:
+        out[FLOOR_OPS] = lambda: [TensorOpsOnly()]
         out[FLOOR_6] = lambda: [EmptyCallback() for _ in range(6)]
     out[SUITE] = _suite
     preset = getattr(lightning_nanguard, "default_callbacks", None)
