@@ -70,8 +70,9 @@ def check_strategy_supported(trainer: pl.Trainer, owner: str) -> None:
     parameters) by GradNormMonitor, AutoRollback, OptimizerBackoff, LossScaleWatchdog, CheckpointGuard (directory
     and single-file checkpoints) and FP32Evaluation (``mode="always"`` under ``bf16-mixed``; it refuses its other
     combinations itself, ``fp32_evaluation.py``), tested on 2 CPU ranks;
-    FSDPStrategy (FSDP1) under ``use_orig_params=True`` (Lightning's default) and a precision other than
-    ``16-mixed`` by GradNormMonitor, AutoRollback, OptimizerBackoff and LossScaleWatchdog (``signals/fsdp1.py``:
+    FSDPStrategy (FSDP1) under ``use_orig_params=True`` (Lightning's default) and ``32-true``/``bf16-mixed`` by
+    GradNormMonitor, AutoRollback, OptimizerBackoff, LossScaleWatchdog and CheckpointGuard (``state_dict_type=
+    "sharded"``), tested on 2 CPU ranks (``signals/fsdp1.py``:
     ``refusal`` says why the rest are refused; ``install`` marks the parameters' shares once the model is wrapped);
     DeepSpeedStrategy by LossScaleWatchdog and GradNormMonitor (DeepSpeed's own loss scaler, overflow flag and
     global grad norm, read after its step: ``callbacks/_deepspeed.py``), the rest refused for the reason in
