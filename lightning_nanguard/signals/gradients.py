@@ -146,9 +146,13 @@ class ParamIndex:
 
     def matches(self, optimizer: torch.optim.Optimizer) -> bool:
         """Cheap staleness check: the optimizer still holds the same number of parameters, first one unchanged."""
-        groups = optimizer.param_groups
-        n = sum(len(g["params"]) for g in groups)
-        return n == self.count and (n == 0 or groups[0]["params"][0] is self.params[0])
+        n, first = 0, None
+        for g in optimizer.param_groups:  # a plain loop: this runs every step (sum() over a generator costs more)
+            params = g["params"]
+            if params and first is None:
+                first = params[0]  # an empty first group (weight-decay splits) must not raise here
+            n += len(params)
+        return n == self.count and (n == 0 or first is self.params[0])
 
 
 def _prefix(name: str, wrappers: Sequence[str]) -> str:

@@ -276,3 +276,22 @@ def test_clipped_norm_is_logged_again_after_a_skipped_step(tmp_path: Any) -> Non
     trainer.fit(TinyModel())
     scalars = tb_scalars(os.path.join(tmp_path, "tb", "version_0"))
     assert [s for s, _ in scalars["nanguard/grad_norm_clipped"]] == [0, 1, 3, 4, 5]
+
+
+class _EmptyFirstGroupModel(TinyModel):
+    def configure_optimizers(self) -> Any:
+        # A weight-decay split whose first group ends up empty (no parameter matched its filter).
+        return torch.optim.AdamW([{"params": [], "weight_decay": 0.0}, {"params": list(self.parameters())}], lr=0.05)
+
+
+def test_an_optimizer_whose_first_param_group_is_empty_is_read_every_step(tmp_path: Any) -> None:
+    # The per-step check that the cached parameter index still fits the optimizer read groups[0]["params"][0] and
+    # raised IndexError at the second step.
+    faults = FaultInjector("grad", steps=3, value="nan")
+    monitor = GradNormMonitor()
+    trainer = make_trainer(tmp_path, callbacks=[monitor, faults], max_steps=6)
+    model = _EmptyFirstGroupModel()
+    trainer.fit(model)
+    incidents = get_engine(trainer).sink.log.records
+    assert [(i.step, i.action) for i in incidents] == [(3, "skip")]
+    assert all_finite(model)
