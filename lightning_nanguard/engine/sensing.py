@@ -99,8 +99,10 @@ class Reading:
 
     @property
     def bad(self) -> bool:
-        """The step is non-finite on some rank (loss, gradients or a watched buffer)."""
-        return not (self.grads_finite and self.loss_finite and self.buffers_finite)
+        """The step is non-finite on some rank (loss, gradients or a watched buffer). Read several times per step:
+        written out rather than through ``grads_finite``/``loss_finite``."""
+        loss = self.loss
+        return not (self.buffers_finite and math.isfinite(self.grad_norm) and (loss is None or math.isfinite(loss)))
 
 
 class HostMirror:
