@@ -164,6 +164,9 @@ def main(config: dict[str, Any], out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]), sys.argv[2])
+    # One run, or several in one launch (``[[config, out_dir], ...]``: the ranks' process group is started once).
+    spec = json.loads(sys.argv[1])
+    for config, out_dir in spec if isinstance(spec, list) else [(spec, sys.argv[2])]:
+        main(config, out_dir)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -49,14 +49,26 @@ def run_ranks(
     """Train with ``config`` on 2 ranks (``module``: ``tests.sharded._worker``, FSDP2/DDP, or
     ``tests.sharded._fsdp1_worker``, FSDP1); what each rank wrote:
     ``{"ranks": [rank0.json, rank1.json], "params": {name: full tensor}, "output": str}``."""
-    os.makedirs(out_dir, exist_ok=True)
-    output = run_module(module, [json.dumps(config), out_dir], timeout)
-    ranks = []
-    for r in (0, 1):
-        with open(os.path.join(out_dir, f"rank{r}.json"), encoding="utf-8") as f:
-            ranks.append(json.load(f))
-    params = torch.load(os.path.join(out_dir, "params.pt"), weights_only=True)
-    return {"ranks": ranks, "params": params, "output": output}
+    return run_ranks_many([(config, out_dir)], timeout, module)[0]
+
+
+def run_ranks_many(
+    runs: list[tuple[dict[str, Any], str]], timeout: float = 80.0, module: str = "tests.sharded._worker"
+) -> list[dict[str, Any]]:
+    """``run_ranks`` for several configurations one after the other in ONE launch of the 2 ranks (the ranks start
+    and join their process group once: most of a small run's time), each writing into its own directory."""
+    for _, out_dir in runs:
+        os.makedirs(out_dir, exist_ok=True)
+    output = run_module(module, [json.dumps([[config, out_dir] for config, out_dir in runs]), "-"], timeout)
+    results = []
+    for _, out_dir in runs:
+        ranks = []
+        for r in (0, 1):
+            with open(os.path.join(out_dir, f"rank{r}.json"), encoding="utf-8") as f:
+                ranks.append(json.load(f))
+        params = torch.load(os.path.join(out_dir, "params.pt"), weights_only=True)
+        results.append({"ranks": ranks, "params": params, "output": output})
+    return results
 
 
 def run_checkpoint_ranks(config: dict[str, Any], out_dir: str, timeout: float = 80.0) -> list[dict[str, Any]]:

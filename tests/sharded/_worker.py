@@ -198,7 +198,10 @@ def main(config: dict[str, Any], out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]), sys.argv[2])
+    # One run, or several in one launch (``[[config, out_dir], ...]``: the ranks' process group is started once).
+    spec = json.loads(sys.argv[1])
+    for config, out_dir in spec if isinstance(spec, list) else [(spec, sys.argv[2])]:
+        main(config, out_dir)
     # Lightning leaves the process group up; its threads torn down with the interpreter can abort the process
     # ("terminate called without an active exception", exit -6) after a run that succeeded.
     if torch.distributed.is_available() and torch.distributed.is_initialized():

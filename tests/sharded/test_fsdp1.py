@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.sharded._launch import run_ranks
+from tests.sharded._launch import run_ranks_many
 
 ACCELERATORS = [
     pytest.param("cpu", marks=pytest.mark.distributed, id="cpu"),
@@ -45,8 +45,15 @@ LOCAL_NUMELS = [
 
 
 def _run(config: dict[str, Any], out_dir: Any, accelerator: str) -> dict[str, Any]:
-    return run_ranks(
-        {**config, "accelerator": accelerator}, str(out_dir), timeout=120.0, module="tests.sharded._fsdp1_worker"
+    return _runs([(config, out_dir)], accelerator)[0]
+
+
+def _runs(runs: list[tuple[dict[str, Any], Any]], accelerator: str) -> list[dict[str, Any]]:
+    """Several runs in one launch of the 2 ranks (their start-up is most of a run's time)."""
+    return run_ranks_many(
+        [({**config, "accelerator": accelerator}, str(out_dir)) for config, out_dir in runs],
+        timeout=150.0,
+        module="tests.sharded._fsdp1_worker",
     )
 
 
@@ -68,7 +75,11 @@ def test_global_norms_skip_and_rollback_on_both_ranks_with_the_reference_paramet
         "rollback": {"every_n_steps": 2, "quiet_steps": 0},
         "watchdog": True,  # no GradScaler under 32-true: it joins and changes nothing
     }
-    faulty = _run(config, tmp_path / "faulty", accelerator)
+    # The clean run (checked last): the run whose updates of steps 2 (skipped), 4 (undone by the rollback) and
+    # 5 (dropped) are dropped on every rank by the test itself; both runs in one launch.
+    faulty, clean = _runs(
+        [(config, tmp_path / "faulty"), ({"max_steps": 7, "drop_steps": [2, 4, 5]}, tmp_path / "ref")], accelerator
+    )
     r0, r1 = faulty["ranks"]
     local = [{k.replace("_fsdp_wrapped_module.", ""): v for k, v in r["local_numels"].items()} for r in (r0, r1)]
     assert local == LOCAL_NUMELS  # really sharded: pieces of the flat shards, some empty
@@ -97,10 +108,8 @@ def test_global_norms_skip_and_rollback_on_both_ranks_with_the_reference_paramet
         assert all(_close(row["tensors"][n], v) for n, v in reference["tensors"].items())
         assert row["layers"].keys() == reference["layers"].keys() == {"body", "head"}
         assert all(_close(row["layers"][n], v) for n, v in reference["layers"].items())
-    # The reference: the clean run whose updates of steps 2 (skipped), 4 (undone by the rollback) and 5 (dropped)
-    # are dropped on every rank by the test itself. Bit for bit: parameters and AdamW state were restored exactly.
-    reference = _run({"max_steps": 7, "drop_steps": [2, 4, 5]}, tmp_path / "ref", accelerator)
-    got, want = faulty["params"], reference["params"]
+    # Against the clean run, bit for bit: parameters and AdamW state were restored exactly.
+    got, want = faulty["params"], clean["params"]
     assert got.keys() == want.keys() == LOCAL_NUMELS[0].keys()
     for name in want:
         assert torch.isfinite(got[name]).all(), name

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.sharded._launch import run_ranks
+from tests.sharded._launch import run_ranks, run_ranks_many
 
 pytestmark = pytest.mark.distributed
 
@@ -27,7 +27,13 @@ def test_damaged_shard_on_rank1_rolls_both_ranks_back_to_the_same_state(tmp_path
     # Rank 1's local shard of body.0.weight becomes NaN at the start of step 3; snapshots are taken at steps 0, 2, 4.
     fault = {"target": "param", "steps": [3], "ranks": [1]}
     config = {"max_steps": 6, "fault": fault, "monitor": {"forensics": "off"}}
-    faulty = run_ranks({**config, "rollback": {"every_n_steps": 2, "quiet_steps": 0}}, str(tmp_path / "faulty"))
+    # The reference (below): the clean run with the updates of steps 2 and 3 dropped; both in one launch.
+    faulty, reference = run_ranks_many(
+        [
+            ({**config, "rollback": {"every_n_steps": 2, "quiet_steps": 0}}, str(tmp_path / "faulty")),
+            ({"max_steps": 6, "drop_steps": [2, 3]}, str(tmp_path / "ref")),
+        ]
+    )
     rollbacks = _decisions(faulty, "rollback")
     assert rollbacks[0] == rollbacks[1] == [(3, 2, "corrupt_state")]  # same step, same snapshot, on both ranks
     for rank in faulty["ranks"]:
@@ -35,7 +41,6 @@ def test_damaged_shard_on_rank1_rolls_both_ranks_back_to_the_same_state(tmp_path
     # Restoring the step-2 snapshot undoes step 2's update, and step 3's poisoned update was dropped: the result is
     # the clean run with the updates of steps 2 and 3 dropped, bit for bit (parameters and AdamW state alike, or
     # the later steps would differ).
-    reference = run_ranks({"max_steps": 6, "drop_steps": [2, 3]}, str(tmp_path / "ref"))
     got, want = faulty["params"], reference["params"]
     assert got.keys() == want.keys()
     for name in want:
