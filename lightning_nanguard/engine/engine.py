@@ -290,7 +290,7 @@ class Engine:
         drop = bool(self._drop_reason)
         if reading.bad:
             # Incident path only: the state as it was before this update (the event is handled after it).
-            reading.extras["state_before"] = state_before_update(trainer, pl_module)
+            reading.state_before = state_before_update(trainer, pl_module)
             if path == "scaler":
                 # Every rank's scaler drops it and backs off together, even where this rank's gradients are finite.
                 _lightning_compat.or_into_found_inf(
@@ -311,7 +311,8 @@ class Engine:
             hook(trainer)
         readings, self._readings = self._readings, []
         for reading in readings:
-            if Sensor.resolve(reading):  # device path: the verdict reaches the host now, synchronized already
+            if reading.pending is not None and Sensor.resolve(reading):
+                # Device path: the verdict reaches the host now, synchronized already.
                 if reading.bad:
                     reading.dropped = True
                 elif self._spikes is not None:
@@ -376,7 +377,7 @@ class Engine:
         grad_spike = reading.has_grads and grad_z.observe(reading.grad_norm)
         loss_spike = reading.loss is not None and loss_z.observe(reading.loss)
         if grad_spike or loss_spike:
-            reading.extras["zscores"] = {"grad_norm_zscore": grad_z.last_z, "loss_zscore": loss_z.last_z}
+            reading.zscores = {"grad_norm_zscore": grad_z.last_z, "loss_zscore": loss_z.last_z}
         signal = SIGNAL_OF_SPIKE.get((bool(loss_spike), bool(grad_spike)))
         return signal.value if signal is not None else ""
 

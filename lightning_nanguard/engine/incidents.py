@@ -91,7 +91,7 @@ def _handle_one(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModu
     step = event.readings[0].step if event.readings else trainer.global_step
     # The state before the update where the host path took it (the same on every rank: the readings are reduced),
     # else now (the update was dropped on the device, or there was none).
-    before = next((r.extras["state_before"] for r in event.readings if "state_before" in r.extras), None)
+    before = next((r.state_before for r in event.readings if r.state_before is not None), None)
     state_ok, names = before if before is not None else state_before_update(trainer, pl_module)
     facts = EventFacts(event, state_ok=state_ok, state_names=names, ranks=_bad_ranks(trainer, event))
     if event.signal is Signal.RANK_DIVERGENCE:

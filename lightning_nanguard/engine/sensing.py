@@ -28,7 +28,7 @@ device. One host read of the head of the vector, as before; no gradient is gathe
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -87,7 +87,8 @@ class Reading:
     spike: str = ""  # "loss_spike" / "grad_norm_spike" / "loss_and_grad_norm_spike", filled in by the engine
     path: str = ""
     pending: tuple[Any, ...] | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
+    zscores: dict[str, float] | None = None  # a spike: the z-scores that flagged it
+    state_before: Any = None  # a bad step (incident path): the state as it was before the update
 
     @property
     def loss_finite(self) -> bool:
@@ -171,7 +172,7 @@ class _Plan:
         self.handles_unscaling = _lightning_compat.optimizer_handles_unscaling(optimizer)
         self.inline = inline_applies(index)
 
-    def current(self, trainer: pl.Trainer, optimizer: Optimizer) -> bool:
+    def current(self, optimizer: Optimizer) -> bool:
         """Still valid: the same optimizer object, holding the same parameters (``ParamIndex.matches``)."""
         return self.optimizer is optimizer and self.index.matches(optimizer)
 
@@ -270,10 +271,7 @@ class Sensor:
 
     # ------------------------------------------------------------------ the reading
     def _plan(self, trainer: pl.Trainer, pl_module: nn.Module, optimizer: Optimizer) -> _Plan:
-        """This optimizer's cached plan, rebuilt when it went stale (``_Plan.current``)."""
-        plan = self._plans.get(id(optimizer))
-        if plan is not None and plan.current(trainer, optimizer):
-            return plan
+        """Build this optimizer's plan (``measure`` reuses it while ``_Plan.current``)."""
         self.world_size = trainer.world_size
         opt_idx = self.optimizer_index(trainer, optimizer)
         index = self.param_index(pl_module, optimizer, opt_idx)
@@ -302,7 +300,9 @@ class Sensor:
             host_only: read the verdict now even where the optimizer could act on a device flag (a decision that
                 needs host values before the update, e.g. dropping a spike).
         """
-        plan = self._plan(trainer, pl_module, optimizer)
+        plan = self._plans.get(id(optimizer))
+        if plan is None or not plan.current(optimizer):
+            plan = self._plan(trainer, pl_module, optimizer)
         index, path, opt_idx = plan.index, plan.path, plan.opt_idx
         scaler = _lightning_compat.get_scaler(trainer) if path == "scaler" else None
         scale = _lightning_compat.scale_tensor(scaler) if scaler is not None else None

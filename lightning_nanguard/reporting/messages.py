@@ -174,5 +174,5 @@ def values_of(readings: Sequence[Any]) -> dict[str, Any]:
             out["loss"] = r.loss
         if r.scale is not None:
             out["loss_scale"] = r.scale
-        out.update(r.extras.get("zscores", {}))
+        out.update(r.zscores or {})
     return out
