@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from typing import Any
 
 import lightning.pytorch as pl
@@ -28,11 +27,10 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 
-from lightning_nanguard import AutoRollback, GradNormMonitor, LossScaleWatchdog, OptimizerBackoff
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.signals.gradients import layer_norms
 from lightning_nanguard.testing import FaultInjector
-from tests.sharded._worker import DropSteps, ShardedMLP
+from tests.sharded._worker import ShardedMLP, configured_callbacks, run_from_argv
 
 
 class CPUFSDPStrategy(FSDPStrategy):
@@ -127,20 +125,8 @@ class Record(pl.Callback):
 def main(config: dict[str, Any], out_dir: str) -> None:
     torch.set_num_threads(1)
     pl.seed_everything(1234, verbose=False)
-    callbacks: list[pl.Callback] = []
-    for fault in config.get("faults", []):
-        callbacks.append(FaultInjector(**fault))
-    if config.get("drop_steps"):
-        callbacks.append(DropSteps(config["drop_steps"]))
-    if config.get("monitor") is not None:
-        callbacks.append(GradNormMonitor(**config["monitor"]))
-    if config.get("rollback") is not None:
-        callbacks.append(AutoRollback(**config["rollback"]))
-    if config.get("backoff") is not None:
-        callbacks.append(OptimizerBackoff(**config["backoff"]))
-    if config.get("watchdog"):
-        callbacks.append(LossScaleWatchdog())
-    callbacks.append(Record(out_dir))
+    callbacks: list[pl.Callback] = [FaultInjector(**fault) for fault in config.get("faults", [])]
+    callbacks += [*configured_callbacks(config), Record(out_dir)]
     gpu = config.get("accelerator", "cpu") == "gpu"
     strategy_cls = FSDPStrategy if gpu else CPUFSDPStrategy
     strategy = strategy_cls(auto_wrap_policy={nn.Linear}, use_orig_params=bool(config.get("use_orig_params", True)))
@@ -164,9 +150,4 @@ def main(config: dict[str, Any], out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    # One run, or several in one launch (``[[config, out_dir], ...]``: the ranks' process group is started once).
-    spec = json.loads(sys.argv[1])
-    for config, out_dir in spec if isinstance(spec, list) else [(spec, sys.argv[2])]:
-        main(config, out_dir)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    run_from_argv(main)

@@ -159,12 +159,10 @@ class Record(pl.Callback):
             json.dump(out, f, default=str)
 
 
-def main(config: dict[str, Any], out_dir: str) -> None:
-    torch.set_num_threads(1)
-    pl.seed_everything(1234, verbose=False)
+def configured_callbacks(config: dict[str, Any]) -> list[pl.Callback]:
+    """What a run's config asks for besides its fault and its recorder: the test's own update dropper and the
+    nanguard callbacks, in this order."""
     callbacks: list[pl.Callback] = []
-    if config.get("fault"):
-        callbacks.append(ShardedFaultInjector(**config["fault"]))
     if config.get("drop_steps"):
         callbacks.append(DropSteps(config["drop_steps"]))
     if config.get("monitor") is not None:
@@ -175,7 +173,28 @@ def main(config: dict[str, Any], out_dir: str) -> None:
         callbacks.append(OptimizerBackoff(**config["backoff"]))
     if config.get("watchdog"):
         callbacks.append(LossScaleWatchdog())
-    callbacks.append(Record(out_dir))
+    return callbacks
+
+
+def run_from_argv(main: Any) -> None:
+    """``main(config, out_dir)`` for ``argv[1:]``: one run (``CONFIG OUT_DIR``), or several in one launch
+    (``[[config, out_dir], ...]``: the ranks' process group is started once), then the process group is destroyed."""
+    spec = json.loads(sys.argv[1])
+    for config, out_dir in spec if isinstance(spec, list) else [(spec, sys.argv[2])]:
+        main(config, out_dir)
+    # Lightning leaves the process group up; its threads torn down with the interpreter can abort the process
+    # ("terminate called without an active exception", exit -6) after a run that succeeded.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def main(config: dict[str, Any], out_dir: str) -> None:
+    torch.set_num_threads(1)
+    pl.seed_everything(1234, verbose=False)
+    callbacks: list[pl.Callback] = []
+    if config.get("fault"):
+        callbacks.append(ShardedFaultInjector(**config["fault"]))
+    callbacks += [*configured_callbacks(config), Record(out_dir)]
     fsdp2 = config.get("strategy", "fsdp2") == "fsdp2"
     strategy: Any = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if fsdp2 else "ddp"
     trainer = pl.Trainer(
@@ -198,11 +217,4 @@ def main(config: dict[str, Any], out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    # One run, or several in one launch (``[[config, out_dir], ...]``: the ranks' process group is started once).
-    spec = json.loads(sys.argv[1])
-    for config, out_dir in spec if isinstance(spec, list) else [(spec, sys.argv[2])]:
-        main(config, out_dir)
-    # Lightning leaves the process group up; its threads torn down with the interpreter can abort the process
-    # ("terminate called without an active exception", exit -6) after a run that succeeded.
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    run_from_argv(main)
