@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tests.sharded._launch import run_ranks
+from tests.sharded._launch import run_ranks_many
 
 pytestmark = pytest.mark.distributed
 
@@ -16,11 +16,31 @@ def _close(a: float, b: float, rel: float = 1e-5) -> bool:
     return math.isclose(a, b, rel_tol=rel, abs_tol=1e-7)
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_grad_norm_equals_the_full_tensor_norm_and_a_ddp_run(tmp_path: Any, precision: str) -> None:
-    config = {"max_steps": 4, "monitor": {"forensics": "off"}, "precision": precision}
-    sharded = run_ranks({**config, "strategy": "fsdp2"}, str(tmp_path / "fsdp2"))
-    ddp = run_ranks({**config, "strategy": "ddp"}, str(tmp_path / "ddp"))
+PRECISIONS = ["32-true", "bf16-mixed"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], dict[str, Any]]:
+    """Per (strategy, precision) one run; the runs of one strategy share one launch of the 2 ranks."""
+    root = tmp_path_factory.mktemp("grad_norm_fsdp2")
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for strategy in ("fsdp2", "ddp"):
+        plan = [
+            (
+                {"max_steps": 4, "monitor": {"forensics": "off"}, "precision": p, "strategy": strategy},
+                str(root / f"{strategy}-{p}"),
+            )
+            for p in PRECISIONS
+        ]
+        out.update(zip([(strategy, p) for p in PRECISIONS], run_ranks_many(plan, timeout=120.0), strict=True))
+    return out
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_grad_norm_equals_the_full_tensor_norm_and_a_ddp_run(
+    runs: dict[tuple[str, str], dict[str, Any]], precision: str
+) -> None:
+    sharded, ddp = runs[("fsdp2", precision)], runs[("ddp", precision)]
     r0, r1 = sharded["ranks"]
     assert r0["param_types"] == ["DTensor"]  # the gradients really were sharded
     assert r0["steps"] == r1["steps"]  # every number is rank-consistent
