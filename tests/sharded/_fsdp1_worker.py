@@ -30,7 +30,7 @@ from torch import nn
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.signals.gradients import layer_norms
 from lightning_nanguard.testing import FaultInjector
-from tests.sharded._worker import ShardedMLP, configured_callbacks, run_from_argv
+from tests.sharded._worker import ShardedMLP, configured_callbacks, run_from_argv, two_rank_trainer
 
 
 class CPUFSDPStrategy(FSDPStrategy):
@@ -130,22 +130,7 @@ def main(config: dict[str, Any], out_dir: str) -> None:
     gpu = config.get("accelerator", "cpu") == "gpu"
     strategy_cls = FSDPStrategy if gpu else CPUFSDPStrategy
     strategy = strategy_cls(auto_wrap_policy={nn.Linear}, use_orig_params=bool(config.get("use_orig_params", True)))
-    trainer = pl.Trainer(
-        default_root_dir=out_dir,
-        accelerator="gpu" if gpu else "cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=int(config.get("max_steps", 6)),
-        precision=config.get("precision", "32-true"),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        log_every_n_steps=1,
-        callbacks=callbacks,
-    )
+    trainer = two_rank_trainer(config, out_dir, strategy, callbacks, accelerator="gpu" if gpu else "cpu")
     trainer.fit(ShardedMLP(shard=False, optimizer=config.get("optimizer", "adamw")))
 
 

@@ -176,6 +176,29 @@ def configured_callbacks(config: dict[str, Any]) -> list[pl.Callback]:
     return callbacks
 
 
+def two_rank_trainer(
+    config: dict[str, Any], out_dir: str, strategy: Any, callbacks: list[pl.Callback], accelerator: str = "cpu"
+) -> pl.Trainer:
+    """The Trainer every 2-rank worker fits with: no logger, checkpoint, progress bar or validation; every step
+    logged."""
+    return pl.Trainer(
+        default_root_dir=out_dir,
+        accelerator=accelerator,
+        devices=2,
+        strategy=strategy,
+        max_steps=int(config.get("max_steps", 6)),
+        precision=config.get("precision", "32-true"),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        log_every_n_steps=1,
+        callbacks=callbacks,
+    )
+
+
 def run_from_argv(main: Any) -> None:
     """``main(config, out_dir)`` for ``argv[1:]``: one run (``CONFIG OUT_DIR``), or several in one launch
     (``[[config, out_dir], ...]``: the ranks' process group is started once), then the process group is destroyed."""
@@ -197,22 +220,7 @@ def main(config: dict[str, Any], out_dir: str) -> None:
     callbacks += [*configured_callbacks(config), Record(out_dir)]
     fsdp2 = config.get("strategy", "fsdp2") == "fsdp2"
     strategy: Any = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if fsdp2 else "ddp"
-    trainer = pl.Trainer(
-        default_root_dir=out_dir,
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=int(config.get("max_steps", 6)),
-        precision=config.get("precision", "32-true"),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        log_every_n_steps=1,
-        callbacks=callbacks,
-    )
+    trainer = two_rank_trainer(config, out_dir, strategy, callbacks)
     trainer.fit(ShardedMLP(shard=fsdp2, optimizer=config.get("optimizer", "adamw")))
 
 
