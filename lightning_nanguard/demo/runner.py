@@ -41,6 +41,16 @@ _NANGUARD_ERRORS = (
 )
 
 
+class _ReleaseProcessGroup(Callback):
+    """Each rank of a multi-process demo run destroys the default process group at the very end of fit (teardown
+    comes after every collective): Lightning leaves it up, and gloo's threads torn down with a spawned rank's
+    interpreter can abort a rank whose fit succeeded ("terminate called without an active exception")."""
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
 @dataclass
 class RunResult:
     """The outcome of one run.
@@ -149,6 +159,8 @@ def run_task(
     }
     kwargs.update(built.trainer_kwargs)
     kwargs["callbacks"] = [*kwargs.get("callbacks", []), *callbacks]
+    if devices > 1:
+        kwargs["callbacks"].append(_ReleaseProcessGroup())
     trainer = pl.Trainer(**kwargs)
     error = ""
     start = time.perf_counter()
