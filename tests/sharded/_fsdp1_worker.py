@@ -18,7 +18,6 @@ Config keys as ``tests.sharded._worker`` (``max_steps``, ``monitor``, ``rollback
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Any
 
@@ -30,7 +29,7 @@ from torch import nn
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.signals.gradients import layer_norms
 from lightning_nanguard.testing import FaultInjector
-from tests.sharded._worker import ShardedMLP, configured_callbacks, run_from_argv, two_rank_trainer
+from tests.sharded._worker import ShardedMLP, configured_callbacks, reference_norms, run_from_argv, two_rank_trainer
 
 
 class CPUFSDPStrategy(FSDPStrategy):
@@ -76,14 +75,7 @@ class Record(pl.Callback):
         # A collective (every rank calls it): the full parameters and gradients, in their original shapes.
         with FSDP.summon_full_params(_fsdp(trainer), with_grads=True, writeback=False):
             full = {original_name(n): p.grad.double().clone() for n, p in pl_module.named_parameters()}
-        layers: dict[str, float] = {}
-        for n, g in full.items():
-            layers[n.split(".")[0]] = layers.get(n.split(".")[0], 0.0) + float(g.square().sum())
-        self._reference = {
-            "grad_norm": math.sqrt(sum(float(g.square().sum()) for g in full.values())),
-            "tensors": {n: float(g.norm()) for n, g in full.items()},
-            "layers": {k: math.sqrt(v) for k, v in layers.items()},
-        }
+        self._reference = reference_norms(full)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
         reading = get_engine(trainer).last_reading

@@ -100,6 +100,19 @@ class DropSteps(pl.Callback):
             optimizer.zero_grad(set_to_none=True)
 
 
+def reference_norms(full: dict[str, Tensor]) -> dict[str, Any]:
+    """The total, per-tensor and per-layer (GradNormMonitor's default ``layer_depth=1``) 2-norms of full gradients."""
+    layers: dict[str, float] = {}
+    for n, g in full.items():
+        layer = n.split(".")[0]
+        layers[layer] = layers.get(layer, 0.0) + float(g.square().sum())
+    return {
+        "grad_norm": math.sqrt(sum(float(g.square().sum()) for g in full.values())),
+        "tensors": {n: float(g.norm()) for n, g in full.items()},
+        "layers": {k: math.sqrt(v) for k, v in layers.items()},
+    }
+
+
 class Record(pl.Callback):
     """Per step: nanguard's reading, and the norms of the full (gathered) gradients as the unsharded reference."""
 
@@ -113,16 +126,9 @@ class Record(pl.Callback):
         named = [(n, p.grad) for n, p in pl_module.named_parameters()]
         if any(g is None for _, g in named):
             return  # dropped by nanguard (on every rank alike)
-        full = {n: _full(g).double() for n, g in named}
-        layers: dict[str, float] = {}
-        for n, g in full.items():
-            layer = n.split(".")[0]  # GradNormMonitor's default layer_depth=1
-            layers[layer] = layers.get(layer, 0.0) + float(g.square().sum())
-        total = math.sqrt(sum(float(g.square().sum()) for g in full.values()))
-        self._reference = {"grad_norm": total, "tensors": {n: float(g.norm()) for n, g in full.items()}}
+        self._reference = reference_norms({n: _full(g).double() for n, g in named})
         index = get_engine(trainer).sensor.param_index(pl_module, optimizer, 0)
         self._reference["current_grad_norm"] = current_grad_norm(trainer, index)  # a collective: on every rank
-        self._reference["layers"] = {k: math.sqrt(v) for k, v in layers.items()}
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
         reading = get_engine(trainer).last_reading
