@@ -22,10 +22,12 @@ __all__ = [
     "log_step",
     "optimizer_handles_unscaling",
     "or_into_found_inf",
+    "or_nonfinite_into_found_inf",
     "saves_distributed_checkpoint",
     "scale_tensor",
     "scaler_state",
     "set_found_inf",
+    "set_found_inf_where_nonfinite",
     "should_update_logs",
     "strategy_class_names",
     "train_batch_samplers",
@@ -136,6 +138,38 @@ def accepts_found_inf(optimizer: Optimizer) -> bool:
 def set_found_inf(optimizer: Optimizer, flag: Tensor) -> None:
     """Hand a 0-d bool verdict to a fused optimizer: its kernel skips params, moments and step counts on 1.0."""
     optimizer.found_inf = flag.to(torch.float32)  # type: ignore[attr-defined]
+
+
+_ONES: dict[torch.device, Tensor] = {}
+
+
+def flag_nonfinite(found: Tensor, values: Tensor) -> None:
+    """Set ``found`` (a float32 one-element tensor) to 1.0 where ``values`` holds a NaN or an inf; leave it as it is
+    otherwise (an OR). One device op, the GradScaler's own check (``values`` is multiplied in place by exactly 1.0),
+    where ``~isfinite(values).all()`` and an OR are four."""
+    one = _ONES.get(values.device)
+    if one is None:
+        one = _ONES[values.device] = torch.ones((), dtype=torch.float32, device=values.device)
+    torch._amp_foreach_non_finite_check_and_unscale_([values], found, one)
+
+
+def set_found_inf_where_nonfinite(optimizer: Optimizer, values: Tensor) -> None:
+    """``set_found_inf`` with the verdict "``values`` holds a NaN or an inf", made on the device in two ops."""
+    found = torch.zeros((), dtype=torch.float32, device=values.device)
+    flag_nonfinite(found, values)
+    optimizer.found_inf = found  # type: ignore[attr-defined]
+
+
+def or_nonfinite_into_found_inf(scaler: Any, optimizer: Optimizer, values: Tensor) -> None:
+    """``or_into_found_inf`` with the verdict "``values`` holds a NaN or an inf": straight into the scaler's
+    ``found_inf`` (one op) where it lives on the device of ``values``."""
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
+    found = state.get("found_inf_per_device") if isinstance(state, dict) else None
+    if found and all(t.device == values.device and t.dtype == torch.float32 for t in found.values()):
+        for t in found.values():
+            flag_nonfinite(t, values)
+        return
+    or_into_found_inf(scaler, optimizer, ~torch.isfinite(values).all())
 
 
 def clear_found_inf(optimizer: Optimizer) -> None:

@@ -117,11 +117,18 @@ class HostMirror:
         self.cuda = device.type == "cuda"
         self.buffer = torch.empty(size, dtype=torch.float64, pin_memory=self.cuda)
         self.buffer._nanguard_host = True  # type: ignore[attr-defined]  # a host buffer: reading it is no device read
+        self.array = self.buffer.numpy()  # the same memory: ``values`` reads it with no tensor op
         self.event: Any = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
         self.size = size
+        self._views: dict[int, Tensor] = {}  # n -> buffer[:n], made once
 
     def fill(self, vec: Tensor) -> None:
-        self.buffer[: vec.numel()].copy_(vec.detach().double(), non_blocking=self.cuda)
+        n = vec.numel()
+        view = self._views.get(n)
+        if view is None:
+            view = self._views[n] = self.buffer[:n]
+        # On the CPU ``copy_`` converts to float64 itself; from CUDA the vector is widened on the device first.
+        view.copy_(vec.detach().double() if self.cuda else vec.detach(), non_blocking=self.cuda)
         if self.event is not None:
             self.event.record()
 
@@ -131,7 +138,7 @@ class HostMirror:
     def values(self, n: int) -> list[float]:
         if self.event is not None and not self.event.query():
             self.event.synchronize()  # old work only: the step it belongs to has been queued long ago
-        return [float(v) for v in self.buffer[:n].numpy()]
+        return self.array[:n].tolist()  # type: ignore[no-any-return]
 
 
 def wrapper_prefixes(module: nn.Module) -> tuple[str, ...]:
@@ -387,11 +394,10 @@ class Sensor:
         if host_only or path == "host":
             self.fill(reading, head.tolist(), world, has_loss, has_scale, has_probe, squared=squared)
             return reading
-        bad = ~torch.isfinite(head).all()
         if path == "scaler":
-            _lightning_compat.or_into_found_inf(scaler, optimizer, bad)
+            _lightning_compat.or_nonfinite_into_found_inf(scaler, optimizer, head)
         else:
-            _lightning_compat.set_found_inf(optimizer, bad)
+            _lightning_compat.set_found_inf_where_nonfinite(optimizer, head)
         mirror = self._mirrors.get(opt_idx)
         if mirror is None or mirror.size < head.numel():
             mirror = self._mirrors[opt_idx] = HostMirror(max(4, head.numel()), head.device)
