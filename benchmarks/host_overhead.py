@@ -301,7 +301,7 @@ def host_reads(
 def profile_suite(steps: int, root: str, top: int) -> None:
     torch.manual_seed(0)
     trainer = _trainer(steps, _suite(), root)
-    model = BoringModel()
+    model = StableBoringModel()
     gc.collect()
     prof = cProfile.Profile()
     prof.enable()
