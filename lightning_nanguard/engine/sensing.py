@@ -213,14 +213,20 @@ class Sensor:
             groups.setdefault((b.device, b.dtype), []).append(b)
         self._buffers = list(groups.values())
 
-    def _buffer_probe(self) -> Tensor | None:
-        """0-d: the largest |value| over the watched buffers: NaN or inf iff one holds NaN or inf (a max-abs never
-        overflows, unlike a 2-norm). One ``_foreach_norm`` per group, a ``stack`` and an ``amax``; ``None`` when the
-        module has no floating buffer (nothing is paid then)."""
-        if not self._buffers:
-            return None
-        maxes = [m for group in self._buffers for m in torch._foreach_norm(group, math.inf)]
-        return torch.stack(maxes).amax()
+    def _buffer_maxes(self, device: torch.device) -> list[Tensor]:
+        """The step vector's buffer entries: 0-d float32 on ``device``, the largest |value| of the watched buffers,
+        NaN or inf iff one holds NaN or inf (a max-abs never overflows, unlike a 2-norm; nor does their sum on the
+        host). Empty when the module has no floating buffer (nothing is paid then). A group of float32 buffers on ``device`` (BatchNorm's
+        statistics, the usual case) gives one entry per buffer: one ``_foreach_norm`` and nothing more. Any other
+        group gives one entry, its ``stack``-ed maxes' ``amax``."""
+        out: list[Tensor] = []
+        for group in self._buffers:
+            maxes = torch._foreach_norm(group, math.inf)
+            if group[0].dtype is torch.float32 and group[0].device == device:
+                out.extend(maxes)
+            else:
+                out.append(_f32(torch.stack(maxes).amax(), device))
+        return out
 
     def reset(self) -> None:
         self._buffers = []
@@ -336,9 +342,8 @@ class Sensor:
         tail = [_f32(self._zero(device) if loss is None else loss, device)]
         if scale is not None:
             tail.append(_f32(scale, device))
-        probe = self._buffer_probe()
-        if probe is not None:
-            tail.append(_f32(probe, device))
+        probes = self._buffer_maxes(device) if self._buffers else ()
+        tail.extend(probes)
         # The fast path for a few gradients: [norm_0, ..., norm_k-1, *tail] in one stack, the total summed on the
         # host (``norms_with``); else [total, *tail].
         fast = norms_with(index, tail) if plan.inline and not fused_scaled else None
@@ -367,7 +372,7 @@ class Sensor:
             world,
             loss is not None,
             scale is not None,
-            probe is not None,
+            len(probes),
             host_only=host_only,
             squared=False,
         )
@@ -383,7 +388,7 @@ class Sensor:
         world: int,
         has_loss: bool,
         has_scale: bool,
-        has_probe: bool,
+        probes: int,
         *,
         host_only: bool,
         squared: bool,
@@ -392,7 +397,7 @@ class Sensor:
         handed to the optimizer as its ``found_inf`` flag and copied to a host mirror read at the batch end."""
         reading.path = path
         if host_only or path == "host":
-            self.fill(reading, head.tolist(), world, has_loss, has_scale, has_probe, squared=squared)
+            self.fill(reading, head.tolist(), world, has_loss, has_scale, probes, squared=squared)
             return reading
         if path == "scaler":
             _lightning_compat.or_nonfinite_into_found_inf(scaler, optimizer, head)
@@ -402,7 +407,7 @@ class Sensor:
         if mirror is None or mirror.size < head.numel():
             mirror = self._mirrors[opt_idx] = HostMirror(max(4, head.numel()), head.device)
         mirror.fill(head)
-        reading.pending = (mirror, head.numel(), world, has_loss, has_scale, has_probe, squared)
+        reading.pending = (mirror, head.numel(), world, has_loss, has_scale, probes, squared)
         return reading
 
     def _measure_sharded(
@@ -428,9 +433,9 @@ class Sensor:
         head = [squares.sum(), torch.zeros((), device=device) if loss is None else loss]
         if scale is not None:
             head.append(scale)
-        probe = self._buffer_probe()
-        if probe is not None:
-            head.append(probe)
+        maxes = self._buffer_maxes(device) if self._buffers else []
+        if maxes:
+            head.append(torch.stack(maxes).amax())
         k = len(head)
         local = torch.stack([h.to(device=device, dtype=torch.float64).reshape(()) for h in head])
         vec = torch.cat([local, squares])
@@ -468,7 +473,7 @@ class Sensor:
             world,
             loss is not None,
             scale is not None,
-            probe is not None,
+            int(bool(maxes)),
             host_only=host_only,
             squared=True,
         )
@@ -480,8 +485,8 @@ class Sensor:
         if pending is None:
             return False
         reading.pending = None
-        mirror, n, world, has_loss, has_scale, has_probe, squared = pending
-        Sensor.fill(reading, mirror.values(n), world, has_loss, has_scale, has_probe, squared=squared)
+        mirror, n, world, has_loss, has_scale, probes, squared = pending
+        Sensor.fill(reading, mirror.values(n), world, has_loss, has_scale, probes, squared=squared)
         reading.device_skipped = reading.bad
         return True
 
@@ -492,11 +497,11 @@ class Sensor:
         world: int,
         has_loss: bool,
         has_scale: bool,
-        has_probe: bool = False,
+        probes: int = 0,
         *,
         squared: bool = False,
     ) -> None:
-        """Host values from the reduced vector ``[grad norm, loss, (scale), (buffer probe)]``, or with
+        """Host values from the reduced vector ``[grad norm, loss, (scale), *probes buffer maxes]``, or with
         ``reading.inline`` norms first, ``[norm_0, ..., norm_k-1, loss, ...]`` (the fast path: the total is summed
         here). ``squared``: ``values[0]`` is the global squared norm (sharded)."""
         if reading.inline:
@@ -518,8 +523,9 @@ class Sensor:
         reading.grad_norm = grad_norm if reading.has_grads else 0.0
         reading.loss = loss if has_loss else None
         reading.scale = scale
-        if has_probe:
-            reading.buffers_finite = math.isfinite(values[3 if has_scale else 2])
+        if probes:
+            start = 3 if has_scale else 2
+            reading.buffers_finite = math.isfinite(sum(values[start : start + probes]))
         if not reading.has_grads and not math.isfinite(values[0]):
             reading.grad_norm = values[0]  # another rank's gradients were non-finite
 
