@@ -37,16 +37,24 @@ NOFAULT = "preset-nofault"
 def run_grid(
     tasks: Sequence[str], configs: Sequence[str], *, seed: int, root_dir: str, repeats: int = 2
 ) -> dict[str, list[RunResult]]:
-    """``{task: [healthy, *configs]}``, in that order; the healthy and preset runs ``repeats`` times (fastest kept)."""
+    """``{task: [healthy, *configs]}``, in that order; the healthy and preset runs ``repeats`` times in
+    interleaved rounds (fastest kept)."""
     out: dict[str, list[RunResult]] = {}
     run_task(tasks[0], [], seed=seed, root_dir=root_dir, healthy=True, config="warmup")  # imports, first-fit costs
     for name in tasks:
-        results = []
-        for config in ("healthy", *configs):
-            runs = [_one(name, config, seed, root_dir, i) for i in range(repeats if config in _TIMED else 1)]
-            best = min(runs, key=lambda r: r.wall_time)
-            results.append(best)
-        out[name] = results
+        every = ("healthy", *configs)
+        runs: dict[str, list[RunResult]] = {config: [] for config in every}
+        timed = [config for config in every if config in _TIMED]
+        # The timed configurations in interleaved rounds, the order rotated each round: a slow spell of a shared
+        # machine then hits every configuration alike instead of all the repeats of one.
+        for i in range(repeats):
+            k = i % len(timed)
+            for config in timed[k:] + timed[:k]:
+                runs[config].append(_one(name, config, seed, root_dir, i))
+        for config in every:
+            if config not in _TIMED:
+                runs[config].append(_one(name, config, seed, root_dir, 0))
+        out[name] = [min(runs[config], key=lambda r: r.wall_time) for config in every]
     return out
 
 
