@@ -7,6 +7,7 @@ The GradScaler (``16-mixed``) is watched through the engine's step reading; Deep
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -216,9 +217,21 @@ class LossScaleWatchdog(NanGuardCallback):
             return None
         return max(0, self.max_collapses - self._policy.collapses)
 
-    def after_step(self, trainer: pl.Trainer) -> None:
-        """Hold the scale in ``[min_scale, max_scale]``: on the device, no host read."""
-        _lightning_compat.clamp_scale(_lightning_compat.get_scaler(trainer), self.min_scale, self.max_scale)
+    def after_step(self, trainer: pl.Trainer, readings: Sequence[Reading] = ()) -> None:
+        """Hold the scale in ``[min_scale, max_scale]``: on the device, no host read. Nothing to do (no device op)
+        where ``readings``, this batch's, show that the scaler's update cannot have left the range."""
+        scaler = _lightning_compat.get_scaler(trainer)
+        if readings and self._update_stays_in_range(scaler, readings[-1].scale):
+            return
+        _lightning_compat.clamp_scale(scaler, self.min_scale, self.max_scale)
+
+    def _update_stays_in_range(self, scaler: Any, ran_with: float | None) -> bool:
+        """The scale after the scaler's update of a step that ran with ``ran_with`` is within ``[ran_with *
+        backoff_factor, ran_with * growth_factor]``: inside the range, nothing can need clamping."""
+        grow, back = getattr(scaler, "_growth_factor", None), getattr(scaler, "_backoff_factor", None)
+        if ran_with is None or not isinstance(grow, float) or not isinstance(back, float):
+            return False
+        return ran_with * back >= self.min_scale and (self.max_scale is None or ran_with * grow <= self.max_scale)
 
     def _on_restored(self, trainer: pl.Trainer, event: StateRestored) -> None:
         """A rollback restored the state: keep the floor, count afresh."""

@@ -6,6 +6,7 @@ it. A capability that is not registered is not planned (ablation = which capabil
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -116,7 +117,7 @@ class ScaleWatch(Protocol):
 
     def observe(self, trainer: pl.Trainer, reading: Reading) -> CollapseFacts | None: ...
 
-    def after_step(self, trainer: pl.Trainer) -> None: ...
+    def after_step(self, trainer: pl.Trainer, readings: Sequence[Reading] = ()) -> None: ...
 
     def collapses_left(self) -> int | None: ...
 

@@ -327,7 +327,7 @@ class Engine:
             took = time.perf_counter() - self._batch_began
             self.step_seconds = took if math.isnan(self.step_seconds) else 0.9 * self.step_seconds + 0.1 * took
         if self.scale_watch is not None:
-            self.scale_watch.after_step(trainer)
+            self.scale_watch.after_step(trainer, readings)
         if _lightning_compat.is_train_logging_step(trainer):
             self._flush_metrics(trainer)
 

@@ -351,3 +351,34 @@ def test_manual_optimization_keeps_the_floor(tmp_path: Any) -> None:
     with pytest.raises(NonFiniteTrainingError, match=r"global_step=4.*floor min_scale=256"):
         trainer.fit(ManualModel())
     assert [s for _, s in probe.after] == [1024.0, 512.0, 256.0, 256.0, 256.0]
+
+
+class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    ("ran_with", "clamped"),
+    [(2.0**16, False), (96.0, True), (2.0**20, True), (None, True)],  # floor 64: 96 * 0.5 < 64; cap 2**20
+)
+def test_the_floor_costs_no_device_op_where_the_update_cannot_leave_the_range(
+    ran_with: float | None, clamped: bool
+) -> None:
+    from types import SimpleNamespace
+
+    from lightning_nanguard.engine.sensing import Reading
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    trainer = SimpleNamespace(precision_plugin=SimpleNamespace(scaler=scaler))
+    reading = Reading(0, 0, 0, 1.0, 1.0, ran_with, True, None, None)  # type: ignore[arg-type]
+    watchdog = LossScaleWatchdog(min_scale=64.0, max_scale=2.0**20)
+    with _OpCounter() as counter:
+        watchdog.after_step(trainer, [reading])  # type: ignore[arg-type]
+    assert bool(counter.ops) == clamped, counter.ops
