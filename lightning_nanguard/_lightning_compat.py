@@ -150,7 +150,10 @@ def flag_nonfinite(found: Tensor, values: Tensor) -> None:
     one = _ONES.get(values.device)
     if one is None:
         one = _ONES[values.device] = torch.ones((), dtype=torch.float32, device=values.device)
-    torch._amp_foreach_non_finite_check_and_unscale_([values], found, one)
+    try:
+        torch._amp_foreach_non_finite_check_and_unscale_([values], found, one)
+    except (NotImplementedError, RuntimeError):  # a backend without the kernel: the same verdict in four ops
+        torch.maximum(found, (~torch.isfinite(values).all()).to(found.dtype), out=found)
 
 
 def set_found_inf_where_nonfinite(optimizer: Optimizer, values: Tensor) -> None:
