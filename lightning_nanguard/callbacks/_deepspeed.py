@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-from weakref import WeakKeyDictionary
 
 import lightning.pytorch as pl
 import torch
@@ -95,15 +94,16 @@ class StepReader:
             handler(trainer, outcome)
 
 
-_READERS: WeakKeyDictionary[Engine, StepReader] = WeakKeyDictionary()
-
-
 def step_reader(engine: Engine) -> StepReader:
-    """The engine's reader for this fit, hooked into the engine's batch end (a new one each fit)."""
-    reader = _READERS.get(engine)
-    if reader is None or reader.after_step not in engine.step_hooks:
-        reader = _READERS[engine] = StepReader()
-        engine.step_hooks.append(reader.after_step)
+    """The engine's reader for this fit, hooked into the engine's batch end (a new one each fit). Found among the
+    engine's own step hooks: a module-level map keyed by engine would keep the engine, and through the handlers'
+    callbacks the Trainer, alive."""
+    for hook in engine.step_hooks:
+        reader = getattr(hook, "__self__", None)
+        if isinstance(reader, StepReader):
+            return reader
+    reader = StepReader()
+    engine.step_hooks.append(reader.after_step)
     return reader
 
 

@@ -138,3 +138,25 @@ def test_optimizer_backoff_survives_stochastic_weight_averaging(tmp_path: pathli
     assert trace.lr[24] == pytest.approx(0.005)  # SWALR's next epoch: still backed off
     assert trace.lr[40] == pytest.approx(0.005)  # and at the end
     assert all(lr <= 0.005 + 1e-12 for step, lr in trace.lr.items() if step > 20)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+def test_a_fitted_trainer_is_freed_with_its_model(tmp_path: pathlib.Path, precision: str) -> None:
+    # Several fits in one process (a sweep, a notebook): each Trainer, with its model, optimizer state and data, must
+    # be freed once the user drops it. A module-level map from Trainer to engine kept every one alive, since the
+    # engine refers back to the Trainer through its members.
+    import gc
+    import weakref
+
+    from lightning_nanguard import default_callbacks
+
+    def fit() -> tuple[weakref.ref[Any], weakref.ref[Any]]:
+        model = TinyModel()
+        trainer = make_trainer(tmp_path, precision, callbacks=default_callbacks(), limit_val_batches=2)
+        trainer.fit(model)
+        get_engine(trainer)  # what a user or a test reads after the fit
+        return weakref.ref(trainer), weakref.ref(model)
+
+    refs = [fit() for _ in range(2)]
+    gc.collect()
+    assert [(t() is None, m() is None) for t, m in refs] == [(True, True)] * 2
