@@ -140,6 +140,13 @@ def set_found_inf(optimizer: Optimizer, flag: Tensor) -> None:
     optimizer.found_inf = flag.to(torch.float32)  # type: ignore[attr-defined]
 
 
+def _found_inf_per_device(scaler: Any, optimizer: Optimizer) -> dict[torch.device, Tensor] | None:
+    """The GradScaler's ``found_inf`` tensors for ``optimizer`` (filled by ``unscale_``), or ``None`` before it ran
+    (a fused optimizer unscales inside its step)."""
+    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
+    return state.get("found_inf_per_device") if isinstance(state, dict) else None
+
+
 _ONES: dict[torch.device, Tensor] = {}
 
 
@@ -166,8 +173,7 @@ def set_found_inf_where_nonfinite(optimizer: Optimizer, values: Tensor) -> None:
 def or_nonfinite_into_found_inf(scaler: Any, optimizer: Optimizer, values: Tensor) -> None:
     """``or_into_found_inf`` with the verdict "``values`` holds a NaN or an inf": straight into the scaler's
     ``found_inf`` (one op) where it lives on the device of ``values``."""
-    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
-    found = state.get("found_inf_per_device") if isinstance(state, dict) else None
+    found = _found_inf_per_device(scaler, optimizer)
     if found and all(t.device == values.device and t.dtype == torch.float32 for t in found.values()):
         for t in found.values():
             flag_nonfinite(t, values)
@@ -189,8 +195,7 @@ def or_into_found_inf(scaler: Any, optimizer: Optimizer, flag: Tensor) -> None:
     backs off together when the verdict was reduced across ranks. Fused optimizers (not unscaled yet): the first
     gradient element becomes inf where ``flag`` is true, so the scaler's own check finds it.
     """
-    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
-    found = state.get("found_inf_per_device") if isinstance(state, dict) else None
+    found = _found_inf_per_device(scaler, optimizer)
     if found:
         for t in found.values():
             torch.maximum(t, flag.to(device=t.device, dtype=t.dtype), out=t)
@@ -221,8 +226,7 @@ def agree_scaler_skip(trainer: pl.Trainer, optimizer: Optimizer) -> None:
     from lightning_nanguard.signals.tensors import all_finite
 
     scaler = get_scaler(trainer)
-    state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
-    found = state.get("found_inf_per_device") if isinstance(state, dict) else None
+    found = _found_inf_per_device(scaler, optimizer)
     if found:
         local = torch.stack([t.reshape(()).float() for t in found.values()]).amax()
     else:  # a fused optimizer unscales inside its step: read its (still scaled) gradients
