@@ -216,9 +216,9 @@ class Sensor:
     def _buffer_maxes(self, device: torch.device) -> list[Tensor]:
         """The step vector's buffer entries: 0-d float32 on ``device``, the largest |value| of the watched buffers,
         NaN or inf iff one holds NaN or inf (a max-abs never overflows, unlike a 2-norm; nor does their sum on the
-        host). Empty when the module has no floating buffer (nothing is paid then). A group of float32 buffers on ``device`` (BatchNorm's
-        statistics, the usual case) gives one entry per buffer: one ``_foreach_norm`` and nothing more. Any other
-        group gives one entry, its ``stack``-ed maxes' ``amax``."""
+        host). Empty when the module has no floating buffer (nothing is paid then). A group of float32 buffers on
+        ``device`` (BatchNorm's statistics, the usual case) gives one entry per buffer: one ``_foreach_norm`` and
+        nothing more. Any other group gives one entry, its ``stack``-ed maxes' ``amax``."""
         out: list[Tensor] = []
         for group in self._buffers:
             maxes = torch._foreach_norm(group, math.inf)
