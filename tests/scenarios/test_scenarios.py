@@ -80,9 +80,21 @@ def test_unguarded_run_fails_as_described(scenario_run: Runner, task: str) -> No
     assert UNGUARDED[task](run, healthy), f"{get_task(task).failure}; got {_describe(run)}"
 
 
+def _steps_lost(run: RunResult) -> int:
+    return sum(int(i.values.get("steps_lost", 0)) for i in run.incidents)
+
+
 @pytest.mark.parametrize("task", _params(SAVE_XFAIL))
 def test_preset_saves_the_run(scenario_run: Runner, task: str) -> None:
+    # Against the healthy run, or where the preset rolled back, against a healthy run of the steps it kept: a
+    # rollback throws the steps since its snapshot away by design (fp16-explosion restores step 0 at step ~40 of
+    # 96), and how well a run trains in fewer steps is not the remedy's doing. The full run's loss after such a
+    # restart is within 1.25x on one CPU and 1.30x on another (fp16 kernels differ: AVX512-FP16/AMX or not).
     run, healthy = scenario_run(task, "preset"), scenario_run(task, "healthy")
+    lost = _steps_lost(run)
+    if lost:
+        assert healthy.steps > lost, _describe(run)
+        healthy = scenario_run(task, "healthy", max_steps=healthy.steps - lost)
     assert run.finished, _describe(run)
     assert run.train_loss <= TOLERANCE * healthy.train_loss, (healthy.train_loss, _describe(run))
     assert run.val_loss <= TOLERANCE * healthy.val_loss, (healthy.val_loss, _describe(run))
