@@ -10,12 +10,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 __all__ = [
+    "LoggingSteps",
     "accepts_found_inf",
     "agree_scaler_skip",
     "batch_counter",
     "clamp_scale",
     "clear_found_inf",
     "clear_found_inf_of",
+    "clipping_possible",
     "get_scaler",
     "guard_clipping",
     "is_train_logging_step",
@@ -69,6 +71,26 @@ def is_train_logging_step(trainer: pl.Trainer) -> bool:
     if not isinstance(stepped, int):
         return should_update_logs(trainer)
     return (stepped + 1) % n == 0 or trainer.should_stop
+
+
+class LoggingSteps:
+    """``is_train_logging_step`` for one fit, with the fit loop's counter found once (at the start of training):
+    ``due(trainer)`` is then one attribute read and a modulo per step. Falls back to ``is_train_logging_step``
+    where the counter is not Lightning's."""
+
+    __slots__ = ("every", "loop")
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self.every = getattr(trainer, "log_every_n_steps", 50)
+        loop = getattr(trainer.fit_loop, "epoch_loop", None)
+        self.loop = loop if isinstance(getattr(loop, "_batches_that_stepped", None), int) else None
+
+    def due(self, trainer: pl.Trainer) -> bool:
+        loop = self.loop
+        if loop is None:
+            return is_train_logging_step(trainer)
+        every = self.every
+        return bool(every) and ((loop._batches_that_stepped + 1) % every == 0 or trainer.should_stop)
 
 
 def get_scaler(trainer: pl.Trainer) -> Any | None:
@@ -247,6 +269,15 @@ def true_flag(optimizer: Optimizer) -> Tensor:
         for p in group["params"]:
             return torch.ones((), dtype=torch.bool, device=p.device)
     return torch.ones((), dtype=torch.bool)
+
+
+def clipping_possible(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+    """Whether Lightning can clip gradients in this fit: a ``gradient_clip_val`` is set, or the module overrides
+    ``configure_gradient_clipping`` (which may clip with values of its own). Otherwise the precision plugin's
+    ``clip_gradients`` is only ever called with ``clip_val=0`` and returns at once, dropped update or not."""
+    if trainer.gradient_clip_val:
+        return True
+    return type(pl_module).configure_gradient_clipping is not pl.LightningModule.configure_gradient_clipping
 
 
 def guard_clipping(trainer: pl.Trainer, allowed: Any) -> None:

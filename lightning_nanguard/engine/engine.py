@@ -87,6 +87,8 @@ class Engine:
         self.quarantine: Quarantine | None = None
         self.driver: Any = None
         self._spikes: tuple[RunningZScore, RunningZScore] | None = None
+        # Shows or hides the driver's ``on_train_batch_start`` (``_base.bind_engine_hooks``); None: always shown.
+        self.batch_start_switch: Any = None
 
     def _reset_fit(self) -> None:
         self._losses: list[Tensor] = []
@@ -113,6 +115,10 @@ class Engine:
         self._batch_began = 0.0
         self._host_only = False
         self._agree_scaler = False  # DDP + GradScaler with no step sensing: the scalers' skips are still agreed
+        self._starts = True  # batch_start runs (False: hidden, its bookkeeping done at the batch end)
+        self._lean_end = False  # no step hook, no scale watch: ``on_train_batch_end``'s healthy path may apply
+        # Lightning's logging-step test for this fit (``LoggingSteps.due``, set at the start of training).
+        self._logging_due: Any = _lightning_compat.is_train_logging_step
 
     # ------------------------------------------------------------------ membership
     def join(self, trainer: pl.Trainer, member: Any, *, fit: bool = True) -> bool:
@@ -213,7 +219,24 @@ class Engine:
             self.sensor.watch_buffers(watched_buffers(pl_module))
         scaler = _lightning_compat.get_scaler(trainer)
         self._agree_scaler = trainer.world_size > 1 and scaler is not None and scaler.is_enabled()
-        _lightning_compat.guard_clipping(trainer, self._clip_allowed)
+        if _lightning_compat.clipping_possible(trainer, pl_module):  # else nothing to guard: no wrapper per step
+            _lightning_compat.guard_clipping(trainer, self._clip_allowed)
+        self._logging_due = _lightning_compat.LoggingSteps(trainer).due
+        self._lean_end = not self.step_hooks and self.scale_watch is None
+        self.refresh_batch_start()
+
+    def refresh_batch_start(self) -> None:
+        """Hide the driver's ``on_train_batch_start`` while a batch start has nothing to decide: no restorer (its
+        snapshots and triggers run there) and nothing quarantined (no batch can be dropped). Its bookkeeping (the
+        batch, the quarantine's place in the batches, the step clock) is then done at the batch end. Shown again
+        for good once something is quarantined (after an incident, before the next batch)."""
+        switch = self.batch_start_switch
+        if switch is None:
+            return
+        needed = self.restorer is not None or (self.quarantine is not None and self.quarantine.active)
+        if needed != self._starts:
+            switch(needed)
+            self._starts = needed
 
     def train_epoch_start(self, trainer: pl.Trainer) -> None:
         if self.quarantine is not None:
@@ -263,6 +286,10 @@ class Engine:
     def observe_loss(self, loss: Tensor) -> None:
         self._losses.append(loss)  # detached only where needed (``sensing._loss_sum``)
 
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        """``observe_loss`` with the hook's signature (the driver's hook, bound directly: ``_base.bind_engine_hooks``)."""
+        self._losses.append(loss)
+
     def before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
         if not self.monitors_steps:
             self._losses.clear()
@@ -270,16 +297,25 @@ class Engine:
                 _lightning_compat.agree_scaler_skip(trainer, optimizer)
             return
         losses, self._losses = self._losses, []
-        reading = self.sensor.measure(
-            trainer,
-            pl_module,
-            optimizer,
-            losses,
-            step=trainer.global_step,
-            batch=self._batch_idx,
-            host_only=self._host_only,
-        )
-        self._readings.append(reading)
+        # The healthy step's fused path (``Sensor.quick``): one host read, no layers; None where it does not apply.
+        reading = self.sensor.quick(optimizer, losses, trainer.global_step, self._batch_idx)
+        if reading is not None:
+            self._readings.append(reading)
+            if reading.healthy:
+                if self._spikes is None and not self._drop_reason:
+                    return  # nothing to decide: the batch end accounts for it
+                reading.healthy = False  # a spike test or a dropped batch: the general path below decides
+        else:
+            reading = self.sensor.measure(
+                trainer,
+                pl_module,
+                optimizer,
+                losses,
+                step=trainer.global_step,
+                batch=self._batch_idx,
+                host_only=self._host_only,
+            )
+            self._readings.append(reading)
         path = reading.path
         if reading.pending is not None:  # device path: the optimizer acts on the verdict itself
             if self._drop_reason:
@@ -305,6 +341,51 @@ class Engine:
             drop_update(optimizer, path)
             reading.dropped = True
 
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """``batch_end`` with the hook's signature (the driver's hook, bound directly: ``_base.bind_engine_hooks``).
+
+        A batch whose one reading is ``healthy`` (finite on the host path, nothing dropped, no spike test), in a fit
+        with no step hook and no scale watch, is accounted for here in a few assignments: ``_account``'s effect on
+        such a reading, written out (this runs every step)."""
+        readings = self._readings
+        starts = self._starts
+        if not starts:  # what ``batch_start`` would have recorded
+            self._batch, self._batch_idx = batch, batch_idx
+            for reading in readings:
+                reading.batch = batch_idx
+            if self.quarantine is not None:
+                self.quarantine.next_batch()
+        if self._lean_end and len(readings) == 1 and not self._events:
+            reading = readings[0]
+            if reading.healthy:
+                self._readings = []
+                self.last_reading = reading
+                norm, loss = reading.grad_norm, reading.loss
+                assert loss is not None  # ``Sensor.quick`` reads exactly one loss
+                interval = self.interval
+                interval.steps += 1
+                interval.grad_norm = norm
+                if norm > interval.grad_norm_max:
+                    interval.grad_norm_max = norm
+                interval.loss = loss
+                self.finite_steps += 1
+                self.history.append((reading.step, norm, loss))
+                self.skip_streak = 0
+                now = time.perf_counter()
+                if self._batch_began:
+                    took = now - self._batch_began
+                    self.step_seconds = took if math.isnan(self.step_seconds) else 0.9 * self.step_seconds + 0.1 * took
+                if not starts:
+                    self._batch_began = now  # the next batch is timed from here (end to end: its data loading too)
+                if self._logging_due(trainer):
+                    self._flush_metrics(trainer)
+                return
+        self.batch_end(trainer, pl_module)
+        if not starts:
+            self._batch_began = time.perf_counter()
+
     def batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for hook in self.step_hooks:
             hook(trainer)
@@ -327,7 +408,7 @@ class Engine:
             self.step_seconds = took if math.isnan(self.step_seconds) else 0.9 * self.step_seconds + 0.1 * took
         if self.scale_watch is not None:
             self.scale_watch.after_step(trainer, readings)
-        if _lightning_compat.is_train_logging_step(trainer):
+        if self._logging_due(trainer):
             self._flush_metrics(trainer)
 
     def train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -412,12 +493,19 @@ class Engine:
 
         events, self._events = self._events, []
         handle(self, trainer, pl_module, events)
+        if not self._starts:
+            self.refresh_batch_start()  # something may have been quarantined
 
     def _clip_allowed(self) -> bool:
         """Lightning clips after ``on_before_optimizer_step``: nothing to clip once the update was dropped."""
         return not (self._readings and self._readings[-1].dropped)
 
     def _flush_metrics(self, trainer: pl.Trainer) -> None:
+        if not trainer.loggers:
+            # Nothing to write them to (``logger=False``): the interval starts over without computing them (the
+            # per-layer norms cost device ops and a host read). Every rank has the same loggers: rank-consistent.
+            self.interval.reset()
+            return
         metrics: dict[str, float] = {}
         for source in self.metric_sources:
             metrics.update(source(trainer))

@@ -89,6 +89,9 @@ class Reading:
     pending: tuple[Any, ...] | None = None
     zscores: dict[str, float] | None = None  # a spike: the z-scores that flagged it
     state_before: Any = None  # a bad step (incident path): the state as it was before the update
+    # Read by ``Sensor.quick`` and finite, with nothing else to decide: the engine accounts for it without its layers
+    # (set back to False by the engine as soon as anything else applies: a spike test, a dropped batch).
+    healthy: bool = False
 
     @property
     def loss_finite(self) -> bool:
@@ -157,9 +160,25 @@ def wrapper_prefixes(module: nn.Module) -> tuple[str, ...]:
 
 
 class _Plan:
-    """What one optimizer's reading needs that does not change from step to step, built on its first step."""
+    """What one optimizer's reading needs that does not change from step to step, built on its first step.
 
-    __slots__ = ("device", "handles_unscaling", "index", "inline", "opt_idx", "optimizer", "path", "world")
+    ``quick``: ``Sensor.quick`` reads this optimizer's steps (the host path on one process, a few plain float32 or
+    float64 gradients of one device, no loss scale)."""
+
+    __slots__ = (
+        "count",
+        "device",
+        "group_params",
+        "handles_unscaling",
+        "index",
+        "inline",
+        "opt_idx",
+        "optimizer",
+        "params",
+        "path",
+        "quick",
+        "world",
+    )
 
     def __init__(
         self,
@@ -178,10 +197,29 @@ class _Plan:
         self.world = trainer.world_size
         self.handles_unscaling = _lightning_compat.optimizer_handles_unscaling(optimizer)
         self.inline = inline_applies(index)
+        self.params = index.params
+        self.count = index.count
+        groups = optimizer.param_groups
+        self.group_params = groups[0]["params"] if len(groups) == 1 else None  # ``same_params``'s shortcut
+        self.quick = (
+            self.inline
+            and path == "host"
+            and self.world == 1
+            and index.params[0].dtype in (torch.float32, torch.float64)
+        )
 
     def current(self, optimizer: Optimizer) -> bool:
         """Still valid: the same optimizer object, holding the same parameters (``ParamIndex.matches``)."""
         return self.optimizer is optimizer and self.index.matches(optimizer)
+
+    def same_params(self, optimizer: Optimizer) -> bool:
+        """``current``, with a shortcut for one param group: still the same list of parameters, of the same length."""
+        groups = optimizer.param_groups
+        if len(groups) == 1 and self.optimizer is optimizer:
+            params = groups[0]["params"]
+            if params is self.group_params and len(self.group_params) == self.index.count:
+                return True
+        return self.current(optimizer)
 
 
 class Sensor:
@@ -195,6 +233,7 @@ class Sensor:
         self._mirrors: dict[int, HostMirror] = {}
         self._device_path: dict[int, str] = {}  # id(optimizer) -> "host" | "scaler" | "fused"
         self._plans: dict[int, _Plan] = {}  # id(optimizer) -> its plan
+        self._last_plan: _Plan | None = None  # the plan ``quick`` used last (one optimizer: every step's)
         self._zeros: dict[torch.device, Tensor] = {}
         self._buffers: list[list[Tensor]] = []  # watched buffers, one list per (device, dtype)
 
@@ -236,6 +275,7 @@ class Sensor:
         self._mirrors.clear()
         self._device_path.clear()
         self._plans.clear()
+        self._last_plan = None
 
     # ------------------------------------------------------------------ structure (cached)
     def optimizer_index(self, trainer: pl.Trainer, optimizer: Optimizer) -> int:
@@ -294,7 +334,48 @@ class Sensor:
             path = self._device_path[id(optimizer)] = "host"
         device = index.params[0].device if index.params else _first_device(pl_module)
         plan = self._plans[id(optimizer)] = _Plan(trainer, optimizer, opt_idx, index, path, device)
+        self._last_plan = plan
         return plan
+
+    def quick(self, optimizer: Optimizer, losses: list[Tensor], step: int, batch: int) -> Reading | None:
+        """``measure`` for the common healthy step, written out without its layers: the host path on one process
+        (``_Plan.quick``), every gradient present, one float32 0-d loss on the parameters' device, no watched buffer.
+        The same device work (one ``_foreach_norm``, one ``stack`` with the loss), the same one host read and the
+        same ``Reading`` as ``measure`` (the inline layout, its values as ``fill`` computes them), with ``healthy``
+        set where it is finite. ``None`` (nothing done) where any condition fails: ``measure`` reads the step."""
+        plan = self._last_plan
+        if plan is None or plan.optimizer is not optimizer:
+            plan = self._plans.get(id(optimizer))
+            if plan is None:
+                return None
+            self._last_plan = plan
+        if not plan.quick or len(losses) != 1 or self._buffers or not plan.same_params(optimizer):
+            return None
+        loss = losses[0]
+        if loss.dtype is not _FLOAT32:
+            return None
+        grads = [p.grad for p in plan.params]
+        for g in grads:
+            if g is None:
+                return None
+        try:
+            # Detached: the optimizer runs its closure, and so this hook, with grad mode on.
+            vec = torch.stack([*torch._foreach_norm(grads, 2), loss.detach()])  # type: ignore[arg-type]
+        except RuntimeError:  # a loss that is not 0-d, or on another device than the gradients: ``measure``
+            return None
+        values = vec.tolist()  # the step's one host read
+        k = plan.count
+        squares = 0.0
+        for i in range(k):
+            squares += values[i] * values[i]
+        norm, loss_value = math.sqrt(squares), values[k]
+        healthy = math.isfinite(norm) and math.isfinite(loss_value)
+        norms = GradNorms(vec=vec, count=k)
+        # Positional, every field up to ``healthy``: this runs every step.
+        return Reading(
+            step, plan.opt_idx, batch, norm, loss_value, None, True, norms, plan.index, vec,
+            False, True, k, False, "", "host", None, None, None, healthy,
+        )  # fmt: skip
 
     def measure(
         self,
@@ -552,6 +633,9 @@ def current_grad_norm(trainer: pl.Trainer, index: ParamIndex) -> float | None:
 
 def _first_device_of(index: ParamIndex) -> torch.device:
     return index.params[0].device if index.params else torch.device("cpu")
+
+
+_FLOAT32 = torch.float32
 
 
 def _f32(t: Tensor, device: torch.device) -> Tensor:

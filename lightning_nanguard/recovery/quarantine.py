@@ -140,6 +140,16 @@ class Quarantine:
             self._hooks.append(sampler)
 
     # ------------------------------------------------------------------ per batch
+    @property
+    def active(self) -> bool:
+        """Something is quarantined: every batch must be checked at its start (``begin_batch``)."""
+        return bool(self.samples or self.fingerprints)
+
+    def next_batch(self) -> None:
+        """``begin_batch`` while nothing is quarantined (no batch can be dropped): only keep ``current`` in step with
+        the batches, called once per batch at any point before its incident is handled (the engine: at its end)."""
+        self.current = self.queue.popleft() if self.queue else None
+
     def begin_batch(self, batch: Any) -> bool:
         """Called at every batch start. True when this batch is quarantined (drop its update, no incident)."""
         self.current = self.queue.popleft() if self.queue else None
