@@ -20,7 +20,7 @@ import lightning_nanguard as ng
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.engine.sensing import Sensor
 from lightning_nanguard.testing import FaultInjector
-from tests.helpers import TinyModel, all_finite, make_trainer
+from tests.helpers import TinyModel, all_finite, csv_metrics, make_trainer
 
 BAD_ROW = 13  # sample index of the row whose input is NaN (batch 1 of each epoch, at batch size 8)
 
@@ -37,25 +37,28 @@ class _BadRowModel(TinyModel):
 
 
 def test_the_quick_reading_is_the_general_one(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Every step the quick path reads, the general path reads too (both only read the gradients and the loss):
-    # the same values, layout and path, healthy steps and the injected bad one alike.
+    # Every step the quick path reads, the general path reads too (both only read the gradients and the loss): the
+    # Reading made of the quick values is the general one (values, layout, path), healthy steps and the injected
+    # bad one alike; and the logging step's metrics still find the last step's reading.
     pairs: list[tuple[Any, Any]] = []
     quick = Sensor.quick
 
-    def both(self: Sensor, optimizer: Any, losses: list[torch.Tensor], step: int, batch: int) -> Any:
-        reading = quick(self, optimizer, losses, step, batch)
-        if reading is not None:
-            trainer = engine_of[0]
+    def both(self: Sensor, optimizer: Any, losses: list[torch.Tensor], step: int) -> Any:
+        values = quick(self, optimizer, losses, step)
+        if values is not None:
+            trainer = trainers[0]
             general = self.measure(
-                trainer, trainer.lightning_module, optimizer, losses, step=step, batch=batch, host_only=False
+                trainer, trainer.lightning_module, optimizer, losses, step=step, batch=0, host_only=False
             )
-            pairs.append((reading, general))
-        return reading
+            pairs.append((Sensor.quick_reading(values, 0), general))
+        return values
 
     monkeypatch.setattr(Sensor, "quick", both)
-    engine_of: list[pl.Trainer] = []
-    trainer = make_trainer(tmp_path, max_steps=8, callbacks=[ng.GradNormMonitor(), FaultInjector("grad", steps=[5])])
-    engine_of.append(trainer)
+    trainers: list[pl.Trainer] = []
+    logger = CSVLogger(str(tmp_path), name="csv", version=0)
+    monitor = ng.GradNormMonitor()
+    trainer = make_trainer(tmp_path, max_steps=8, logger=logger, callbacks=[monitor, FaultInjector("grad", steps=[5])])
+    trainers.append(trainer)
     trainer.fit(TinyModel(optimizer="sgd"))
     assert len(pairs) == 7  # every step but the first (its plan is built by the general path)
     for quick_reading, general in pairs:
@@ -63,9 +66,17 @@ def test_the_quick_reading_is_the_general_one(tmp_path: Any, monkeypatch: pytest
             assert getattr(quick_reading, field) == getattr(general, field), field
         assert quick_reading.loss == general.loss
         assert quick_reading.grad_norm == pytest.approx(general.grad_norm, rel=1e-12, nan_ok=True)
-        assert quick_reading.healthy == (not general.bad)
+        torch.testing.assert_close(
+            quick_reading.norms.tensor_norms, general.norms.tensor_norms, rtol=0, atol=0, equal_nan=True
+        )
     assert [r.step for r, _ in pairs if r.bad] == [5]
-    assert get_engine(trainer).skipped_steps == 1  # the bad step still went through the general decision
+    engine = get_engine(trainer)
+    assert engine.skipped_steps == 1  # the bad step still went through the general decision
+    assert engine.finite_steps == 7
+    last = engine.last_reading  # made from the last step's quick values on first use
+    assert last is not None and last.step == 7 and last.grad_norm == pytest.approx(pairs[-1][1].grad_norm)
+    layers = [k for k in csv_metrics(str(tmp_path / "csv" / "version_0"))[-1] if "layer_grad_norm" in k]
+    assert layers  # the per-layer norms of the logging steps, from those readings
 
 
 class _HookProbe(pl.Callback):

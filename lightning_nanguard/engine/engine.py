@@ -32,7 +32,7 @@ from lightning_nanguard.engine.capabilities import (
     Restorer,
     ScaleWatch,
 )
-from lightning_nanguard.engine.sensing import Reading, Sensor
+from lightning_nanguard.engine.sensing import QuickStep, Reading, Sensor
 from lightning_nanguard.engine.sink import IncidentSink
 from lightning_nanguard.engine.state_check import (
     record_intended_infinities,
@@ -102,7 +102,10 @@ class Engine:
         self.recent_skips: deque[int] = deque(maxlen=256)  # steps of non-data drops (OptimizerBackoff's skip rule)
         self.history: deque[tuple[int, float, float | None]] = deque(maxlen=64)  # (step, grad_norm, loss)
         self.interval = _Interval()
-        self.last_reading: Reading | None = None
+        self._quick: QuickStep | None = None  # this batch's step, read by ``Sensor.quick``, finite (batch end)
+        self._last_quick: QuickStep | None = None  # the last step, when it was such a one: ``last_reading`` from it
+        self._last_quick_batch = -1
+        self._last_reading: Reading | None = None  # ``last_reading``
         self.finite_steps = 0  # steps of this fit whose reading was finite
         self.resumed_from: str | None = None
         self.pending_error: BaseException | None = None
@@ -144,6 +147,7 @@ class Engine:
         self._fit_open = False
         self.driver = None
         self._readings.clear()
+        self._quick = None
         self._losses.clear()
         self._batch = None
 
@@ -297,14 +301,23 @@ class Engine:
                 _lightning_compat.agree_scaler_skip(trainer, optimizer)
             return
         losses, self._losses = self._losses, []
-        # The healthy step's fused path (``Sensor.quick``): one host read, no layers; None where it does not apply.
-        reading = self.sensor.quick(optimizer, losses, trainer.global_step, self._batch_idx)
-        if reading is not None:
-            self._readings.append(reading)
-            if reading.healthy:
-                if self._spikes is None and not self._drop_reason:
-                    return  # nothing to decide: the batch end accounts for it
-                reading.healthy = False  # a spike test or a dropped batch: the general path below decides
+        # The common step's fused path (``Sensor.quick``): one host read, no layers; None where it does not apply.
+        quick = self.sensor.quick(optimizer, losses, trainer.global_step)
+        if quick is not None:
+            if (
+                math.isfinite(quick[2])
+                and math.isfinite(quick[3])
+                and self._quick is None
+                and not self._readings
+                and self._lean_end
+                and self._spikes is None
+                and not self._drop_reason
+            ):
+                # Finite, and nothing to decide: the batch end accounts for it (its Reading is made only if asked
+                # for: ``last_reading``).
+                self._quick = quick
+                return
+            reading = self.sensor.quick_reading(quick, self._batch_idx)
         else:
             reading = self.sensor.measure(
                 trainer,
@@ -315,7 +328,7 @@ class Engine:
                 batch=self._batch_idx,
                 host_only=self._host_only,
             )
-            self._readings.append(reading)
+        self._readings.append(reading)
         path = reading.path
         if reading.pending is not None:  # device path: the optimizer acts on the verdict itself
             if self._drop_reason:
@@ -346,9 +359,9 @@ class Engine:
     ) -> None:
         """``batch_end`` with the hook's signature (the driver's hook, bound directly: ``_base.bind_engine_hooks``).
 
-        A batch whose one reading is ``healthy`` (finite on the host path, nothing dropped, no spike test), in a fit
-        with no step hook and no scale watch, is accounted for here in a few assignments: ``_account``'s effect on
-        such a reading, written out (this runs every step)."""
+        A batch whose one step ``Sensor.quick`` read finite with nothing to decide (``before_optimizer_step``), in a
+        fit with no step hook and no scale watch, is accounted for here in a few assignments: what ``_account`` does
+        with such a step, written out (this runs every step)."""
         readings = self._readings
         starts = self._starts
         if not starts:  # what ``batch_start`` would have recorded
@@ -357,13 +370,14 @@ class Engine:
                 reading.batch = batch_idx
             if self.quarantine is not None:
                 self.quarantine.next_batch()
-        if self._lean_end and len(readings) == 1 and not self._events:
-            reading = readings[0]
-            if reading.healthy:
-                self._readings = []
-                self.last_reading = reading
-                norm, loss = reading.grad_norm, reading.loss
-                assert loss is not None  # ``Sensor.quick`` reads exactly one loss
+        quick = self._quick
+        if quick is not None:
+            self._quick = None
+            if readings or self._events:  # not alone in this batch: the general path, in step order
+                readings.insert(0, self.sensor.quick_reading(quick, self._batch_idx))
+            else:
+                self._last_quick, self._last_quick_batch = quick, self._batch_idx
+                norm, loss, step = quick[2], quick[3], quick[4]
                 interval = self.interval
                 interval.steps += 1
                 interval.grad_norm = norm
@@ -371,7 +385,7 @@ class Engine:
                     interval.grad_norm_max = norm
                 interval.loss = loss
                 self.finite_steps += 1
-                self.history.append((reading.step, norm, loss))
+                self.history.append((step, norm, loss))
                 self.skip_streak = 0
                 now = time.perf_counter()
                 if self._batch_began:
@@ -444,6 +458,21 @@ class Engine:
         trainer.should_stop = True
         if self.pending_error is None:
             self.pending_error = error
+
+    @property
+    def last_reading(self) -> Reading | None:
+        """The last step's reading (what the logging step's metrics read); made from ``Sensor.quick``'s values on
+        first use where that step had none."""
+        quick = self._last_quick
+        if quick is not None:
+            self._last_quick = None
+            self._last_reading = self.sensor.quick_reading(quick, self._last_quick_batch)
+        return self._last_reading
+
+    @last_reading.setter
+    def last_reading(self, reading: Reading | None) -> None:
+        self._last_quick = None
+        self._last_reading = reading
 
     # ------------------------------------------------------------------ per-step bookkeeping (host floats only)
     def _drops_nonfinite(self) -> bool:

@@ -46,7 +46,7 @@ from lightning_nanguard.signals.gradients import (
     weighted_squares,
 )
 
-__all__ = ["HostMirror", "Reading", "Sensor", "current_grad_norm", "wrapper_prefixes"]
+__all__ = ["HostMirror", "QuickStep", "Reading", "Sensor", "current_grad_norm", "wrapper_prefixes"]
 
 
 @dataclass(slots=True)
@@ -89,9 +89,6 @@ class Reading:
     pending: tuple[Any, ...] | None = None
     zscores: dict[str, float] | None = None  # a spike: the z-scores that flagged it
     state_before: Any = None  # a bad step (incident path): the state as it was before the update
-    # Read by ``Sensor.quick`` and finite, with nothing else to decide: the engine accounts for it without its layers
-    # (set back to False by the engine as soon as anything else applies: a spike test, a dropped batch).
-    healthy: bool = False
 
     @property
     def loss_finite(self) -> bool:
@@ -107,6 +104,10 @@ class Reading:
         written out rather than through ``grads_finite``/``loss_finite``."""
         loss = self.loss
         return not (self.buffers_finite and math.isfinite(self.grad_norm) and (loss is None or math.isfinite(loss)))
+
+
+# ``Sensor.quick``'s result: (plan, the device vector, grad norm, loss, step), host floats as ``fill`` gives them.
+QuickStep = tuple["_Plan", Tensor, float, float, int]
 
 
 class HostMirror:
@@ -337,12 +338,13 @@ class Sensor:
         self._last_plan = plan
         return plan
 
-    def quick(self, optimizer: Optimizer, losses: list[Tensor], step: int, batch: int) -> Reading | None:
-        """``measure`` for the common healthy step, written out without its layers: the host path on one process
-        (``_Plan.quick``), every gradient present, one float32 0-d loss on the parameters' device, no watched buffer.
-        The same device work (one ``_foreach_norm``, one ``stack`` with the loss), the same one host read and the
-        same ``Reading`` as ``measure`` (the inline layout, its values as ``fill`` computes them), with ``healthy``
-        set where it is finite. ``None`` (nothing done) where any condition fails: ``measure`` reads the step."""
+    def quick(self, optimizer: Optimizer, losses: list[Tensor], step: int) -> QuickStep | None:
+        """``measure``'s device work and host read for the common step, written out without its layers: the host
+        path on one process (``_Plan.quick``), every gradient present, one float32 0-d loss on the parameters'
+        device, no watched buffer. The same two device ops (one ``_foreach_norm``, one ``stack`` with the loss) and
+        the same one host read, giving ``(plan, vector, grad norm, loss, step)`` with the values ``fill`` computes;
+        ``quick_reading`` makes the ``Reading`` where one is needed (the engine accounts for a finite step without
+        one). ``None`` (nothing done) where any condition fails: ``measure`` reads the step."""
         plan = self._last_plan
         if plan is None or plan.optimizer is not optimizer:
             plan = self._plans.get(id(optimizer))
@@ -368,13 +370,15 @@ class Sensor:
         squares = 0.0
         for i in range(k):
             squares += values[i] * values[i]
-        norm, loss_value = math.sqrt(squares), values[k]
-        healthy = math.isfinite(norm) and math.isfinite(loss_value)
-        norms = GradNorms(vec=vec, count=k)
-        # Positional, every field up to ``healthy``: this runs every step.
+        return plan, vec, math.sqrt(squares), values[k], step
+
+    @staticmethod
+    def quick_reading(quick: QuickStep, batch: int) -> Reading:
+        """The ``Reading`` ``measure`` would have made of the step ``quick`` read (the inline layout)."""
+        plan, vec, norm, loss, step = quick
         return Reading(
-            step, plan.opt_idx, batch, norm, loss_value, None, True, norms, plan.index, vec,
-            False, True, k, False, "", "host", None, None, None, healthy,
+            step, plan.opt_idx, batch, norm, loss, None, True, GradNorms(vec=vec, count=plan.count), plan.index, vec,
+            inline=plan.count, path="host",
         )  # fmt: skip
 
     def measure(
