@@ -8,6 +8,7 @@ Lightning can clip. Each test checks one of these against what it replaces.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -74,7 +75,9 @@ def test_the_quick_reading_is_the_general_one(tmp_path: Any, monkeypatch: pytest
     assert engine.skipped_steps == 1  # the bad step still went through the general decision
     assert engine.finite_steps == 7
     last = engine.last_reading  # made from the last step's quick values on first use
-    assert last is not None and last.step == 7 and last.grad_norm == pytest.approx(pairs[-1][1].grad_norm)
+    assert last is not None
+    assert last.step == 7
+    assert last.grad_norm == pytest.approx(pairs[-1][1].grad_norm)
     layers = [k for k in csv_metrics(str(tmp_path / "csv" / "version_0"))[-1] if "layer_grad_norm" in k]
     assert layers  # the per-layer norms of the logging steps, from those readings
 
@@ -160,3 +163,27 @@ def test_clipping_is_guarded_only_where_lightning_can_clip(
     assert getattr(trainer.precision_plugin.clip_gradients, "_nanguard_guarded", False) is guarded
     assert get_engine(trainer).skipped_steps == 1
     assert all_finite(fitted)
+
+
+class _SlowValidation(TinyModel):
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        time.sleep(0.5)
+        return super().validation_step(batch, batch_idx)
+
+
+def test_the_step_clock_does_not_count_validation(tmp_path: Any) -> None:
+    # With its batch start hidden, GradNormMonitor times a batch from one batch end to the next: a validation run in
+    # between (mid-epoch and at the epoch's end, 0.5 s each here) must not pass for a step of the clock that bounds
+    # forensics' replay (a step here takes a few milliseconds).
+    trainer = make_trainer(
+        tmp_path,
+        max_epochs=2,
+        max_steps=-1,
+        limit_val_batches=1,
+        val_check_interval=0.5,
+        callbacks=[ng.GradNormMonitor()],
+    )
+    trainer.fit(_SlowValidation())
+    engine = get_engine(trainer)
+    assert engine.finite_steps == 16
+    assert 0 < engine.step_seconds < 0.02, engine.step_seconds

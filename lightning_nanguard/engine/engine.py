@@ -245,6 +245,8 @@ class Engine:
     def train_epoch_start(self, trainer: pl.Trainer) -> None:
         if self.quarantine is not None:
             self.quarantine.attach(trainer, self.sink.log_dir)
+        if not self._starts:
+            self._batch_began = 0.0  # timed end to end: the first batch of an epoch would count the epoch's turnover
 
     def batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
         self._batch, self._batch_idx = batch, batch_idx
@@ -389,8 +391,9 @@ class Engine:
                 self.skip_streak = 0
                 now = time.perf_counter()
                 if self._batch_began:
-                    took = now - self._batch_began
-                    self.step_seconds = took if math.isnan(self.step_seconds) else 0.9 * self.step_seconds + 0.1 * took
+                    took, average = now - self._batch_began, self.step_seconds
+                    # At most 4x the average per batch: a validation run between two batch ends is not a step.
+                    self.step_seconds = took if math.isnan(average) else 0.9 * average + 0.1 * min(took, 4 * average)
                 if not starts:
                     self._batch_began = now  # the next batch is timed from here (end to end: its data loading too)
                 if self._logging_due(trainer):
@@ -418,8 +421,8 @@ class Engine:
             self._handle_events(trainer, pl_module)
         elif self._batch_began:
             # A healthy batch's wall time (host clock only): forensics bounds a replay by it (max_replay_steps).
-            took = time.perf_counter() - self._batch_began
-            self.step_seconds = took if math.isnan(self.step_seconds) else 0.9 * self.step_seconds + 0.1 * took
+            took, average = time.perf_counter() - self._batch_began, self.step_seconds
+            self.step_seconds = took if math.isnan(average) else 0.9 * average + 0.1 * min(took, 4 * average)
         if self.scale_watch is not None:
             self.scale_watch.after_step(trainer, readings)
         if self._logging_due(trainer):
