@@ -120,7 +120,7 @@ class NanGuardCallback(Callback):
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         if self._drives:
-            self._engine_now.observe_loss(loss)
+            self._engine_now.on_before_backward(trainer, pl_module, loss)
 
     @override
     def on_before_optimizer_step(

@@ -289,11 +289,9 @@ class Engine:
         verdict = state_verdict(trainer, pl_module)
         return Signal.RANK_DIVERGENCE if verdict.finite and verdict.diverged else Signal.NONFINITE_STATE
 
-    def observe_loss(self, loss: Tensor) -> None:
-        self._losses.append(loss)  # detached only where needed (``sensing._loss_sum``)
-
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        """``observe_loss`` with the hook's signature (the driver's hook, bound directly: ``_base.bind_engine_hooks``)."""
+        """Keep the step's (micro-batch) loss, not detached (``Sensor``: a detach is a device op, done there where
+        needed). The hook's signature: the driver's hook is bound to it directly (``_base.bind_engine_hooks``)."""
         self._losses.append(loss)
 
     def before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
