@@ -8,6 +8,8 @@ Lightning can clip. Each test checks one of these against what it replaces.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from typing import Any
 
@@ -187,3 +189,48 @@ def test_the_step_clock_does_not_count_validation(tmp_path: Any) -> None:
     engine = get_engine(trainer)
     assert engine.finite_steps == 16
     assert 0 < engine.step_seconds < 0.02, engine.step_seconds
+
+
+class _DumpRank(_HookProbe):
+    """``_HookProbe`` that writes, at the end of training on each rank, what it saw and what the rank quarantined."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__()
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        monitor = next(cb for cb in trainer.callbacks if isinstance(cb, ng.GradNormMonitor))  # type: ignore[attr-defined]
+        out = {
+            "dispatched": self.dispatched,
+            "quarantined": monitor.quarantined_samples,
+            "incidents": [(i.step, i.cause, i.ranks) for i in get_engine(trainer).sink.records],
+            "params": [p.detach().flatten().tolist() for p in pl_module.parameters()],
+        }
+        with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w", encoding="utf-8") as f:
+            json.dump(out, f)
+
+
+@pytest.mark.distributed
+def test_ddp_ranks_hide_and_show_the_batch_start_together(tmp_path: Any) -> None:
+    # Under DDP the bad row reaches one rank's batch; it is quarantined on both ranks (the quarantine is
+    # all-gathered), so both show the batch start from the same batch on, and the row never comes back.
+    trainer = make_trainer(
+        tmp_path,
+        strategy="ddp_spawn",
+        devices=2,
+        max_epochs=3,
+        max_steps=-1,
+        callbacks=[_DumpRank(str(tmp_path)), ng.GradNormMonitor()],
+    )
+    trainer.fit(_BadRowModel(optimizer="sgd"))
+    ranks = []
+    for r in (0, 1):
+        with open(os.path.join(tmp_path, f"rank{r}.json"), encoding="utf-8") as f:
+            ranks.append(json.load(f))
+    [(step, cause, seen_on)] = ranks[0]["incidents"]  # one incident, on the rank whose batch held the row
+    assert (cause, ranks[1]["incidents"]) == ("input_data", ranks[0]["incidents"])
+    assert len(seen_on) == 1
+    hidden_through_the_incident = [False] * (step + 1) + [True] * (11 - step)  # 4 batches per epoch per rank
+    assert ranks[0]["dispatched"] == ranks[1]["dispatched"] == hidden_through_the_incident
+    assert ranks[0]["quarantined"] == ranks[1]["quarantined"] == [BAD_ROW]
+    assert ranks[0]["params"] == ranks[1]["params"]
