@@ -242,11 +242,12 @@ def _loss_of(out: Any) -> Tensor | None:
 
 class TracedPass(NamedTuple):
     """A replay pass with its origin: ``call`` is the origin op's name and a copy of its inputs (for a bundle's
-    op-level replay; ``None`` when not kept)."""
+    op-level replay; ``None`` when not kept), ``note`` why the trace stopped early, if it did."""
 
     result: PassResult
     origin: Origin | None
     call: tuple[str, Any, Any] | None
+    note: str = ""  # why the trace stopped early ("" it did not)
 
 
 def run_pass(
@@ -381,4 +382,4 @@ def _pass(
         ms=ms,
         error=error,
     )
-    return TracedPass(result, origin, call)
+    return TracedPass(result, origin, call, tracer.truncated if tracer is not None else "")

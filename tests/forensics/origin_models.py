@@ -97,6 +97,7 @@ class MaskedAttention(_Base):
 
     def __init__(self, fully_masked: bool = False) -> None:
         super().__init__()
+        self.save_hyperparameters()
         x = torch.randn(N, 6, 8, generator=torch.Generator().manual_seed(0))
         mask = torch.zeros(N, 6, 6)
         mask[:, :, 4:] = -math.inf  # the last two positions are padding: intended, not bad data
@@ -191,8 +192,20 @@ class NaNRecord(_Base):
         return nn.functional.mse_loss(self.head(h), y)
 
 
-class SquareFeatures(_Base):
+class ScaledSquare(nn.Module):
     """An un-normalised second-order feature: past ~256, x * x overflows float16's 65504."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * self.scale
+        return h * h  # ORIGIN: square
+
+
+class SquareFeatures(_Base):
+    """Regression on second-order features; the bad batch is a shard at 1000x the usual scale."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -200,10 +213,51 @@ class SquareFeatures(_Base):
         x[BAD_BATCH * BATCH : (BAD_BATCH + 1) * BATCH] *= 1000.0
         self.data = TensorDataset(x, x[:, :1] * 0.5)
         self.encoder = nn.Linear(8, 16)
+        self.square = ScaledSquare(16)
         self.head = nn.Linear(16, 1)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        h = self.encoder(x)
-        h = h * h  # ORIGIN: square
-        return nn.functional.mse_loss(self.head(h).float(), y.float())
+        return nn.functional.mse_loss(self.head(self.square(self.encoder(x))).float(), y.float())
+
+
+class TraceAt(pl.Callback):
+    """Traces the replay of chosen batches in a real fit, where the engine would: before the optimizer step, on the
+    weights the step saw; then drops that update. ``traced[batch_idx]`` is the ``TracedPass``."""
+
+    def __init__(self, *batches: int) -> None:
+        self.batches = set(batches)
+        self.traced: dict[int, Any] = {}
+        self.batch: Any = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        self.batch = batch
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        from lightning_nanguard.forensics.replay import trace_pass
+
+        idx = trainer.fit_loop.epoch_loop.batch_idx
+        if idx in self.batches:
+            self.traced[idx] = trace_pass(trainer, pl_module, self.batch, idx)
+            self.on_traced(trainer, pl_module, idx)
+        optimizer.zero_grad(set_to_none=True)  # the weights stay those the bad batch met
+
+    def on_traced(self, trainer: pl.Trainer, pl_module: pl.LightningModule, idx: int) -> None:
+        """Called after each trace (a test subclass writes a bundle here)."""
+
+
+def fit(model: pl.LightningModule, callback: pl.Callback, precision: str = "32-true", root: str = ".") -> pl.Trainer:
+    trainer = pl.Trainer(
+        max_steps=BAD_BATCH + 1,
+        precision=precision,  # type: ignore[arg-type]
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+        default_root_dir=root,
+    )
+    trainer.fit(model)
+    return trainer
