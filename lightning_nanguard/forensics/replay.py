@@ -273,10 +273,13 @@ def trace_pass(
     scale: float | None = None,
     max_ops: int = 200_000,
     time_budget_s: float = 60.0,
+    backward_frames: bool = True,
 ) -> TracedPass:
     """``run_pass`` with the origin of its first non-finite value traced (``forensics.origin``): the op, its phase,
     the user's line and the statistics that explain it. ``origin`` is ``None`` when the pass was finite (or the
-    trace found nothing: ``max_ops`` and ``time_budget_s`` bound it). Only ``trainer.precision_plugin`` is used."""
+    trace found nothing: ``max_ops`` and ``time_budget_s`` bound it). ``backward_frames=False`` leaves anomaly mode
+    off: cheaper, but a backward origin then names its autograd node and no line. Only ``trainer.precision_plugin``
+    is used."""
     return _pass(
         trainer,
         pl_module,
@@ -284,7 +287,7 @@ def trace_pass(
         batch_idx,
         float32=float32,
         scale=scale,
-        trace={"max_ops": max_ops, "time_budget_s": time_budget_s},
+        trace={"max_ops": max_ops, "time_budget_s": time_budget_s, "backward_frames": backward_frames},
     )
 
 
