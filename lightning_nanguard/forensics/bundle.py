@@ -25,7 +25,7 @@ import json
 import os
 import pickle
 import shutil
-import tempfile
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -224,8 +224,9 @@ def write_bundle(
         "versions": {"torch": torch.__version__, "lightning": _version("lightning")},
     }
     final = os.path.join(root, name)
-    tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=root)
+    tmp = os.path.join(root, f".{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")  # renamed into place when complete
     try:
+        os.mkdir(tmp)
         torch.save({"batch": stored_batch, "rng": capture_rng(), "state": state}, os.path.join(tmp, "step.pt"))
         if pickled_batch is not None:
             with open(os.path.join(tmp, "batch.pkl"), "wb") as raw:

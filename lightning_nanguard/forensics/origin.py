@@ -249,7 +249,8 @@ class OriginTracer:
         out_nan = any(nan for _, nan in checks)
         if bad and not (out_nan and not any(s.nan for s in bad)):
             tag = self._pick(bad, nan=out_nan)  # the non-finite values passed through
-            self._first_use(tag, func)
+            if not func.is_view:  # a view is no use: the first op that reads the values is
+                self._first_use(tag, func)
         else:
             parent = self._pick(bad, nan=False) if bad else None
             intended = not bad and nonfinite_scalar((args, kwargs))

@@ -197,8 +197,8 @@ def explain(origin: Origin | None) -> OriginVerdict:
         return OriginVerdict(
             OriginKind.MASKED_BRANCH_GRADIENT,
             False,
-            f"{op} made {o.produced} in a branch that {o.masked_by} masks away{at}; its gradient is NaN "
-            f"({o.surfaced_op} in the backward{_rows(o)})",
+            f"{op} made {o.produced} in a branch that {o.masked_by} masks away{_rows(o)}{at}; its gradient is "
+            f"NaN ({o.surfaced_op} in the backward)",
             "torch.where evaluates both branches and backpropagates through the masked one (0 * inf = NaN): make the "
             "masked branch finite before the where, e.g. torch.where(mask, 0, p * torch.log(p.clamp_min(tiny))) or "
             "torch.special.xlogy(p, p) for p * log(p)",

@@ -147,3 +147,34 @@ def test_replay_usage_errors_exit_2(tmp_path: Path, capsys: Any) -> None:
     assert "no bundle at" in err
     with pytest.raises(BundleError, match="no bundle"):
         read_bundle(str(tmp_path))
+
+
+def _edit_manifest(path: str, **changes: Any) -> None:
+    manifest_path = os.path.join(path, "manifest.json")
+    with open(manifest_path, encoding="utf-8") as f:
+        manifest = json.load(f)
+    manifest.update(changes)
+    with open(manifest_path, "w", encoding="utf-8") as f:
+        json.dump(manifest, f)
+
+
+def test_replay_says_how_to_make_the_module_importable_and_buildable(tmp_path: Path, capsys: Any) -> None:
+    written = _bundle(tmp_path, m.NormNoEps).written
+    assert written is not None
+    assert written.path is not None
+    _edit_manifest(written.path, module="no_such_package.models")
+    code, _, err = _replay(written.path, capsys=capsys)
+    assert code == 2
+    assert "cannot import no_such_package.models:NormNoEps" in err
+    assert "PYTHONPATH" in err
+
+    _edit_manifest(written.path, module="tests.forensics.origin_models", hparams={"width": 3})
+    code, _, err = _replay(written.path, capsys=capsys)
+    assert code == 2
+    assert "cannot build NormNoEps(**{'width': 3})" in err
+    assert "save_hyperparameters()" in err
+
+    _edit_manifest(written.path, module="__main__", hparams={})
+    code, _, err = _replay(written.path, capsys=capsys)
+    assert code == 2
+    assert "importable module" in err
