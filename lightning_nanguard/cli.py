@@ -199,10 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="for a file without a sidecar whose contents verify, write the sidecar (trusting the file as it is now)",
     )
     verify.set_defaults(func=_verify)
-    from lightning_nanguard.commands import ablate, demo
+    from lightning_nanguard.commands import ablate, demo, replay
 
     demo.add_parser(sub)
     ablate.add_parser(sub)
+    replay.add_parser(sub)
     return parser
 
 

@@ -1,5 +1,8 @@
 """Replay one training batch on the current weights with hooks, leaving no trace (incident path only).
 
+``run_pass`` is the pass; ``trace_pass`` is the same pass with the origin of its first non-finite value traced
+(``forensics.origin``: every aten op checked, so it costs more, and runs only when asked).
+
 A pass calls the ``LightningModule``'s own ``training_step`` (never a DDP wrapper, so no gradient all-reduce can
 start) under the Trainer's precision context, with a forward hook on every module and a gradient hook on every module
 output, then takes the gradients with ``torch.autograd.grad`` (``.grad`` is never written). Around each pass:
@@ -19,15 +22,17 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
+from lightning_nanguard.forensics.origin import OriginTracer
 from lightning_nanguard.policies.diagnosis import PassResult
+from lightning_nanguard.policies.origin import Origin
 
-__all__ = ["preserved_state", "run_pass"]
+__all__ = ["TracedPass", "preserved_state", "run_pass", "trace_pass"]
 
 _GRAD_PARAMS_LISTED = 8
 
@@ -235,6 +240,16 @@ def _loss_of(out: Any) -> Tensor | None:
     return None
 
 
+class TracedPass(NamedTuple):
+    """A replay pass with its origin: ``call`` is the origin op's name and a copy of its inputs (for a bundle's
+    op-level replay; ``None`` when not kept), ``note`` why the trace stopped early, if it did."""
+
+    result: PassResult
+    origin: Origin | None
+    call: tuple[str, Any, Any] | None
+    note: str = ""  # why the trace stopped early ("" it did not)
+
+
 def run_pass(
     trainer: pl.Trainer,
     pl_module: pl.LightningModule,
@@ -245,7 +260,51 @@ def run_pass(
     scale: float | None = None,
 ) -> PassResult:
     """One replay of ``training_step`` with hooks: in the training precision, or in float32 (``float32=True``)."""
+    return _pass(trainer, pl_module, batch, batch_idx, float32=float32, scale=scale, trace=None).result
+
+
+def trace_pass(
+    trainer: Any,
+    pl_module: pl.LightningModule,
+    batch: Any,
+    batch_idx: int,
+    *,
+    float32: bool = False,
+    scale: float | None = None,
+    max_ops: int = 200_000,
+    time_budget_s: float = 60.0,
+    backward_frames: bool = True,
+) -> TracedPass:
+    """``run_pass`` with the origin of its first non-finite value traced (``forensics.origin``): the op, its phase,
+    the user's line and the statistics that explain it. ``origin`` is ``None`` when the pass was finite (or the
+    trace found nothing: ``max_ops`` and ``time_budget_s`` bound it). ``backward_frames=False`` leaves anomaly mode
+    off: cheaper, but a backward origin then names its autograd node and no line. Only ``trainer.precision_plugin``
+    is used."""
+    return _pass(
+        trainer,
+        pl_module,
+        batch,
+        batch_idx,
+        float32=float32,
+        scale=scale,
+        trace={"max_ops": max_ops, "time_budget_s": time_budget_s, "backward_frames": backward_frames},
+    )
+
+
+def _pass(
+    trainer: Any,
+    pl_module: pl.LightningModule,
+    batch: Any,
+    batch_idx: int,
+    *,
+    float32: bool,
+    scale: float | None,
+    trace: dict[str, Any] | None,
+) -> TracedPass:
     recorder = _Recorder(pl_module)
+    tracer: OriginTracer | None = None
+    results: list[Tensor | None] = []
+    loss: Tensor | None = None
     params = [(n, p) for n, p in pl_module.named_parameters() if p.requires_grad]
     start = time.perf_counter()
     handles: list[Any] = []
@@ -254,7 +313,12 @@ def run_pass(
     bad_params: list[str] = []
     error = ""
     try:
-        with preserved_state(pl_module), _swapped(pl_module, float32=float32), contextlib.ExitStack() as stack:
+        with (
+            preserved_state(pl_module),
+            _swapped(pl_module, float32=float32),
+            contextlib.ExitStack() as traced,
+            contextlib.ExitStack() as stack,
+        ):
             handles = recorder.install()
             stack.enter_context(torch.enable_grad())
             if float32:
@@ -264,6 +328,8 @@ def run_pass(
             else:
                 stack.enter_context(trainer.precision_plugin.train_step_context())
                 data = batch
+            if trace is not None:
+                tracer = traced.enter_context(OriginTracer(pl_module, data, **trace))
             loss = _loss_of(pl_module.training_step(data, batch_idx))
             stack.close()  # leave the precision context before the backward, as Lightning does
             if loss is None:
@@ -274,6 +340,7 @@ def run_pass(
                     stack.enter_context(torch.enable_grad())  # the caller's grad mode may be off
                     target = loss * scale if scale is not None and not float32 else loss
                     grads = torch.autograd.grad(target, [p for _, p in params], allow_unused=True)
+                    results = [loss, *grads] if tracer is not None else []
                     present = [(name, g) for (name, _), g in zip(params, grads, strict=True) if g is not None]
                     if present:
                         table = torch.stack([_stats([g]).to(present[0][1].device) for _, g in present]).tolist()
@@ -287,6 +354,10 @@ def run_pass(
         for h in handles:
             h.remove()
     ms = (time.perf_counter() - start) * 1000.0
+    origin = call = None
+    if tracer is not None and not error:
+        results = results or [loss]
+        origin, call = tracer.resolve(results)
     first_output, max_abs, max_abs_module = recorder.resolve_forward()
     first, kind = first_output, "output"
     if first is None:
@@ -296,7 +367,7 @@ def run_pass(
         first, kind = (owner, None, None, ""), "parameter gradient"
     name, lo, hi, dtype = first if first is not None else ("", None, None, "")
     outputs_finite = first_output is None
-    return PassResult(
+    result = PassResult(
         reproduced=not error and not (loss_finite and outputs_finite and grads_finite),
         loss_finite=loss_finite,
         outputs_finite=outputs_finite,
@@ -314,3 +385,4 @@ def run_pass(
         ms=ms,
         error=error,
     )
+    return TracedPass(result, origin, call, tracer.truncated if tracer is not None else "")
