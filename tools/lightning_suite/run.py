@@ -87,7 +87,18 @@ def _run(tests: Path, paths: list[str], xml: Path, inject: bool, timeout: int, e
     env.setdefault("OMP_NUM_THREADS", "1")
     ini = xml.with_suffix(".ini")
     ini.write_text(_CONF)
-    cmd = [sys.executable, "-m", "pytest", "-c", str(ini), "--rootdir", str(tests), "-q", "-o", "console_output_style=classic"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-c",
+        str(ini),
+        "--rootdir",
+        str(tests),
+        "-q",
+        "-o",
+        "console_output_style=classic",
+    ]
     cmd += [f"--junitxml={xml}", f"--timeout={timeout}", "-m", "not cloud"]
     if inject:
         cmd += ["-p", "nanguard_inject"]
@@ -98,16 +109,22 @@ def _run(tests: Path, paths: list[str], xml: Path, inject: bool, timeout: int, e
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lightning", required=True, type=Path, help="a Lightning source checkout (its tests/ folder is used)")
+    parser.add_argument(
+        "--lightning", required=True, type=Path, help="a Lightning source checkout (its tests/ folder is used)"
+    )
     parser.add_argument("--out", required=True, type=Path, help="where the XML files and report.md go")
-    parser.add_argument("--paths", nargs="*", default=list(DEFAULT_SLICE), help="test paths under tests/ (default: the slice)")
+    parser.add_argument(
+        "--paths", nargs="*", default=list(DEFAULT_SLICE), help="test paths under tests/ (default: the slice)"
+    )
     parser.add_argument("--timeout", type=int, default=120, help="per-test timeout in seconds")
     parser.add_argument("--only", choices=("plain", "preset", "both"), default="both")
     parser.add_argument("--compare-only", action="store_true", help="only compare existing XML files in --out")
     args, extra = parser.parse_known_args(argv)
     tests = args.lightning / "tests"
     if not (tests / "tests_pytorch").is_dir():
-        print(f"run.py: {tests}/tests_pytorch not found: --lightning must be a Lightning source checkout", file=sys.stderr)
+        print(
+            f"run.py: {tests}/tests_pytorch not found: --lightning must be a Lightning source checkout", file=sys.stderr
+        )
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     plain, preset = args.out / "plain.xml", args.out / "preset.xml"
