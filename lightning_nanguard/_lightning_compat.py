@@ -1,26 +1,42 @@
-"""Every private or version-specific touch of Lightning/torch internals lives here, each with its public fallback."""
+"""Every private or version-specific touch of Lightning/torch internals lives here, each with its public fallback.
+
+``tests/test_fences.py`` holds the fence: a private attribute of a Lightning or torch object read or written
+anywhere else fails it.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.utils._pytree import tree_map
 
 __all__ = [
+    "EVAL_STEP_CONTEXT",
+    "AttributePatches",
     "LoggingSteps",
     "accepts_found_inf",
     "agree_scaler_skip",
     "batch_counter",
+    "checkpoint_log_step",
+    "checkpoint_scaler_scale",
     "clamp_scale",
     "clear_found_inf",
     "clear_found_inf_of",
     "clipping_possible",
+    "foreach_norm",
+    "foreach_norms",
+    "fsdp1_state_dict_type",
     "get_scaler",
     "guard_clipping",
+    "host_buffer_marked",
+    "instance_attribute",
     "is_train_logging_step",
+    "local_shards",
     "log_step",
     "optimizer_handles_unscaling",
     "or_into_found_inf",
@@ -32,15 +48,39 @@ __all__ = [
     "set_found_inf_where_nonfinite",
     "should_update_logs",
     "strategy_class_names",
+    "takes_dataloader_iter",
+    "tensorboard_one_event",
+    "train_batch_idx",
     "train_batch_samplers",
+    "tree_map",
     "true_flag",
 ]
+
+# torch's fused per-tensor norms: one kernel per (device, dtype) group. Private in torch (no public equivalent);
+# a plain alias, so the step path pays no extra call.
+foreach_norm = torch._foreach_norm
+
+
+def foreach_norms(tensors: list[Tensor], ord: float = 2, *, dtypes: tuple[torch.dtype, ...] = ()) -> list[Tensor]:
+    """``foreach_norm`` accumulated in the first of ``dtypes`` the backend accepts for these tensors; without a
+    ``dtype`` (each tensor's own) when it accepts none (float64 tensors do not downcast; MPS has no float64)."""
+    for dtype in dtypes:
+        try:
+            return list(foreach_norm(tensors, ord, dtype=dtype))
+        except (TypeError, RuntimeError):
+            continue
+    return list(foreach_norm(tensors, ord))
 
 
 def log_step(trainer: pl.Trainer) -> int:
     """The step Lightning's own ``self.log`` writes at (``_batches_that_stepped``); fallback ``global_step``."""
     loop = getattr(trainer.fit_loop, "epoch_loop", None)
     return int(getattr(loop, "_batches_that_stepped", trainer.global_step))
+
+
+def train_batch_idx(trainer: pl.Trainer) -> int:
+    """The index of the training batch in its epoch (the fit loop's counter); ``-1`` outside training."""
+    return int(trainer.fit_loop.epoch_loop.batch_idx) if trainer.training else -1
 
 
 def batch_counter(trainer: pl.Trainer) -> int:
@@ -234,6 +274,112 @@ def saves_distributed_checkpoint(strategy: Any) -> bool:
     """``ModelParallelStrategy(save_distributed_checkpoint=...)``: whether it saves a directory of shards (Lightning
     keeps the argument in a private attribute; its default is ``True``)."""
     return bool(getattr(strategy, "_save_distributed_checkpoint", True))
+
+
+def fsdp1_state_dict_type(strategy: Any) -> str:
+    """``FSDPStrategy(state_dict_type=...)``: ``"full"`` (its default: one file) or ``"sharded"`` (a directory)."""
+    return str(getattr(strategy, "_state_dict_type", "full"))
+
+
+_ShardedTensor: Any = None
+try:  # FSDP1's SHARDED_STATE_DICT holds ShardedTensors (without a device mesh); absent from some torch builds
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor as _ShardedTensor
+except ImportError:  # pragma: no cover - depends on the torch build
+    pass
+
+
+def local_shards(obj: Any) -> list[Tensor] | None:
+    """This rank's local shards of a ``ShardedTensor`` (FSDP1's sharded state dict), or ``None`` for anything else."""
+    if _ShardedTensor is not None and isinstance(obj, _ShardedTensor):
+        return [shard.tensor for shard in obj.local_shards()]
+    return None
+
+
+def instance_attribute(obj: object, name: str) -> Any:
+    """``obj``'s own instance attribute ``name`` (one that overrides the class's method), or ``None``."""
+    return vars(obj).get(name)
+
+
+def checkpoint_scaler_scale(checkpoint: Mapping[str, Any], trainer: pl.Trainer) -> float | None:
+    """The GradScaler scale a Lightning checkpoint saved (under the precision plugin's class name), or ``None``."""
+    state = checkpoint.get(type(trainer.precision_plugin).__qualname__) or {}
+    scale = state.get("scale") if isinstance(state, dict) else None
+    return None if scale is None else float(scale)
+
+
+def checkpoint_log_step(checkpoint: Mapping[str, Any], default: int) -> int:
+    """The logging step (the fit loop's ``_batches_that_stepped``) a Lightning checkpoint saved, else ``default``."""
+    loops = checkpoint.get("loops", {}).get("fit_loop", {})
+    return int(loops.get("epoch_loop.state_dict", {}).get("_batches_that_stepped", default))
+
+
+def host_buffer_marked(tensor: Tensor) -> bool:
+    """``tensor`` (or the tensor it is a view of) is marked ``_nanguard_host``: pinned host memory a device vector
+    was copied into, whose reads are host reads, not device synchronizations."""
+    base = tensor._base if tensor._base is not None else tensor
+    return bool(getattr(base, "_nanguard_host", False))
+
+
+# The precision plugin's context Lightning enters around each evaluation step (``strategy.validation_step`` /
+# ``test_step``), by the LightningModule method it wraps.
+EVAL_STEP_CONTEXT = {"validation_step": "val_step_context", "test_step": "test_step_context"}
+
+
+def takes_dataloader_iter(step: Callable[..., Any]) -> bool:
+    """The step is declared as ``step(dataloader_iter)``: it pulls its own batches (Lightning's signature check)."""
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    return bool(is_param_in_hook_signature(step, "dataloader_iter", explicit=True))
+
+
+class AttributePatches:
+    """Instance-attribute patches of Lightning objects, undone by restoring exactly what was there before.
+
+    Lightning installs ``torch.compile``-wrapped ``validation_step``/``test_step`` as instance attributes; restoring
+    with ``del`` would silently drop them (un-compiling evaluation), so a previous instance attribute is re-assigned.
+    Only an attribute that did not exist as an instance attribute before the patch is deleted.
+    """
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[object, str, bool, Any]] = []
+
+    def set(self, obj: object, name: str, value: Any) -> None:
+        own = vars(obj)
+        had = name in own
+        self._saved.append((obj, name, had, own.get(name)))
+        setattr(obj, name, value)
+
+    def restore(self) -> None:
+        while self._saved:
+            obj, name, had, previous = self._saved.pop()
+            if had:
+                setattr(obj, name, previous)
+            elif name in vars(obj):
+                delattr(obj, name)
+
+    def __bool__(self) -> bool:
+        return bool(self._saved)
+
+
+def tensorboard_one_event(logger: Any, metrics: Mapping[str, float], step: int) -> bool:
+    """Write ``metrics`` as one TensorBoard event of scalar values; False (nothing written) where that would not be
+    exactly what ``logger.log_metrics`` writes: another logger, a subclass that overrides ``log_metrics``, a logger
+    ``prefix``, or a writer other than torch's ``SummaryWriter`` (tensorboardX)."""
+    from lightning.fabric.loggers.tensorboard import TensorBoardLogger
+
+    if not isinstance(logger, TensorBoardLogger) or logger._prefix:
+        return False
+    if type(logger).log_metrics is not TensorBoardLogger.log_metrics:
+        return False
+    writer = logger.experiment
+    if type(writer).__module__ != "torch.utils.tensorboard.writer":
+        return False
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    # What ``SummaryWriter.add_scalar`` puts in each of its events (``simple_value``, a float32), all in one.
+    values = [Summary.Value(tag=k, simple_value=float(v)) for k, v in metrics.items()]
+    writer._get_file_writer().add_summary(Summary(value=values), step)
+    return True
 
 
 def agree_scaler_skip(trainer: pl.Trainer, optimizer: Optimizer) -> None:

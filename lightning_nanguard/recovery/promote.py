@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-__all__ = ["is_promoted", "promote"]
+__all__ = ["is_promoted", "promote", "promote_submodule"]
 
 _MARK = "_nanguard_fp32_forward"
 
@@ -46,3 +46,15 @@ def _to_float32(value: Any) -> Any:
     if isinstance(value, Tensor) and value.is_floating_point() and value.dtype != torch.float32:
         return value.float()
     return value
+
+
+def promote_submodule(root: nn.Module, path: str, device_type: str, *, mixed: bool, precision: str) -> tuple[bool, str]:
+    """``promote`` the submodule of ``root`` at ``path`` where autocast runs (``mixed``); returns whether it was
+    promoted now, and the sentence that says what happened (``precision``: the Trainer's, for that sentence)."""
+    try:
+        target = root.get_submodule(path)
+    except AttributeError:
+        return False, f"could not move {path} to float32: no such module"
+    if not mixed:
+        return False, f"{path} was not moved to float32: under {precision!r} there is no autocast to switch off"
+    return promote(target, device_type), f"moved {path} to float32 from now on (autocast off for its forward)"

@@ -17,7 +17,7 @@ from lightning_nanguard import (
     OptimizerBackoff,
 )
 from lightning_nanguard.callbacks._common import check_strategy_supported
-from lightning_nanguard.callbacks.fp32_evaluation import _sharded_refusal
+from lightning_nanguard.callbacks._common import fp32_evaluation_sharded_refusal as _sharded_refusal
 from lightning_nanguard.exceptions import UnsupportedSetupError
 
 pytestmark = pytest.mark.distributed
