@@ -12,12 +12,13 @@ from typing_extensions import override
 from lightning_nanguard import _lightning_compat
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._common import make_incident
-from lightning_nanguard.contract import Cause
+from lightning_nanguard.contract import Action, Cause
 from lightning_nanguard.engine import Engine, get_engine
 from lightning_nanguard.exceptions import NanGuardConfigError, UnsupportedSetupError
-from lightning_nanguard.policies.verdict import Action
 from lightning_nanguard.recovery import sharded_checkpoint
-from lightning_nanguard.recovery.verifying_io import CheckpointEvent, VerifyingCheckpointIO, remove_stale_tmp_files
+from lightning_nanguard.recovery.checkpoint_events import CheckpointEvent, describe, incident_values
+from lightning_nanguard.recovery.tmp_files import remove_stale_tmp_files
+from lightning_nanguard.recovery.verifying_io import VerifyingCheckpointIO
 
 __all__ = ["CheckpointGuard"]
 
@@ -225,7 +226,7 @@ class CheckpointGuard(NanGuardCallback):
         elif event.kind == "unverified":
             rank_zero_warn(f"CheckpointGuard: {event.path}: {event.reason}.")
         elif event.kind == "fallback":
-            rank_zero_warn(self._message(event))
+            rank_zero_warn(describe(event))
             self._pending.append(event)  # recorded at train start, when the resumed step is known
         elif event.kind == "refused_load":
             self._report(event)
@@ -237,53 +238,20 @@ class CheckpointGuard(NanGuardCallback):
 
     def _report(self, event: CheckpointEvent) -> None:
         trainer = self._trainer
-        message = self._message(event)
+        message = describe(event, trainer.global_step if trainer is not None else None)
         if event.kind == "refused_save":
             rank_zero_warn(message)
         if trainer is None or not self._fit:
             return  # outside fit there is no incident log; the warning above or the raised error says it all
-        values: dict[str, Any] = {"file": event.path, "reason": event.reason}
-        if event.substitute:
-            values["loaded"] = event.substitute
-        if event.tensors:
-            values["nonfinite_tensors"] = ", ".join(event.tensors[:10])
-        if event.kept:
-            values["kept"] = event.kept
         incident = make_incident(
             trainer,
             trigger="nonfinite_checkpoint" if event.kind == "refused_save" else "checkpoint_verification_failed",
             action=Action.FALLBACK if event.kind == "fallback" else Action.REFUSE,
             source=type(self).__name__,
-            values=values,
+            values=incident_values(event),
             message=message,
             # A refused save: the state is non-finite; a failed verification: the file is corrupt (or non-finite).
             cause=Cause.CORRUPT_STATE.value,
             where=", ".join(event.tensors[:3]) if event.tensors else event.path,
         )
         get_engine(trainer).sink.record(trainer, incident)
-
-    def _message(self, event: CheckpointEvent) -> str:
-        if event.kind == "refused_save":
-            shown = ", ".join(event.tensors[:3]) + (
-                f" and {len(event.tensors) - 3} more" if len(event.tensors) > 3 else ""
-            )
-            where = f" at global_step={self._trainer.global_step}" if self._trainer is not None else ""
-            directory = os.path.dirname(os.path.abspath(event.path))
-            if event.kept:
-                kept = f"the newest good checkpoint stays at {event.kept}"
-            else:
-                kept = f"no good checkpoint of this run is known in {directory}"
-            return (
-                f"CheckpointGuard refused to write {event.path}{where}: non-finite values in {shown}. Nothing was "
-                f"written; {kept}, and checkpoint retention (ModelCheckpoint's save_top_k) cannot delete files of "
-                f"{directory} until a finite checkpoint is written there again. The weights or optimizer state went "
-                "non-finite: add GradNormMonitor or AutoRollback to stop such updates, lower the learning rate, or "
-                "resume from the last good checkpoint."
-            )
-        if event.kind == "fallback":
-            return (
-                f"CheckpointGuard: {event.path} failed verification ({event.reason}); loaded {event.substitute}, "
-                "the newest verified checkpoint of that directory, instead (with weights_only=True). "
-                "trainer.ckpt_path still shows the requested file."
-            )
-        return f"CheckpointGuard refused to load {event.path}: {event.reason}."

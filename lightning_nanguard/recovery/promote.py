@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
+
+from lightning_nanguard._lightning_compat import tree_map
 
 __all__ = ["is_promoted", "promote", "promote_submodule"]
 
@@ -22,7 +23,7 @@ _MARK = "_nanguard_fp32_forward"
 
 
 def is_promoted(module: nn.Module) -> bool:
-    return bool(module.__dict__.get(_MARK))
+    return bool(getattr(module, _MARK, False))
 
 
 def promote(module: nn.Module, device_type: str) -> bool:
@@ -38,7 +39,7 @@ def promote(module: nn.Module, device_type: str) -> bool:
             return original(*args, **kwargs)
 
     module.forward = forward  # type: ignore[method-assign]
-    module.__dict__[_MARK] = True
+    setattr(module, _MARK, True)
     return True
 
 
