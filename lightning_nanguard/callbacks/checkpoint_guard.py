@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_nanguard import _lightning_compat
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._common import make_incident
 from lightning_nanguard.contract import Action, Cause
 from lightning_nanguard.engine import Engine, get_engine
-from lightning_nanguard.exceptions import NanGuardConfigError, UnsupportedSetupError
-from lightning_nanguard.recovery import sharded_checkpoint
+from lightning_nanguard.exceptions import NanGuardConfigError
 from lightning_nanguard.recovery.checkpoint_events import CheckpointEvent, describe, incident_values
-from lightning_nanguard.recovery.tmp_files import remove_stale_tmp_files
-from lightning_nanguard.recovery.verifying_io import VerifyingCheckpointIO
+from lightning_nanguard.recovery.checkpoint_io import install_verifying_io, remove_killed_saves
 
 __all__ = ["CheckpointGuard"]
 
@@ -114,7 +110,13 @@ class CheckpointGuard(NanGuardCallback):
         # Every stage, not only fit: validate/test/predict(ckpt_path=...) load through the wrapper too.
         self._unmute_hooks()
         self._check_environment(trainer)
-        self._wrap(trainer)
+        install_verifying_io(
+            trainer,
+            require_sidecar=self.require_sidecar,
+            fallback=self.fallback,
+            tag_last_good=self.tag_last_good,
+            listener=self._on_event,
+        )
         self._trainer = trainer
         self._fit = stage == "fit"
         self._pending = []
@@ -130,42 +132,11 @@ class CheckpointGuard(NanGuardCallback):
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
         """No capability to register: the wrapper acts on its own, and only reports to the engine's sink."""
 
-    def _wrap(self, trainer: pl.Trainer) -> None:
-        owner = type(self).__name__
-        io = trainer.strategy.checkpoint_io
-        if isinstance(io, VerifyingCheckpointIO):  # a second fit on the same Trainer: reuse, with our settings
-            io.listener = self._on_event
-            io.require_sidecar, io.fallback, io.tag_last_good = self.require_sidecar, self.fallback, self.tag_last_good
-            if {"ModelParallelStrategy", "FSDPStrategy"} & _lightning_compat.strategy_class_names(trainer):
-                sharded_checkpoint.install(trainer, io)
-            return
-        if "AsyncCheckpointIO" in {cls.__name__ for cls in type(io).__mro__}:
-            raise UnsupportedSetupError(
-                f"{owner} cannot checksum checkpoints written in the background by AsyncCheckpointIO: the file "
-                "is not complete when save_checkpoint returns. Remove AsyncCheckpointIO from Trainer(plugins=...) "
-                "or remove CheckpointGuard."
-            )
-        wrapper = VerifyingCheckpointIO(
-            io,
-            require_sidecar=self.require_sidecar,
-            fallback=self.fallback,
-            tag_last_good=self.tag_last_good,
-            listener=self._on_event,
-        )
-        trainer.strategy.checkpoint_io = wrapper
-        if {"ModelParallelStrategy", "FSDPStrategy"} & _lightning_compat.strategy_class_names(trainer):
-            # Its checkpoints bypass checkpoint_io on load (and, as directories, on save): wrap the strategy's own.
-            sharded_checkpoint.install(trainer, wrapper)
-
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self._flush(trainer)  # global_step is restored now, so a fallback incident names the step resumed at
-        if trainer.is_global_zero:  # the only rank that writes checkpoints: the temporary files of killed saves
-            for callback in trainer.checkpoint_callbacks:
-                dirpath = getattr(callback, "dirpath", None)
-                if dirpath and os.path.isdir(str(dirpath)):
-                    remove_stale_tmp_files(str(dirpath))
+        remove_killed_saves(trainer)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
