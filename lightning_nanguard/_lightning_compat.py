@@ -20,6 +20,7 @@ __all__ = [
     "AttributePatches",
     "LoggingSteps",
     "accepts_found_inf",
+    "active_scaler",
     "agree_scaler_skip",
     "batch_counter",
     "checkpoint_log_step",
@@ -28,6 +29,7 @@ __all__ = [
     "clear_found_inf",
     "clear_found_inf_of",
     "clipping_possible",
+    "current_scale",
     "foreach_norm",
     "foreach_norms",
     "fsdp1_state_dict_type",
@@ -136,6 +138,18 @@ class LoggingSteps:
 def get_scaler(trainer: pl.Trainer) -> Any | None:
     """The GradScaler the precision plugin drives (16-mixed), or ``None`` (32-true, bf16, true half)."""
     return getattr(trainer.precision_plugin, "scaler", None)
+
+
+def active_scaler(trainer: pl.Trainer) -> Any | None:
+    """The precision plugin's GradScaler when it is enabled, else ``None``."""
+    scaler = get_scaler(trainer)
+    return scaler if scaler is not None and scaler.is_enabled() else None
+
+
+def current_scale(trainer: pl.Trainer) -> float | None:
+    """The enabled GradScaler's scale (one host read), or ``None`` without one."""
+    scaler = active_scaler(trainer)
+    return None if scaler is None else float(scaler.get_scale())
 
 
 def optimizer_handles_unscaling(optimizer: Optimizer) -> bool:

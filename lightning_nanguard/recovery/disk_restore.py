@@ -22,10 +22,10 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_nanguard import _distributed, _lightning_compat
-from lightning_nanguard.checkpoints import checkpoint_step, verify_and_load
+from lightning_nanguard.checkpoints import checkpoint_step, last_good_checkpoint, verify_and_load
 from lightning_nanguard.exceptions import CheckpointVerificationError
 
-__all__ = ["DiskRestore", "load_rollback_checkpoint", "restore_from_checkpoint"]
+__all__ = ["DiskRestore", "has_rollback_checkpoint", "load_rollback_checkpoint", "restore_from_checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,18 @@ def load_rollback_checkpoint(path: str, *, at_or_before_step: int, require_sidec
             f"({at_or_before_step}); it belongs to another (abandoned) run in the same directory."
         )
     return checkpoint  # type: ignore[no-any-return]
+
+
+def has_rollback_checkpoint(trainer: pl.Trainer, dirpath: str | None, *, at_or_before_step: int) -> bool:
+    """A verified checkpoint file of a step at or before ``at_or_before_step`` is in ``dirpath``. Rank 0 looks at the
+    files and broadcasts (a collective: call on every rank, on the incident path only). Files only, as
+    ``restore_from_checkpoint`` loads them (not a distributed checkpoint directory)."""
+    found = (
+        dirpath is not None
+        and trainer.is_global_zero
+        and last_good_checkpoint(dirpath, at_or_before_step=at_or_before_step, directories=False)
+    )
+    return bool(_distributed.broadcast_object(trainer, bool(found)))
 
 
 def restore_from_checkpoint(trainer: pl.Trainer, path: str) -> DiskRestore:
