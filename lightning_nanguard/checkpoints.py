@@ -48,6 +48,7 @@ __all__ = [
     "last_good_checkpoint",
     "nonfinite_tensors",
     "step_in_name",
+    "verified_step",
     "verify_and_load",
     "verify_checkpoint",
     "write_sidecar",
@@ -283,22 +284,23 @@ def last_good_checkpoint(
         >>> trainer.fit(model, ckpt_path=ckpt)
     """
     for path in checkpoint_candidates(os.fspath(dirpath), directories=directories):
-        if os.path.isdir(path):
-            if verify_directory(path) is not None:
-                continue
-            step = manifest_step(path)
-            if at_or_before_step is not None and (step is None or step > at_or_before_step):
-                continue
-            return path
-        result, checkpoint = verify_and_load(path, require_sidecar=require_sidecar)
-        if not result.ok:
+        reason, step = verified_step(path, require_sidecar=require_sidecar)
+        if reason is not None:
             continue
-        if at_or_before_step is not None:
-            step = checkpoint_step(checkpoint)
-            if step is None or step > at_or_before_step:
-                continue
+        if at_or_before_step is not None and (step is None or step > at_or_before_step):
+            continue
         return path
     return None
+
+
+def verified_step(path: str, *, require_sidecar: bool = True) -> tuple[str | None, int | None]:
+    """``(why path fails verification, or None; its global_step, or None)``: a distributed checkpoint directory by
+    its manifest (and the step it records), a file by ``verify_and_load`` (and ``checkpoint_step``)."""
+    if os.path.isdir(path):
+        reason = verify_directory(path)
+        return reason, manifest_step(path) if reason is None else None
+    result, checkpoint = verify_and_load(path, require_sidecar=require_sidecar)
+    return (None, checkpoint_step(checkpoint)) if result.ok else (result.reason, None)
 
 
 def checkpoint_step(checkpoint: Any) -> int | None:

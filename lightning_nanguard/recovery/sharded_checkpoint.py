@@ -54,16 +54,14 @@ from lightning_nanguard.checkpoint_manifest import (
     directory_files,
     files_of_rank,
     manifest_step,
-    verify_directory,
     write_manifest,
 )
 from lightning_nanguard.checkpoints import (
     SIDECAR_SUFFIX,
     checkpoint_candidates,
-    checkpoint_step,
     nonfinite_tensors,
     step_in_name,
-    verify_and_load,
+    verified_step,
 )
 from lightning_nanguard.exceptions import CheckpointVerificationError
 from lightning_nanguard.recovery.checkpoint_events import CheckpointEvent
@@ -286,7 +284,7 @@ def decide_load(io: VerifyingCheckpointIO, requested: str) -> LoadDecision:
     requested = requested.removeprefix("file://")
     if not os.path.lexists(requested):
         return LoadDecision(missing=True, error=f"Checkpoint file not found: {requested}")
-    reason = _verify(requested, io.require_sidecar)[0]
+    reason = verified_step(requested, require_sidecar=io.require_sidecar)[0]
     if reason is None:
         return LoadDecision(requested, events=(CheckpointEvent("loaded", requested),))
     later: list[str] = []
@@ -296,7 +294,7 @@ def decide_load(io: VerifyingCheckpointIO, requested: str) -> LoadDecision:
             limit = manifest_step(requested)  # the manifest still says which step this directory was
 
         def verify(candidate: str) -> tuple[bool, int | None, None]:
-            why, step = _verify(candidate, io.require_sidecar)
+            why, step = verified_step(candidate, require_sidecar=io.require_sidecar)
             return why is None, step, None
 
         candidates = checkpoint_candidates(os.path.dirname(os.path.abspath(requested)))
@@ -305,15 +303,6 @@ def decide_load(io: VerifyingCheckpointIO, requested: str) -> LoadDecision:
             return LoadDecision(chosen, events=(CheckpointEvent("fallback", requested, reason, substitute=chosen),))
     message = io.load_error(requested, reason, later)
     return LoadDecision(error=message, events=(CheckpointEvent("refused_load", requested, reason),))
-
-
-def _verify(path: str, require_sidecar: bool) -> tuple[str | None, int | None]:
-    """``(why it fails or None, its step)`` for a directory (by its manifest) or a file (loaded, weights only)."""
-    if os.path.isdir(path):
-        reason = verify_directory(path)
-        return reason, manifest_step(path) if reason is None else None
-    result, checkpoint = verify_and_load(path, require_sidecar=require_sidecar)
-    return (None, checkpoint_step(checkpoint)) if result.ok else (result.reason, None)
 
 
 class _GuardedLoad(_Bound):
