@@ -20,8 +20,9 @@ from collections.abc import Callable
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from lightning_nanguard._files import hash_file
 from lightning_nanguard.checkpoints import nonfinite_tensors
-from lightning_nanguard.recovery.verifying_io import VerifyingCheckpointIO, _fsync_and_hash
+from lightning_nanguard.recovery.verifying_io import VerifyingCheckpointIO
 
 
 def make_checkpoint(n_params: int, n_tensors: int = 100) -> dict[str, object]:
@@ -58,7 +59,7 @@ def main() -> None:
             ("save: TorchCheckpointIO", median_ms(lambda: plain.save_checkpoint(ckpt, p_plain), args.reps)),
             ("save: VerifyingCheckpointIO", median_ms(lambda: guarded.save_checkpoint(ckpt, p_guard), args.reps)),
             ("  part: fused finiteness check", median_ms(lambda: nonfinite_tensors(ckpt), args.reps)),
-            ("  part: sha256 + fsync of the file", median_ms(lambda: _fsync_and_hash(p_guard), args.reps)),
+            ("  part: sha256 + fsync of the file", median_ms(lambda: hash_file(p_guard, fsync=True), args.reps)),
             (
                 "load: TorchCheckpointIO",
                 median_ms(lambda: plain.load_checkpoint(p_plain, weights_only=True), args.reps),

@@ -66,14 +66,8 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 import lightning_nanguard
-from lightning_nanguard import (
-    AutoRollback,
-    CheckpointGuard,
-    FP32Evaluation,
-    GradNormMonitor,
-    LossScaleWatchdog,
-    OptimizerBackoff,
-)
+from lightning_nanguard import GradNormMonitor
+from lightning_nanguard.preset import CALLBACKS
 from lightning_nanguard.testing import HostReadCounter
 
 PLAIN = "plain Lightning"
@@ -84,14 +78,7 @@ FLOOR_OPS = "reference: the check's tensor ops alone"
 
 
 def _suite() -> list[pl.Callback]:
-    return [
-        GradNormMonitor(),
-        AutoRollback(),
-        OptimizerBackoff(),
-        LossScaleWatchdog(),
-        CheckpointGuard(),
-        FP32Evaluation(),
-    ]
+    return [cls() for cls in CALLBACKS]
 
 
 class EmptyCallback(pl.Callback):

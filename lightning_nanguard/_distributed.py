@@ -13,6 +13,7 @@ __all__ = [
     "bad_ranks",
     "barrier",
     "broadcast_object",
+    "destroy_process_group",
     "max_across_ranks",
     "sum_across_ranks",
 ]
@@ -96,3 +97,11 @@ def all_gather_objects(trainer: pl.Trainer, obj: object) -> list[object]:
     out: list[object] = [None] * trainer.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+def destroy_process_group() -> None:
+    """Tear down the default process group where one is up (the end of a multi-process run; nothing otherwise)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

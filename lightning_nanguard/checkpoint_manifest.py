@@ -18,18 +18,18 @@ No Lightning import and no collective here: usable from any script (``nanguard v
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import re
 from typing import Any
+
+from lightning_nanguard._files import hash_file, write_text_atomic
 
 __all__ = [
     "MANIFEST_FORMAT",
     "MANIFEST_NAME",
     "directory_files",
     "files_of_rank",
-    "hash_file",
     "is_distributed_checkpoint",
     "manifest_step",
     "verify_directory",
@@ -40,19 +40,6 @@ MANIFEST_NAME = "nanguard-manifest.json"
 MANIFEST_FORMAT = "nanguard-distributed-checkpoint"
 _SHARD_RE = re.compile(r"^__(\d+)_\d+\.distcp$")
 _DCP_METADATA = ".metadata"
-
-
-def hash_file(path: str, *, fsync: bool = False) -> tuple[int, str]:
-    """``(size, sha256)`` of ``path``; with ``fsync`` the file's data is flushed to disk first (it was just written)."""
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        if fsync:
-            os.fsync(f.fileno())
-        while block := f.read(1 << 20):
-            h.update(block)
-            size += len(block)
-    return size, h.hexdigest()
 
 
 def directory_files(dirpath: str) -> list[str]:
@@ -104,13 +91,7 @@ def write_manifest(
         "files": {name: dict(files[name]) for name in sorted(files)},
     }
     path = os.path.join(dirpath, MANIFEST_NAME)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return path
 
 

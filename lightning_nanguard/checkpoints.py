@@ -11,12 +11,11 @@ A distributed checkpoint (a directory written by ``ModelParallelStrategy(save_di
 CheckpointGuard) is verified by its ``nanguard-manifest.json`` instead: every file's size and sha256, no unlisted
 shard, and the finiteness recorded at save time (``checkpoint_manifest.py``).
 
-No Lightning import here: these functions are usable from any script (``nanguard verify``, a resume by hand).
+No Trainer needed: these functions are usable from any script (``nanguard verify``, a resume by hand).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import zipfile
@@ -28,6 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_nanguard._files import hash_file, write_text_atomic
+from lightning_nanguard._lightning_compat import foreach_norms
 from lightning_nanguard.checkpoint_manifest import (
     is_distributed_checkpoint,
     manifest_mtime_ns,
@@ -46,7 +47,8 @@ __all__ = [
     "checkpoint_step",
     "last_good_checkpoint",
     "nonfinite_tensors",
-    "sha256_of",
+    "step_in_name",
+    "verified_step",
     "verify_and_load",
     "verify_checkpoint",
     "write_sidecar",
@@ -67,14 +69,6 @@ class VerifyResult:
     reason: str = ""
 
 
-def sha256_of(path: str, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def write_sidecar(path: str, *, digest: str | None = None) -> str:
     """Write ``path + '.sha256'`` atomically (temporary file, fsync, rename); returns the digest.
 
@@ -83,14 +77,8 @@ def write_sidecar(path: str, *, digest: str | None = None) -> str:
         digest: its sha256 when the caller already has it (saves reading the file again).
     """
     if digest is None:
-        digest = sha256_of(path)
-    sidecar = path + SIDECAR_SUFFIX
-    tmp = sidecar + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(f"{digest}  {os.path.basename(path)}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, sidecar)
+        digest = hash_file(path)[1]
+    write_text_atomic(path + SIDECAR_SUFFIX, f"{digest}  {os.path.basename(path)}\n")
     return digest
 
 
@@ -140,7 +128,8 @@ def nonfinite_tensors(checkpoint: Any) -> list[str]:
     order: list[int] = []
     flags: list[Tensor] = []
     for positions in groups.values():
-        norms = torch.stack(list(_foreach_norm_fp32([tensors[i] for i in positions])))
+        # float32 accumulation; float64 tensors (no downcast) keep their own dtype
+        norms = torch.stack(foreach_norms([tensors[i] for i in positions], dtypes=(torch.float32,)))
         flags.append((~torch.isfinite(norms)).cpu())
         order.extend(positions)
     suspect = torch.cat(flags)
@@ -148,13 +137,6 @@ def nonfinite_tensors(checkpoint: Any) -> list[str]:
         return []
     suspects = sorted(order[i] for i in torch.nonzero(suspect).reshape(-1).tolist())
     return [names[j] for j in suspects if not bool(torch.isfinite(tensors[j]).all())]
-
-
-def _foreach_norm_fp32(tensors: list[Tensor]) -> list[Tensor]:
-    try:
-        return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
-    except (TypeError, RuntimeError):  # float64 tensors (no downcast) or an older torch without dtype=
-        return list(torch._foreach_norm(tensors, 2))
 
 
 def check_sidecar(path: str, *, require_sidecar: bool = True) -> str | None:
@@ -185,7 +167,7 @@ def check_sidecar(path: str, *, require_sidecar: bool = True) -> str | None:
         fields = f.read().split()
     if not fields:
         return f"checksum sidecar {os.path.basename(sidecar)} is empty"
-    if sha256_of(path) != fields[0].lower():
+    if hash_file(path)[1] != fields[0].lower():
         return f"sha256 does not match {os.path.basename(sidecar)} (the file is corrupt, truncated or was modified)"
     return None
 
@@ -302,22 +284,23 @@ def last_good_checkpoint(
         >>> trainer.fit(model, ckpt_path=ckpt)
     """
     for path in checkpoint_candidates(os.fspath(dirpath), directories=directories):
-        if os.path.isdir(path):
-            if verify_directory(path) is not None:
-                continue
-            step = manifest_step(path)
-            if at_or_before_step is not None and (step is None or step > at_or_before_step):
-                continue
-            return path
-        result, checkpoint = verify_and_load(path, require_sidecar=require_sidecar)
-        if not result.ok:
+        reason, step = verified_step(path, require_sidecar=require_sidecar)
+        if reason is not None:
             continue
-        if at_or_before_step is not None:
-            step = checkpoint_step(checkpoint)
-            if step is None or step > at_or_before_step:
-                continue
+        if at_or_before_step is not None and (step is None or step > at_or_before_step):
+            continue
         return path
     return None
+
+
+def verified_step(path: str, *, require_sidecar: bool = True) -> tuple[str | None, int | None]:
+    """``(why path fails verification, or None; its global_step, or None)``: a distributed checkpoint directory by
+    its manifest (and the step it records), a file by ``verify_and_load`` (and ``checkpoint_step``)."""
+    if os.path.isdir(path):
+        reason = verify_directory(path)
+        return reason, manifest_step(path) if reason is None else None
+    result, checkpoint = verify_and_load(path, require_sidecar=require_sidecar)
+    return (None, checkpoint_step(checkpoint)) if result.ok else (result.reason, None)
 
 
 def checkpoint_step(checkpoint: Any) -> int | None:
@@ -330,6 +313,18 @@ def checkpoint_step(checkpoint: Any) -> int | None:
     if isinstance(step, bool) or not isinstance(step, int):
         return None
     return step
+
+
+_STEP_RE = re.compile(r"(?:^|[^A-Za-z0-9])step=(\d+)(?![0-9])")
+
+
+def step_in_name(path: str) -> int | None:
+    """The ``step=N`` of a checkpoint's file name (ModelCheckpoint's default ``epoch=E-step=S.ckpt``), or ``None``.
+
+    The name is all there is to go by when the file itself cannot be read.
+    """
+    found = _STEP_RE.search(os.path.basename(path))
+    return int(found.group(1)) if found else None
 
 
 def _load_failure(err: Exception) -> str:

@@ -16,7 +16,7 @@ from lightning_nanguard.callbacks import (
 )
 from lightning_nanguard.exceptions import NanGuardConfigError
 
-__all__ = ["PRESET", "default_callbacks"]
+__all__ = ["CALLBACKS", "PRESET", "default_callbacks"]
 
 # Each callback's arguments in the preset (the constructors' defaults where not named). Kept in step with
 # examples/cli/preset.yaml by a test.
@@ -28,6 +28,9 @@ PRESET: dict[type[Callback], dict[str, Any]] = {
     CheckpointGuard: {"fallback": True},  # a corrupt resume continues from the newest verified checkpoint
     FP32Evaluation: {"mode": "on_nonfinite", "promote_after": 2},
 }
+
+# Every nanguard callback, in the preset's order: the one list of them (demos, benchmarks and tests iterate it).
+CALLBACKS: tuple[type[Callback], ...] = tuple(PRESET)
 
 
 def default_callbacks(**overrides: dict[str, Any] | bool) -> list[Callback]:

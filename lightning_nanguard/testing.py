@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_nanguard._lightning_compat import host_buffer_marked
 from lightning_nanguard._validation import check_choice, check_int
 from lightning_nanguard.exceptions import NanGuardConfigError
 
@@ -202,16 +203,11 @@ class HostReadCounter:
 
     def _counted(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def counted(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
-            if not self.paused and not _host_buffer(tensor):
+            if not self.paused and not host_buffer_marked(tensor):
                 self.count += 1
             return original(tensor, *args, **kwargs)
 
         return counted
-
-
-def _host_buffer(tensor: Tensor) -> bool:
-    base = tensor._base if tensor._base is not None else tensor
-    return bool(getattr(base, "_nanguard_host", False))
 
 
 def _int_list(owner: str, name: str, value: Any) -> list[Any]:

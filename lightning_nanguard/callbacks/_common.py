@@ -6,12 +6,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from lightning_nanguard import _lightning_compat
+from lightning_nanguard.contract import Action
 from lightning_nanguard.exceptions import UnsupportedSetupError
-from lightning_nanguard.policies.verdict import Action
 from lightning_nanguard.reporting.incidents import Incident
 from lightning_nanguard.signals import fsdp1
 
-__all__ = ["check_strategy_supported", "make_incident", "refusal_reason"]
+__all__ = ["check_strategy_supported", "fp32_evaluation_sharded_refusal", "make_incident", "refusal_reason"]
 
 # Why a strategy is refused, per strategy (its class name or a base's); ``"*"``: every callback.
 _REFUSED: dict[str, dict[str, str]] = {
@@ -81,7 +82,7 @@ def check_strategy_supported(trainer: pl.Trainer, owner: str) -> None:
     Raises:
         UnsupportedSetupError: ``owner`` does not support the Trainer's strategy.
     """
-    hit = refusal_reason({cls.__name__ for cls in type(trainer.strategy).__mro__}, owner)
+    hit = refusal_reason(_lightning_compat.strategy_class_names(trainer), owner)
     if hit is not None:
         strategy, why = hit
         raise UnsupportedSetupError(f"{owner} does not support {strategy}: {why}, or remove the callback.")
@@ -109,7 +110,7 @@ def make_incident(
 ) -> Incident:
     """An Incident for an event outside a training step (a checkpoint, a preflight finding, an evaluation re-run)."""
     if batch_idx is None:
-        batch_idx = int(trainer.fit_loop.epoch_loop.batch_idx) if trainer.training else -1
+        batch_idx = _lightning_compat.train_batch_idx(trainer)
     name = action.value if isinstance(action, Action) else str(action)
     return Incident(
         step=int(trainer.global_step) if step is None else step,
@@ -126,3 +127,31 @@ def make_incident(
         cause=cause,
         where=where,
     )
+
+
+def fp32_evaluation_sharded_refusal(mode: str, kind: str, promote_after: int | None) -> str:
+    """Why FP32Evaluation cannot run this way under ModelParallelStrategy (FSDP2), or ``""`` when it can.
+
+    ``kind`` is ``Precision.kind``. ``mode="always"`` under ``*-mixed`` only switches autocast off in the evaluation
+    step: every rank runs the same steps as without it, so FSDP2's all-gathers stay paired across ranks (tested on 2
+    CPU ranks).
+    """
+    if mode == "on_nonfinite" and kind != "none":
+        return (
+            "mode='on_nonfinite' re-runs a batch in float32 on the rank that saw it non-finite, and an FSDP2 forward "
+            "all-gathers the parameters, so a re-run on one rank alone would wait forever for the others (a hang). "
+            "Use FP32Evaluation(mode='always'), which runs every evaluation step in float32 on every rank"
+        )
+    if promote_after is not None and kind == "mixed":  # elsewhere nothing is ever promoted
+        return (
+            "promote_after (moving a training module to float32 after repeated overflows) is not tested under FSDP2. "
+            "Use promote_after=None"
+        )
+    if kind == "true":
+        return (
+            "under 16-true/bf16-true the float32 evaluation runs on temporary float32 copies of the parameters "
+            "(torch.func.functional_call), which would bypass FSDP2's all-gather of the sharded (DTensor) "
+            "parameters. Train in precision='bf16-mixed' to evaluate in float32 with mode='always', or remove the "
+            "callback"
+        )
+    return ""

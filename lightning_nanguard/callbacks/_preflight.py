@@ -28,8 +28,7 @@ _CAUSES = {"eps_underflow": Cause.OPTIMIZER_NUMERICS.value, "half_master": Cause
 
 def describe_optimizers(trainer: pl.Trainer) -> list[OptimizerInfo]:
     """The plain facts preflight needs about every optimizer of ``trainer`` (no host reads of tensor values)."""
-    scaler = _lightning_compat.get_scaler(trainer)
-    scaler_active = scaler is not None and scaler.is_enabled()
+    scaler_active = _lightning_compat.active_scaler(trainer) is not None
     out = []
     for i, opt in enumerate(trainer.optimizers):
         groups = tuple(

@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_nanguard import _lightning_compat
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._common import make_incident
-from lightning_nanguard.contract import Cause
+from lightning_nanguard.contract import Action, Cause
 from lightning_nanguard.engine import Engine, get_engine
-from lightning_nanguard.exceptions import NanGuardConfigError, UnsupportedSetupError
-from lightning_nanguard.policies.verdict import Action
-from lightning_nanguard.recovery import sharded_checkpoint
-from lightning_nanguard.recovery.verifying_io import CheckpointEvent, VerifyingCheckpointIO, remove_stale_tmp_files
+from lightning_nanguard.exceptions import NanGuardConfigError
+from lightning_nanguard.recovery.checkpoint_events import CheckpointEvent, describe, incident_values
+from lightning_nanguard.recovery.checkpoint_io import install_verifying_io, remove_killed_saves
 
 __all__ = ["CheckpointGuard"]
 
@@ -113,7 +110,13 @@ class CheckpointGuard(NanGuardCallback):
         # Every stage, not only fit: validate/test/predict(ckpt_path=...) load through the wrapper too.
         self._unmute_hooks()
         self._check_environment(trainer)
-        self._wrap(trainer)
+        install_verifying_io(
+            trainer,
+            require_sidecar=self.require_sidecar,
+            fallback=self.fallback,
+            tag_last_good=self.tag_last_good,
+            listener=self._on_event,
+        )
         self._trainer = trainer
         self._fit = stage == "fit"
         self._pending = []
@@ -129,42 +132,11 @@ class CheckpointGuard(NanGuardCallback):
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
         """No capability to register: the wrapper acts on its own, and only reports to the engine's sink."""
 
-    def _wrap(self, trainer: pl.Trainer) -> None:
-        owner = type(self).__name__
-        io = trainer.strategy.checkpoint_io
-        if isinstance(io, VerifyingCheckpointIO):  # a second fit on the same Trainer: reuse, with our settings
-            io.listener = self._on_event
-            io.require_sidecar, io.fallback, io.tag_last_good = self.require_sidecar, self.fallback, self.tag_last_good
-            if {"ModelParallelStrategy", "FSDPStrategy"} & _lightning_compat.strategy_class_names(trainer):
-                sharded_checkpoint.install(trainer, io)
-            return
-        if "AsyncCheckpointIO" in {cls.__name__ for cls in type(io).__mro__}:
-            raise UnsupportedSetupError(
-                f"{owner} cannot checksum checkpoints written in the background by AsyncCheckpointIO: the file "
-                "is not complete when save_checkpoint returns. Remove AsyncCheckpointIO from Trainer(plugins=...) "
-                "or remove CheckpointGuard."
-            )
-        wrapper = VerifyingCheckpointIO(
-            io,
-            require_sidecar=self.require_sidecar,
-            fallback=self.fallback,
-            tag_last_good=self.tag_last_good,
-            listener=self._on_event,
-        )
-        trainer.strategy.checkpoint_io = wrapper
-        if {"ModelParallelStrategy", "FSDPStrategy"} & _lightning_compat.strategy_class_names(trainer):
-            # Its checkpoints bypass checkpoint_io on load (and, as directories, on save): wrap the strategy's own.
-            sharded_checkpoint.install(trainer, wrapper)
-
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self._flush(trainer)  # global_step is restored now, so a fallback incident names the step resumed at
-        if trainer.is_global_zero:  # the only rank that writes checkpoints: the temporary files of killed saves
-            for callback in trainer.checkpoint_callbacks:
-                dirpath = getattr(callback, "dirpath", None)
-                if dirpath and os.path.isdir(str(dirpath)):
-                    remove_stale_tmp_files(str(dirpath))
+        remove_killed_saves(trainer)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -225,7 +197,7 @@ class CheckpointGuard(NanGuardCallback):
         elif event.kind == "unverified":
             rank_zero_warn(f"CheckpointGuard: {event.path}: {event.reason}.")
         elif event.kind == "fallback":
-            rank_zero_warn(self._message(event))
+            rank_zero_warn(describe(event))
             self._pending.append(event)  # recorded at train start, when the resumed step is known
         elif event.kind == "refused_load":
             self._report(event)
@@ -237,53 +209,20 @@ class CheckpointGuard(NanGuardCallback):
 
     def _report(self, event: CheckpointEvent) -> None:
         trainer = self._trainer
-        message = self._message(event)
+        message = describe(event, trainer.global_step if trainer is not None else None)
         if event.kind == "refused_save":
             rank_zero_warn(message)
         if trainer is None or not self._fit:
             return  # outside fit there is no incident log; the warning above or the raised error says it all
-        values: dict[str, Any] = {"file": event.path, "reason": event.reason}
-        if event.substitute:
-            values["loaded"] = event.substitute
-        if event.tensors:
-            values["nonfinite_tensors"] = ", ".join(event.tensors[:10])
-        if event.kept:
-            values["kept"] = event.kept
         incident = make_incident(
             trainer,
             trigger="nonfinite_checkpoint" if event.kind == "refused_save" else "checkpoint_verification_failed",
             action=Action.FALLBACK if event.kind == "fallback" else Action.REFUSE,
             source=type(self).__name__,
-            values=values,
+            values=incident_values(event),
             message=message,
             # A refused save: the state is non-finite; a failed verification: the file is corrupt (or non-finite).
             cause=Cause.CORRUPT_STATE.value,
             where=", ".join(event.tensors[:3]) if event.tensors else event.path,
         )
         get_engine(trainer).sink.record(trainer, incident)
-
-    def _message(self, event: CheckpointEvent) -> str:
-        if event.kind == "refused_save":
-            shown = ", ".join(event.tensors[:3]) + (
-                f" and {len(event.tensors) - 3} more" if len(event.tensors) > 3 else ""
-            )
-            where = f" at global_step={self._trainer.global_step}" if self._trainer is not None else ""
-            directory = os.path.dirname(os.path.abspath(event.path))
-            if event.kept:
-                kept = f"the newest good checkpoint stays at {event.kept}"
-            else:
-                kept = f"no good checkpoint of this run is known in {directory}"
-            return (
-                f"CheckpointGuard refused to write {event.path}{where}: non-finite values in {shown}. Nothing was "
-                f"written; {kept}, and checkpoint retention (ModelCheckpoint's save_top_k) cannot delete files of "
-                f"{directory} until a finite checkpoint is written there again. The weights or optimizer state went "
-                "non-finite: add GradNormMonitor or AutoRollback to stop such updates, lower the learning rate, or "
-                "resume from the last good checkpoint."
-            )
-        if event.kind == "fallback":
-            return (
-                f"CheckpointGuard: {event.path} failed verification ({event.reason}); loaded {event.substitute}, "
-                "the newest verified checkpoint of that directory, instead (with weights_only=True). "
-                "trainer.ckpt_path still shows the requested file."
-            )
-        return f"CheckpointGuard refused to load {event.path}: {event.reason}."

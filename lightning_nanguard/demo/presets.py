@@ -2,45 +2,29 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from lightning.pytorch.callbacks import Callback
 
-import lightning_nanguard as ng
+from lightning_nanguard.preset import CALLBACKS, default_callbacks
 
 __all__ = ["CONFIGS", "preset"]
 
 
-def _stand_in() -> list[Callback]:
-    return [
-        ng.GradNormMonitor(),
-        ng.AutoRollback(),
-        ng.OptimizerBackoff(),
-        ng.LossScaleWatchdog(),
-        ng.CheckpointGuard(),
-        ng.FP32Evaluation(),
-    ]
-
-
-# The suite's own preset once it exists; until then the six callbacks at their defaults.
-HAS_DEFAULT_CALLBACKS = hasattr(ng, "default_callbacks")
-
-
 def preset() -> list[Callback]:
-    """The six callbacks at cooperative defaults: ``lightning_nanguard.default_callbacks()`` where it exists."""
-    if HAS_DEFAULT_CALLBACKS:
-        return list(ng.default_callbacks())
-    return _stand_in()
+    """The six callbacks at cooperative defaults: ``lightning_nanguard.default_callbacks()``."""
+    return list(default_callbacks())
 
 
-# name -> callbacks factory (a fresh list per run: callbacks hold per-fit state).
+def _alone(cls: type[Callback]) -> list[Callback]:
+    return [cls()]
+
+
+# name -> callbacks factory (a fresh list per run: callbacks hold per-fit state). Each callback alone runs at its
+# constructor's defaults.
 CONFIGS: dict[str, Callable[[], list[Callback]]] = {
     "unguarded": list,
     "preset": preset,
-    "GradNormMonitor": lambda: [ng.GradNormMonitor()],
-    "AutoRollback": lambda: [ng.AutoRollback()],
-    "OptimizerBackoff": lambda: [ng.OptimizerBackoff()],
-    "LossScaleWatchdog": lambda: [ng.LossScaleWatchdog()],
-    "CheckpointGuard": lambda: [ng.CheckpointGuard()],
-    "FP32Evaluation": lambda: [ng.FP32Evaluation()],
+    **{cls.__name__: functools.partial(_alone, cls) for cls in CALLBACKS},
 }

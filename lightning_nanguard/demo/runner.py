@@ -22,6 +22,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from lightning_nanguard import _distributed
 from lightning_nanguard.demo.common import probe_loss
 from lightning_nanguard.demo.registry import get_task
 from lightning_nanguard.engine import get_engine
@@ -47,8 +48,7 @@ class _ReleaseProcessGroup(Callback):
     interpreter can abort a rank whose fit succeeded ("terminate called without an active exception")."""
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        _distributed.destroy_process_group()
 
 
 @dataclass

@@ -1,10 +1,10 @@
 """Restore weights and optimizer state from a checkpoint file mid-fit, with public strategy calls, loops untouched.
 
-``trainer._checkpoint_connector.restore(path)`` mid-fit rewinds the loops and ends the epoch early
-(LIGHTNING_FACTS section 6), so this loads the pieces one by one: model, optimizers, GradScaler (only downward).
+Lightning's own restore of a checkpoint mid-fit rewinds the loops and ends the epoch early (LIGHTNING_FACTS
+section 6), so this loads the pieces one by one: model, optimizers, GradScaler (only downward).
 Param-group hyperparameters (lr, eps, betas...) in the file are *not* used: the live ones are put back after the
-load, so an LR/eps backoff made since the checkpoint survives (the issue OPT hit: reloading the optimizer silently
-reloaded old betas). Schedulers are not rewound, as for the in-memory path.
+load, so an LR/eps backoff made since the checkpoint survives (and no old betas come back with the optimizer
+state). Schedulers are not rewound, as for the in-memory path.
 
 The file is read here, with ``torch.load(weights_only=True)`` and the full verification (sidecar, finiteness), not
 through the strategy's ``CheckpointIO``: nanguard chose this file, so nothing in it is unpickled beyond weights, and a
@@ -21,11 +21,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_nanguard import _distributed
-from lightning_nanguard.checkpoints import checkpoint_step, verify_and_load
+from lightning_nanguard import _distributed, _lightning_compat
+from lightning_nanguard.checkpoints import checkpoint_step, last_good_checkpoint, verify_and_load
 from lightning_nanguard.exceptions import CheckpointVerificationError
 
-__all__ = ["DiskRestore", "load_rollback_checkpoint", "restore_from_checkpoint"]
+__all__ = ["DiskRestore", "has_rollback_checkpoint", "load_rollback_checkpoint", "restore_from_checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,18 @@ def load_rollback_checkpoint(path: str, *, at_or_before_step: int, require_sidec
     return checkpoint  # type: ignore[no-any-return]
 
 
+def has_rollback_checkpoint(trainer: pl.Trainer, dirpath: str | None, *, at_or_before_step: int) -> bool:
+    """A verified checkpoint file of a step at or before ``at_or_before_step`` is in ``dirpath``. Rank 0 looks at the
+    files and broadcasts (a collective: call on every rank, on the incident path only). Files only, as
+    ``restore_from_checkpoint`` loads them (not a distributed checkpoint directory)."""
+    found = (
+        dirpath is not None
+        and trainer.is_global_zero
+        and last_good_checkpoint(dirpath, at_or_before_step=at_or_before_step, directories=False)
+    )
+    return bool(_distributed.broadcast_object(trainer, bool(found)))
+
+
 def restore_from_checkpoint(trainer: pl.Trainer, path: str) -> DiskRestore:
     """Load ``path``'s model and optimizer state into the running fit. Call on every rank, with the same ``path``.
 
@@ -91,9 +103,7 @@ def restore_from_checkpoint(trainer: pl.Trainer, path: str) -> DiskRestore:
     for opt, groups in zip(trainer.optimizers, hyper, strict=True):
         for group, saved in zip(opt.param_groups, groups, strict=True):
             group.update(saved)
-    scaler_state = checkpoint.get(type(trainer.precision_plugin).__qualname__) or {}
-    scale = scaler_state.get("scale") if isinstance(scaler_state, dict) else None
     step = int(checkpoint.get("global_step", 0))
-    loops = checkpoint.get("loops", {}).get("fit_loop", {})
-    log_step = int(loops.get("epoch_loop.state_dict", {}).get("_batches_that_stepped", step))
-    return DiskRestore(path=path, step=step, log_step=log_step, scale=None if scale is None else float(scale))
+    log_step = _lightning_compat.checkpoint_log_step(checkpoint, default=step)
+    scale = _lightning_compat.checkpoint_scaler_scale(checkpoint, trainer)
+    return DiskRestore(path=path, step=step, log_step=log_step, scale=scale)

@@ -1,9 +1,19 @@
 """Running an evaluation step in float32 without touching the real parameters (no Trainer needed).
 
-The pieces ``FP32Evaluation`` assembles:
+``Fp32Eval`` patches one evaluation (validation or test) of a LightningModule between ``on_{validation,test}_start``
+and ``*_end``, through ``_lightning_compat.AttributePatches`` (what was there before is put back, so a
+``torch.compile``-d step stays compiled):
 
-* ``AttributePatches``: set instance attributes and later put back exactly what was there (re-assign the previous
-  instance attribute, e.g. a ``torch.compile`` wrapper Lightning installed; delete only what we added);
+* under ``*-mixed`` the precision plugin's ``val_step_context``/``test_step_context`` disables autocast;
+* under ``*-true`` the step runs on ``Fp32Weights`` (built lazily, once per evaluation) under a float32 default
+  dtype, and the plugin's ``convert_input`` leaves the batch in float32 (the half-precision attempt of
+  ``"on_nonfinite"`` casts it itself);
+* under ``mode="on_nonfinite"`` the step is wrapped: its ``self.log`` calls are deferred (``DeferredLog``) until its
+  outputs are known finite; a non-finite batch is re-run in float32, what the bad call logged is dropped and the
+  re-run's values are logged instead.
+
+The pieces it assembles:
+
 * ``Fp32Weights``: temporary float32 copies of a half-precision module's floating parameters and buffers, and a call
   of any of its methods on them through the public ``torch.func.functional_call``. The real parameters keep their
   dtype and their autograd nodes, which is what keeps DDP's gradient all-reduce hooks alive (casting them with
@@ -15,52 +25,34 @@ The pieces ``FP32Evaluation`` assembles:
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
+from lightning_nanguard._lightning_compat import EVAL_STEP_CONTEXT, AttributePatches, takes_dataloader_iter
+
 __all__ = [
-    "AttributePatches",
     "DeferredLog",
+    "Fp32Eval",
     "Fp32Weights",
+    "Rerun",
+    "autocast_device",
     "autocast_disabled",
     "default_dtype",
     "floating_tensors",
+    "merge_reruns",
     "nonfinite_flag",
+    "rerun_message",
 ]
 
-
-class AttributePatches:
-    """Instance-attribute patches that are undone by restoring exactly what was there before.
-
-    Lightning installs ``torch.compile``-wrapped ``validation_step``/``test_step`` as instance attributes; restoring
-    with ``del`` would silently drop them (un-compiling evaluation), so a previous instance attribute is re-assigned.
-    Only an attribute that did not exist as an instance attribute before the patch is deleted.
-    """
-
-    def __init__(self) -> None:
-        self._saved: list[tuple[object, str, bool, Any]] = []
-
-    def set(self, obj: object, name: str, value: Any) -> None:
-        own = vars(obj)
-        had = name in own
-        self._saved.append((obj, name, had, own.get(name)))
-        setattr(obj, name, value)
-
-    def restore(self) -> None:
-        while self._saved:
-            obj, name, had, previous = self._saved.pop()
-            if had:
-                setattr(obj, name, previous)
-            elif name in vars(obj):
-                delattr(obj, name)
-
-    def __bool__(self) -> bool:
-        return bool(self._saved)
+# One batch this rank re-ran in float32: (stage, batch_idx, finite in float32).
+Rerun = tuple[str, int, bool]
+_STAGE = {"validation_step": "validation", "test_step": "test"}
 
 
 @contextmanager
@@ -202,3 +194,122 @@ def nonfinite_flag(*collections: Any) -> Tensor | bool:
         return False
     device = flags[0].device
     return ~torch.stack([f.to(device) for f in flags]).all()
+
+
+def autocast_device(plugin: Any) -> str:
+    """The device type a precision plugin autocasts on (``"cpu"`` for a plugin without one)."""
+    return str(getattr(plugin, "device", "cpu"))
+
+
+class Fp32Eval:
+    """One evaluation's patches: every step in float32 (``mode="always"``), or only the non-finite ones re-run in
+    float32 (``"on_nonfinite"``; this rank's re-runs collect in ``pending``).
+
+    Args:
+        mode: ``"always"`` or ``"on_nonfinite"``.
+        kind: ``Precision.kind``: autocast to switch off (``"mixed"``), half weights to copy to float32 (``"true"``),
+            or nothing to do (``"none"``).
+    """
+
+    def __init__(self, mode: str, kind: Literal["mixed", "true", "none"] = "none") -> None:
+        self.mode = mode
+        self.kind = kind
+        self.pending: list[Rerun] = []
+        self._patches = AttributePatches()
+        self._weights: Fp32Weights | None = None
+
+    def begin(self, plugin: Any, pl_module: Any, step_name: str, warn: Callable[[str], None]) -> None:
+        """Patch ``pl_module``'s ``step_name`` (``"validation_step"`` or ``"test_step"``) and ``plugin``; a step that
+        cannot be handled runs unchanged, and ``warn`` is told why."""
+        self.end()  # a previous evaluation that ended abnormally
+        self.pending = []
+        if self.kind == "none":
+            return
+        step = getattr(pl_module, step_name)
+        if self.mode == "on_nonfinite" and takes_dataloader_iter(step):
+            warn(
+                f"FP32Evaluation(mode='on_nonfinite') cannot re-run a `{step_name}(dataloader_iter)`: the batch is "
+                "consumed by the step. Evaluation runs unchanged; use mode='always' instead."
+            )
+            return
+        convert = plugin.convert_input  # the half-precision cast, for the first attempt under "on_nonfinite"
+        if self.kind == "true":
+            self._weights = Fp32Weights(pl_module)
+            # The batch stays float32; the half-precision attempt ("on_nonfinite") casts it itself.
+            self._patches.set(plugin, "convert_input", _identity)
+        context = EVAL_STEP_CONTEXT[step_name]
+        if self.mode == "always":
+            if self.kind == "mixed":
+                device = autocast_device(plugin)
+                self._patches.set(plugin, context, lambda: autocast_disabled(device))
+                return  # the step itself is untouched: weights and inputs are already float32
+            self._patches.set(plugin, context, lambda: default_dtype(torch.float32))
+        deferred = DeferredLog(pl_module.log) if self.mode == "on_nonfinite" else None
+        if deferred is not None:
+            self._patches.set(pl_module, "log", deferred)
+        self._patches.set(pl_module, step_name, self._wrap(plugin, step, _STAGE[step_name], deferred, convert))
+
+    def end(self) -> None:
+        """Put back every patch and free the float32 copies."""
+        self._patches.restore()
+        if self._weights is not None:
+            self._weights.release()
+            self._weights = None
+
+    def _wrap(self, plugin: Any, step: Any, stage: str, deferred: DeferredLog | None, convert: Any) -> Any:
+        @functools.wraps(step)
+        def fp32_step(*args: Any, **kwargs: Any) -> Any:
+            if deferred is None:  # mode="always", true half precision
+                return self._fp32_call(plugin, step, args, kwargs)
+            first_args = (convert(args[0]), *args[1:]) if self.kind == "true" and args else args
+            deferred.begin()
+            try:
+                output = step(*first_args, **kwargs)
+            except BaseException:
+                deferred.discard()
+                raise
+            # This rank decides alone (one host read, no collective): ranks may see different numbers of batches,
+            # and a per-batch collective would then wait forever. The logged values are deferred, so each rank
+            # still logs once per batch; the re-runs are gathered and recorded at the epoch end.
+            if not bool(nonfinite_flag(output, deferred.values())):
+                deferred.replay()
+                return output
+            deferred.discard()  # the bad call's logged values must not reach Lightning's epoch accumulation
+            output = self._fp32_call(plugin, step, args, kwargs)
+            batch_idx = int(args[1]) if len(args) > 1 and isinstance(args[1], int) else int(kwargs.get("batch_idx", -1))
+            self.pending.append((stage, batch_idx, not bool(nonfinite_flag(output))))
+            return output
+
+        return fp32_step
+
+    def _fp32_call(self, plugin: Any, step: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.kind == "mixed":
+            with autocast_disabled(autocast_device(plugin)):
+                return step(*args, **kwargs)
+        assert self._weights is not None
+        with default_dtype(torch.float32):
+            return self._weights.call(step, *args, **kwargs)
+
+
+def _identity(data: Any) -> Any:
+    return data
+
+
+def merge_reruns(gathered: Sequence[Sequence[Rerun]]) -> dict[tuple[str, int], tuple[list[int], bool]]:
+    """Every rank's re-runs (``gathered[rank]``), by ``(stage, batch_idx)`` in order: the ranks that re-ran the
+    batch, and whether it was finite in float32 on all of them."""
+    merged: dict[tuple[str, int], list[tuple[int, bool]]] = {}
+    for rank, part in enumerate(gathered):
+        for stage, batch_idx, fp32_finite in part:
+            merged.setdefault((stage, batch_idx), []).append((rank, fp32_finite))
+    return {key: ([r for r, _ in seen], all(ok for _, ok in seen)) for key, seen in sorted(merged.items())}
+
+
+def rerun_message(stage: str, batch_idx: int, half: str, fp32_finite: bool) -> str:
+    """The incident's sentence for one re-run batch (``half``: the dtype's name, ``"float16"``/``"bfloat16"``)."""
+    if not fp32_finite:
+        return (
+            f"{stage} batch {batch_idx} is non-finite in {half} and in float32 too: not a precision overflow. "
+            "Check this batch's data and the model's weights."
+        )
+    return f"{stage} batch {batch_idx} overflowed in {half}; finite in float32"

@@ -9,8 +9,9 @@ import lightning.pytorch as pl
 
 from lightning_nanguard import _distributed
 from lightning_nanguard.checkpoints import SIDECAR_SUFFIX, verify_checkpoint, write_sidecar
+from lightning_nanguard.exceptions import UnsupportedSetupError
 
-__all__ = ["checkpoint_dir", "save_verified_checkpoint"]
+__all__ = ["checkpoint_dir", "require_checkpoint_dir", "save_final_checkpoint", "save_verified_checkpoint"]
 
 
 def checkpoint_dir(trainer: pl.Trainer, explicit: str | None) -> str | None:
@@ -18,6 +19,21 @@ def checkpoint_dir(trainer: pl.Trainer, explicit: str | None) -> str | None:
     callback = trainer.checkpoint_callback
     dirpath = getattr(callback, "dirpath", None)
     return str(dirpath) if dirpath else explicit
+
+
+def require_checkpoint_dir(trainer: pl.Trainer, explicit: str | None, owner: str) -> str:
+    """``checkpoint_dir``, or ``UnsupportedSetupError`` naming ``owner`` when the run has none.
+
+    Raises:
+        UnsupportedSetupError: no ModelCheckpoint with a ``dirpath`` and no ``explicit`` directory.
+    """
+    dirpath = checkpoint_dir(trainer, explicit)
+    if dirpath is None:
+        raise UnsupportedSetupError(
+            f"{owner} needs a checkpoint directory: configure a ModelCheckpoint with a dirpath "
+            "or pass AutoRollback(checkpoint_dir=...)."
+        )
+    return dirpath
 
 
 def save_verified_checkpoint(trainer: pl.Trainer, dirpath: str, name: str) -> str:
@@ -49,3 +65,10 @@ def save_verified_checkpoint(trainer: pl.Trainer, dirpath: str, name: str) -> st
     if _distributed.any_rank(trainer, failed):  # also the barrier: rank 0 has finished writing
         return ""
     return path
+
+
+def save_final_checkpoint(trainer: pl.Trainer, explicit_dir: str | None, step: int) -> str:
+    """``save_verified_checkpoint`` of ``nanguard-final-step=<step>.ckpt`` into the run's checkpoint directory
+    (``checkpoint_dir``, else ``<default_root_dir>/checkpoints``). Every rank calls it."""
+    dirpath = checkpoint_dir(trainer, explicit_dir) or os.path.join(trainer.default_root_dir, "checkpoints")
+    return save_verified_checkpoint(trainer, dirpath, f"nanguard-final-step={step}.ckpt")

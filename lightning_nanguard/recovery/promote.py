@@ -14,15 +14,16 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
 
-__all__ = ["is_promoted", "promote"]
+from lightning_nanguard._lightning_compat import tree_map
+
+__all__ = ["is_promoted", "promote", "promote_submodule"]
 
 _MARK = "_nanguard_fp32_forward"
 
 
 def is_promoted(module: nn.Module) -> bool:
-    return bool(module.__dict__.get(_MARK))
+    return bool(getattr(module, _MARK, False))
 
 
 def promote(module: nn.Module, device_type: str) -> bool:
@@ -38,7 +39,7 @@ def promote(module: nn.Module, device_type: str) -> bool:
             return original(*args, **kwargs)
 
     module.forward = forward  # type: ignore[method-assign]
-    module.__dict__[_MARK] = True
+    setattr(module, _MARK, True)
     return True
 
 
@@ -46,3 +47,15 @@ def _to_float32(value: Any) -> Any:
     if isinstance(value, Tensor) and value.is_floating_point() and value.dtype != torch.float32:
         return value.float()
     return value
+
+
+def promote_submodule(root: nn.Module, path: str, device_type: str, *, mixed: bool, precision: str) -> tuple[bool, str]:
+    """``promote`` the submodule of ``root`` at ``path`` where autocast runs (``mixed``); returns whether it was
+    promoted now, and the sentence that says what happened (``precision``: the Trainer's, for that sentence)."""
+    try:
+        target = root.get_submodule(path)
+    except AttributeError:
+        return False, f"could not move {path} to float32: no such module"
+    if not mixed:
+        return False, f"{path} was not moved to float32: under {precision!r} there is no autocast to switch off"
+    return promote(target, device_type), f"moved {path} to float32 from now on (autocast off for its forward)"

@@ -49,37 +49,26 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lightning_nanguard import _distributed, _lightning_compat
+from lightning_nanguard._files import fsync_dir, hash_file
 from lightning_nanguard.checkpoint_manifest import (
     directory_files,
     files_of_rank,
-    hash_file,
     manifest_step,
-    verify_directory,
     write_manifest,
 )
 from lightning_nanguard.checkpoints import (
     SIDECAR_SUFFIX,
     checkpoint_candidates,
-    checkpoint_step,
     nonfinite_tensors,
-    verify_and_load,
+    step_in_name,
+    verified_step,
 )
 from lightning_nanguard.exceptions import CheckpointVerificationError
-from lightning_nanguard.recovery.verifying_io import (
-    CheckpointEvent,
-    VerifyingCheckpointIO,
-    fsync_dir,
-    step_in_name,
-    tmp_name,
-)
+from lightning_nanguard.recovery.checkpoint_events import CheckpointEvent
+from lightning_nanguard.recovery.tmp_files import tmp_name
+from lightning_nanguard.recovery.verifying_io import VerifyingCheckpointIO, find_fallback
 from lightning_nanguard.signals.fsdp1 import is_fsdp1
 from lightning_nanguard.signals.sharded import is_sharded, local_tensor
-
-_ShardedTensor: Any = None
-try:  # FSDP1's SHARDED_STATE_DICT holds ShardedTensors (without a device mesh); absent from some torch builds
-    from torch.distributed._shard.sharded_tensor.api import ShardedTensor as _ShardedTensor
-except ImportError:  # pragma: no cover - depends on the torch build
-    pass
 
 __all__ = ["LoadDecision", "decide_load", "install", "saves_directories"]
 
@@ -88,7 +77,7 @@ def saves_directories(strategy: Any) -> bool:
     """``ModelParallelStrategy(save_distributed_checkpoint=...)``, ``FSDPStrategy(state_dict_type=...)``: does it
     save directories?"""
     if is_fsdp1(strategy):  # "sharded": a directory of torch.distributed.checkpoint shards; "full" (default): a file
-        return getattr(strategy, "_state_dict_type", "full") == "sharded"
+        return _lightning_compat.fsdp1_state_dict_type(strategy) == "sharded"
     return _lightning_compat.saves_distributed_checkpoint(strategy)
 
 
@@ -96,8 +85,8 @@ def install(trainer: pl.Trainer, io: VerifyingCheckpointIO) -> None:
     """Wrap ``trainer.strategy.save_checkpoint``/``load_checkpoint`` (once per strategy; a later fit re-points the
     wrappers at this Trainer and ``io``)."""
     strategy = trainer.strategy
-    save = strategy.__dict__.get("save_checkpoint")
-    load = strategy.__dict__.get("load_checkpoint")
+    save = _lightning_compat.instance_attribute(strategy, "save_checkpoint")
+    load = _lightning_compat.instance_attribute(strategy, "load_checkpoint")
     if isinstance(save, _GuardedSave) and isinstance(load, _GuardedLoad):
         save.rebind(trainer, io)
         load.rebind(trainer, io)
@@ -234,8 +223,9 @@ def _local(obj: Any) -> Any:
         return {k: _local(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [_local(v) for v in obj]
-    if _ShardedTensor is not None and isinstance(obj, _ShardedTensor):
-        return [shard.tensor for shard in obj.local_shards()]
+    shards = _lightning_compat.local_shards(obj)
+    if shards is not None:
+        return shards
     return local_tensor(obj) if is_sharded(obj) else obj
 
 
@@ -294,7 +284,7 @@ def decide_load(io: VerifyingCheckpointIO, requested: str) -> LoadDecision:
     requested = requested.removeprefix("file://")
     if not os.path.lexists(requested):
         return LoadDecision(missing=True, error=f"Checkpoint file not found: {requested}")
-    reason = _verify(requested, io.require_sidecar)[0]
+    reason = verified_step(requested, require_sidecar=io.require_sidecar)[0]
     if reason is None:
         return LoadDecision(requested, events=(CheckpointEvent("loaded", requested),))
     later: list[str] = []
@@ -302,28 +292,17 @@ def decide_load(io: VerifyingCheckpointIO, requested: str) -> LoadDecision:
         limit = step_in_name(requested)
         if limit is None and os.path.isdir(requested):
             limit = manifest_step(requested)  # the manifest still says which step this directory was
-        for candidate in checkpoint_candidates(os.path.dirname(os.path.abspath(requested))):
-            if os.path.abspath(candidate) == os.path.abspath(requested):
-                continue
-            found, step = _verify(candidate, io.require_sidecar)
-            if found is not None or step is None:
-                continue
-            if limit is not None and step > limit:
-                later.append(candidate)  # never forward past the step asked for
-                continue
-            event = CheckpointEvent("fallback", requested, reason, substitute=candidate)
-            return LoadDecision(candidate, events=(event,))
+
+        def verify(candidate: str) -> tuple[bool, int | None, None]:
+            why, step = verified_step(candidate, require_sidecar=io.require_sidecar)
+            return why is None, step, None
+
+        candidates = checkpoint_candidates(os.path.dirname(os.path.abspath(requested)))
+        chosen, _, later = find_fallback(requested, candidates, verify, limit)
+        if chosen is not None:
+            return LoadDecision(chosen, events=(CheckpointEvent("fallback", requested, reason, substitute=chosen),))
     message = io.load_error(requested, reason, later)
     return LoadDecision(error=message, events=(CheckpointEvent("refused_load", requested, reason),))
-
-
-def _verify(path: str, require_sidecar: bool) -> tuple[str | None, int | None]:
-    """``(why it fails or None, its step)`` for a directory (by its manifest) or a file (loaded, weights only)."""
-    if os.path.isdir(path):
-        reason = verify_directory(path)
-        return reason, manifest_step(path) if reason is None else None
-    result, checkpoint = verify_and_load(path, require_sidecar=require_sidecar)
-    return (None, checkpoint_step(checkpoint)) if result.ok else (result.reason, None)
 
 
 class _GuardedLoad(_Bound):

@@ -10,67 +10,31 @@ wrapped IO.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
-import re
 import shutil
-import socket
 import tempfile
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
-import fsspec
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from typing_extensions import override
 
+from lightning_nanguard._files import fsync_dir, hash_file, is_local_path
 from lightning_nanguard.checkpoints import (
     LAST_GOOD_NAME,
     SIDECAR_SUFFIX,
     checkpoint_files,
     checkpoint_step,
-    last_good_checkpoint,
     nonfinite_tensors,
+    step_in_name,
     verify_and_load,
     write_sidecar,
 )
 from lightning_nanguard.exceptions import CheckpointVerificationError
+from lightning_nanguard.recovery.checkpoint_events import CheckpointEvent, load_error
+from lightning_nanguard.recovery.tmp_files import remove_stale_tmp_files, tmp_name
 
-__all__ = [
-    "STALE_TMP_SECONDS",
-    "CheckpointEvent",
-    "VerifyingCheckpointIO",
-    "fsync_dir",
-    "remove_stale_tmp_files",
-    "step_in_name",
-    "tmp_name",
-]
-
-EventKind = Literal["saved", "refused_save", "loaded", "refused_load", "fallback", "unverified", "kept"]
-
-# A temporary file of ours: ".<name>.<pid>@<host>.tmp" (checkpoints and the tag; older versions wrote
-# ".<name>.ckpt.<pid>.tmp") or "<name>.ckpt.sha256.tmp" (a sidecar).
-_TMP_RE = re.compile(
-    r"^\.(?P<base>.+)\.(?P<pid>\d+)@(?P<host>[^/@]+)\.tmp$|^\.(?P<legacy>.+\.ckpt)\.(?P<lpid>\d+)\.tmp$"
-)
-_SIDECAR_TMP_RE = re.compile(r"^(?P<base>.+\.ckpt)" + re.escape(SIDECAR_SUFFIX) + r"\.tmp$")
-# A temporary file from another host (or of unknown origin) is left alone until it is this old: a save in progress
-# elsewhere is never touched.
-STALE_TMP_SECONDS = 3600.0
-_STEP_RE = re.compile(r"(?:^|[^A-Za-z0-9])step=(\d+)(?![0-9])")
-
-
-@dataclass(frozen=True)
-class CheckpointEvent:
-    """What the wrapper did with one file, for the callback to report (``path``: the file Lightning asked for)."""
-
-    kind: EventKind
-    path: str
-    reason: str = ""
-    substitute: str = ""  # for "fallback": the file actually loaded
-    tensors: tuple[str, ...] = ()  # for "refused_save": the non-finite tensors
-    kept: str = ""  # for "refused_save" / "kept": the newest good checkpoint of that directory, when known
+__all__ = ["VerifyingCheckpointIO", "find_fallback"]
 
 
 class VerifyingCheckpointIO(CheckpointIO):
@@ -128,7 +92,7 @@ class VerifyingCheckpointIO(CheckpointIO):
         if _is_spawn_transfer(target):
             self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
             return
-        local = _is_local_file_protocol(target)
+        local = is_local_path(target)
         directory = os.path.dirname(os.path.abspath(target)) if local else ""
         bad = nonfinite_tensors(checkpoint)
         if bad:
@@ -153,7 +117,7 @@ class VerifyingCheckpointIO(CheckpointIO):
         if directory not in self._cleaned:
             self._cleaned.add(directory)
             remove_stale_tmp_files(directory, in_use=self._writing)
-        tmp = _tmp_name(target)
+        tmp = tmp_name(target)
         self._writing.add(tmp)
         try:
             self.checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
@@ -162,7 +126,7 @@ class VerifyingCheckpointIO(CheckpointIO):
                     f"nanguard: {type(self.checkpoint_io).__name__} did not write a single file for {target}; "
                     "CheckpointGuard supports file checkpoints only. Remove CheckpointGuard or use TorchCheckpointIO."
                 )
-            digest = _fsync_and_hash(tmp)
+            digest = hash_file(tmp, fsync=True)[1]
             os.replace(tmp, target)
         finally:
             self._writing.discard(tmp)
@@ -208,7 +172,7 @@ class VerifyingCheckpointIO(CheckpointIO):
 
         if _is_spawn_transfer(requested):
             return self.checkpoint_io.load_checkpoint(requested, weights_only=True, **extra)
-        if not _is_local_file_protocol(requested):
+        if not is_local_path(requested):
             return self._load_remote(requested, load)
         if not os.path.lexists(requested):
             # Lightning's own error type for a missing ckpt_path, so `except FileNotFoundError` keeps working. (A
@@ -220,25 +184,16 @@ class VerifyingCheckpointIO(CheckpointIO):
             return checkpoint
         later: list[str] = []
         if self.fallback:
-            limit = step_in_name(requested)
+
+            def verify(candidate: str) -> tuple[bool, int | None, Any]:
+                found, loaded = verify_and_load(candidate, require_sidecar=self.require_sidecar, load=load_safe)
+                return found.ok, checkpoint_step(loaded), loaded
+
             # Files only: this IO loads a candidate with torch.load (a directory is loaded by the strategy).
-            for candidate in checkpoint_files(os.path.dirname(os.path.abspath(requested))):
-                # Only the requested name is skipped: a hard link to the same content (the tag) has its own
-                # sidecar, and re-verifying it is what lets a file that merely lost its sidecar fall back to its tag.
-                if os.path.abspath(candidate) == os.path.abspath(requested):
-                    continue
-                found, checkpoint = verify_and_load(candidate, require_sidecar=self.require_sidecar, load=load_safe)
-                if not found.ok:
-                    continue
-                step = checkpoint_step(checkpoint)
-                if step is None:  # not a Lightning checkpoint: nothing to resume from
-                    continue
-                if limit is not None and step > limit:
-                    # Never forward past the step asked for: resuming from an older file is how a user leaves a
-                    # trajectory that went bad, and its newer files are that trajectory.
-                    later.append(candidate)
-                    continue
-                self._notify(CheckpointEvent("fallback", requested, result.reason, substitute=candidate))
+            candidates = checkpoint_files(os.path.dirname(os.path.abspath(requested)))
+            chosen, checkpoint, later = find_fallback(requested, candidates, verify, step_in_name(requested))
+            if chosen is not None:
+                self._notify(CheckpointEvent("fallback", requested, result.reason, substitute=chosen))
                 return checkpoint
         message = self.load_error(requested, result.reason, later)
         self._notify(CheckpointEvent("refused_load", requested, result.reason))
@@ -248,7 +203,7 @@ class VerifyingCheckpointIO(CheckpointIO):
     @override
     def remove_checkpoint(self, path: Any) -> None:
         target = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
-        if _is_spawn_transfer(target) or not _is_local_file_protocol(target):
+        if _is_spawn_transfer(target) or not is_local_path(target):
             self.checkpoint_io.remove_checkpoint(path)
             return
         directory = os.path.dirname(os.path.abspath(target))
@@ -299,6 +254,10 @@ class VerifyingCheckpointIO(CheckpointIO):
             self._told_remote = True
             self._notify(CheckpointEvent("unverified", path, reason))
 
+    def load_error(self, path: str, reason: str, later: Sequence[str] = ()) -> str:
+        """The message of a refused load, with this wrapper's settings (``checkpoint_events.load_error``)."""
+        return load_error(path, reason, later, require_sidecar=self.require_sidecar, fallback=self.fallback)
+
     def _load_remote(self, path: str, load: Callable[[str], Any]) -> Any:
         checkpoint = load(path)
         bad = nonfinite_tensors(checkpoint)
@@ -309,70 +268,39 @@ class VerifyingCheckpointIO(CheckpointIO):
         self._tell_remote(path, "not a local file: finiteness checked, checksum not (checksums are local-only)")
         return checkpoint
 
-    def load_error(self, path: str, reason: str, later: Sequence[str] = ()) -> str:
-        """The message of a refused load: the file, the reason, and what to try (the verified alternative)."""
-        directory = os.path.dirname(os.path.abspath(path))
-        tries: list[str] = []
-        if later:
-            shown = ", ".join(os.path.basename(p) for p in later[:3]) + (" ..." if len(later) > 3 else "")
-            tries.append(
-                f"no checkpoint of {directory} at or before step {step_in_name(path)} verifies; the newer verified "
-                f"ones ({shown}) were not used, as a fallback never moves past the step you asked for: pass one as "
-                "ckpt_path if you mean to resume from it"
-            )
-        good = (
-            last_good_checkpoint(directory, require_sidecar=self.require_sidecar)
-            if _is_local_file_protocol(path)
-            else None
-        )
-        if not later and good is not None and os.path.abspath(good) != os.path.abspath(path):
-            auto = "" if self.fallback else " (or pass CheckpointGuard(fallback=True) to do so automatically)"
-            tries.append(f"resume from the newest verified checkpoint of that directory, {good}{auto}")
-        elif self.fallback and not later:
-            tries.append(f"no other checkpoint in {directory} verifies either, so there is nothing to fall back to")
-        if "no checksum sidecar" in reason:
-            tries.append(
-                f"if you trust the file, write its sidecar with `nanguard verify --write-sidecar {path}` "
-                "or use CheckpointGuard(require_sidecar=False)"
-            )
-        hint = "; ".join(tries) if tries else "check the file, or start without ckpt_path"
-        return (
-            f"nanguard: checkpoint {path} failed verification: {reason}. No weights were loaded from it. "
-            f"What to try: {hint}."
-        )
 
+def find_fallback(
+    requested: str,
+    candidates: Iterable[str],
+    verify: Callable[[str], tuple[bool, int | None, Any]],
+    limit: int | None,
+) -> tuple[str | None, Any, list[str]]:
+    """The first of ``candidates`` (newest first) that ``verify`` passes as a Lightning checkpoint (``(ok, its
+    global_step, what it loaded)``) of a step at or before ``limit``: ``(path, what it loaded, the newer verified
+    ones passed over)``, or ``(None, None, those passed over)``.
 
-def step_in_name(path: str) -> int | None:
-    """The ``step=N`` of a checkpoint's file name (ModelCheckpoint's default ``epoch=E-step=S.ckpt``), or ``None``.
-
-    The name is all there is to go by when the file itself cannot be read.
+    Only ``requested`` itself is skipped: a hard link to the same content (the tag) has its own sidecar, and
+    re-verifying it is what lets a file that merely lost its sidecar fall back to its tag. A fallback never moves
+    forward past ``limit``: resuming from an older file is how a user leaves a trajectory that went bad, and its
+    newer files are that trajectory.
     """
-    found = _STEP_RE.search(os.path.basename(path))
-    return int(found.group(1)) if found else None
-
-
-def _fsync_and_hash(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-        os.fsync(f.fileno())
-    return h.hexdigest()
-
-
-def fsync_dir(directory: str) -> None:
-    # Makes the rename durable on POSIX; directories cannot be opened this way on Windows.
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    later: list[str] = []
+    for candidate in candidates:
+        if os.path.abspath(candidate) == os.path.abspath(requested):
+            continue
+        ok, step, loaded = verify(candidate)
+        if not ok or step is None:  # failed, or not a Lightning checkpoint: nothing to resume from
+            continue
+        if limit is not None and step > limit:
+            later.append(candidate)
+            continue
+        return candidate, loaded, later
+    return None, None, later
 
 
 def _tag(source: str, tag: str, digest: str, writing: set[str]) -> None:
     """Point ``tag`` at ``source``'s content: a hard link (no extra disk), a copy where links are unsupported."""
-    tmp = _tmp_name(tag)
+    tmp = tmp_name(tag)
     with contextlib.suppress(FileNotFoundError):
         os.remove(tmp)
     writing.add(tmp)
@@ -381,80 +309,13 @@ def _tag(source: str, tag: str, digest: str, writing: set[str]) -> None:
             os.link(source, tmp)
         except OSError:
             shutil.copyfile(source, tmp)
-            _fsync_and_hash(tmp)
+            hash_file(tmp, fsync=True)  # the copy's data on disk before the rename
         os.replace(tmp, tag)
     finally:
         writing.discard(tmp)
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
     write_sidecar(tag, digest=digest)
-
-
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "localhost"
-
-
-def tmp_name(target: str) -> str:
-    """The temporary name a save of ``target`` writes first (a file, or a distributed checkpoint's directory)."""
-    return _tmp_name(target)
-
-
-def _tmp_name(target: str) -> str:
-    """``.<name>.<pid>@<host>.tmp`` next to ``target``: hidden, not ``*.ckpt``, and traceable to its writer."""
-    return os.path.join(
-        os.path.dirname(os.path.abspath(target)), f".{os.path.basename(target)}.{os.getpid()}@{_host()}.tmp"
-    )
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True  # exists (another user's), or cannot tell: treat as alive
-    return True
-
-
-def remove_stale_tmp_files(directory: str, *, in_use: set[str] | frozenset[str] = frozenset()) -> list[str]:
-    """Remove the temporary files that killed saves left in ``directory``; returns the removed paths.
-
-    Only our own names are touched (``.<name>.ckpt.<pid>[@<host>].tmp``, ``<name>.ckpt.sha256.tmp``; also a
-    distributed checkpoint's temporary directory ``.<name>.ckpt.<pid>@<host>.tmp/``), and only when not in use:
-    written by this process but not being written now, or by a process of this host that no longer runs, or
-    (another host's, or a sidecar's) last modified more than ``STALE_TMP_SECONDS`` ago.
-    """
-    removed: list[str] = []
-    try:
-        entries = list(os.scandir(directory))
-    except OSError:
-        return removed
-    host, me, now = _host(), os.getpid(), time.time()
-    for entry in entries:
-        match = _TMP_RE.match(entry.name)
-        sidecar = _SIDECAR_TMP_RE.match(entry.name) if match is None else None
-        if (match is None and sidecar is None) or entry.path in in_use:
-            continue
-        try:
-            is_dir = match is not None and entry.is_dir(follow_symlinks=False)
-            if not is_dir and not entry.is_file(follow_symlinks=False):
-                continue
-            age = now - entry.stat(follow_symlinks=False).st_mtime
-        except OSError:
-            continue
-        stale = age > STALE_TMP_SECONDS
-        if match is not None and not stale and match.group("host") in (None, host):
-            pid = int(match.group("pid") or match.group("lpid"))
-            # No host in the name: an older nanguard's file; its pid is checked here as the best guess.
-            stale = pid == me or not _pid_alive(pid)
-        if stale:
-            with contextlib.suppress(OSError):
-                if is_dir:
-                    shutil.rmtree(entry.path)
-                else:
-                    os.remove(entry.path)
-                removed.append(entry.path)
-    return removed
 
 
 def _is_spawn_transfer(path: str) -> bool:
@@ -465,7 +326,3 @@ def _is_spawn_transfer(path: str) -> bool:
     return os.path.basename(path) == ".temp.ckpt" and os.path.abspath(path).startswith(
         os.path.join(os.path.abspath(tempfile.gettempdir()), "")
     )
-
-
-def _is_local_file_protocol(path: str) -> bool:
-    return bool(fsspec.utils.get_protocol(path) == "file")

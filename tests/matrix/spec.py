@@ -14,6 +14,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from lightning_nanguard import preset
+
 __all__ = [
     "CALLBACKS",
     "DIMENSIONS",
@@ -33,14 +35,7 @@ SITES = ("loss", "grad", "param", "buffer", "input")
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "16-true")
 PROCESSES = ("single", "ddp-rank0", "ddp-rank1", "ddp-both")
 OPTIMIZATIONS = ("automatic", "manual-2opt", "accumulation")
-CALLBACK_NAMES = (
-    "GradNormMonitor",
-    "AutoRollback",
-    "OptimizerBackoff",
-    "LossScaleWatchdog",
-    "CheckpointGuard",
-    "FP32Evaluation",
-)
+CALLBACK_NAMES = tuple(cls.__name__ for cls in preset.CALLBACKS)
 CALLBACKS = ("suite", *CALLBACK_NAMES)
 
 DIMENSIONS: dict[str, tuple[str, ...]] = {

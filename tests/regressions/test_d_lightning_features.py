@@ -12,19 +12,11 @@ import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.callbacks import StochasticWeightAveraging
 
-from lightning_nanguard import (
-    AutoRollback,
-    CheckpointGuard,
-    FP32Evaluation,
-    GradNormMonitor,
-    LossScaleWatchdog,
-    OptimizerBackoff,
-)
+from lightning_nanguard import AutoRollback, CheckpointGuard, GradNormMonitor, OptimizerBackoff
 from lightning_nanguard.engine import get_engine
+from lightning_nanguard.preset import CALLBACKS
 from lightning_nanguard.testing import FaultInjector
 from tests.helpers import TinyModel, all_finite, loggers, make_trainer
-
-CALLBACKS = [GradNormMonitor, AutoRollback, OptimizerBackoff, FP32Evaluation, LossScaleWatchdog, CheckpointGuard]
 
 
 # repro: skip_crashes_gradient_clip_value.py

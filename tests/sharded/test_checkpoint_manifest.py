@@ -10,17 +10,17 @@ import pytest
 import torch
 
 from lightning_nanguard import cli
+from lightning_nanguard._files import hash_file
 from lightning_nanguard.checkpoint_manifest import (
     MANIFEST_NAME,
     directory_files,
     files_of_rank,
-    hash_file,
     verify_directory,
     write_manifest,
 )
 from lightning_nanguard.checkpoints import last_good_checkpoint, verify_checkpoint, write_sidecar
 from lightning_nanguard.recovery import sharded_checkpoint
-from lightning_nanguard.recovery.verifying_io import remove_stale_tmp_files, tmp_name
+from lightning_nanguard.recovery.tmp_files import remove_stale_tmp_files, tmp_name
 
 
 def _distributed_checkpoint(path: pathlib.Path, step: int, payload: bytes = b"shard") -> str:

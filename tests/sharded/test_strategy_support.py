@@ -8,21 +8,14 @@ from typing import Any
 import pytest
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision
 
-from lightning_nanguard import (
-    AutoRollback,
-    CheckpointGuard,
-    FP32Evaluation,
-    GradNormMonitor,
-    LossScaleWatchdog,
-    OptimizerBackoff,
-)
+from lightning_nanguard import FP32Evaluation
 from lightning_nanguard.callbacks._common import check_strategy_supported
-from lightning_nanguard.callbacks.fp32_evaluation import _sharded_refusal
+from lightning_nanguard.callbacks._common import fp32_evaluation_sharded_refusal as _sharded_refusal
 from lightning_nanguard.exceptions import UnsupportedSetupError
+from lightning_nanguard.preset import CALLBACKS
 
 pytestmark = pytest.mark.distributed
 
-CALLBACKS = [GradNormMonitor, AutoRollback, OptimizerBackoff, LossScaleWatchdog, FP32Evaluation, CheckpointGuard]
 # FP32Evaluation: mode="always" under bf16-mixed; it refuses its other combinations at its own setup (below).
 TESTED_UNDER_FSDP2 = {
     "GradNormMonitor",

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from lightning_nanguard import last_good_checkpoint
+from lightning_nanguard._files import hash_file
 from lightning_nanguard.checkpoints import (
     LAST_GOOD_NAME,
     SIDECAR_SUFFIX,
@@ -19,7 +20,6 @@ from lightning_nanguard.checkpoints import (
     check_zip_crc,
     checkpoint_step,
     nonfinite_tensors,
-    sha256_of,
     verify_checkpoint,
     write_sidecar,
 )
@@ -79,7 +79,7 @@ def test_nonfinite_tensors_accepts_huge_finite_values_in_every_dtype() -> None:
 def test_verify_good_and_each_failure(tmp_path: pathlib.Path) -> None:
     good = _save(tmp_path / "good.ckpt", _ckpt())
     assert verify_checkpoint(good).ok
-    assert sha256_of(good) in (tmp_path / ("good.ckpt" + SIDECAR_SUFFIX)).read_text()
+    assert hash_file(str(good))[1] in (tmp_path / ("good.ckpt" + SIDECAR_SUFFIX)).read_text()
 
     missing = verify_checkpoint(str(tmp_path / "missing.ckpt"))
     assert (missing.ok, missing.reason) == (False, "file does not exist")
@@ -137,7 +137,7 @@ def test_last_good_checkpoint_is_the_newest_that_verifies(tmp_path: pathlib.Path
 def test_write_sidecar_is_sha256sum_format(tmp_path: pathlib.Path, digest: str | None) -> None:
     path = _save(tmp_path / "x.ckpt", _ckpt(), sidecar=False)
     written = write_sidecar(path, digest=digest)
-    assert written == (digest or sha256_of(path))
+    assert written == (digest or hash_file(path)[1])
     assert (tmp_path / "x.ckpt.sha256").read_text() == f"{written}  x.ckpt\n"
     assert not list(tmp_path.glob("*.tmp"))
 

@@ -14,7 +14,7 @@ from lightning_nanguard.contract import Action, Cause, Divergence, EvidenceKind,
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.policies.diagnosis import Findings, classify, needs_replay
 from lightning_nanguard.policies.remedy import Installed, RemedyFacts, plan_remedy
-from lightning_nanguard.policies.rollback import DIVERGED_FACTOR, SnapshotJudge, diverging_now
+from lightning_nanguard.policies.snapshot_health import DIVERGED_FACTOR, SnapshotJudge, diverging_now
 from lightning_nanguard.signals.batch import BatchFindings
 from lightning_nanguard.signals.history import read_history
 from tests.helpers import TinyModel, make_trainer

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_nanguard._lightning_compat import AttributePatches
 from lightning_nanguard.recovery.eval_precision import (
-    AttributePatches,
     DeferredLog,
     Fp32Weights,
     autocast_disabled,

@@ -8,7 +8,8 @@ from torch import nn
 
 from lightning_nanguard.contract import StepHealth
 from lightning_nanguard.policies.backoff import BackoffPolicy
-from lightning_nanguard.policies.rollback import RollbackPolicy, SnapshotJudge, choose_sound, diverged
+from lightning_nanguard.policies.rollback import RollbackPolicy, choose_sound
+from lightning_nanguard.policies.snapshot_health import SnapshotJudge, diverged
 from lightning_nanguard.recovery.snapshot import SnapshotRing
 
 CALM = StepHealth(grad_norm=1.3, loss=0.5)

@@ -17,8 +17,9 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning_nanguard import checkpoints
 from lightning_nanguard.checkpoints import LAST_GOOD_NAME, SIDECAR_SUFFIX, checkpoint_files, verify_checkpoint
 from lightning_nanguard.exceptions import CheckpointVerificationError
-from lightning_nanguard.recovery import verifying_io
-from lightning_nanguard.recovery.verifying_io import CheckpointEvent, VerifyingCheckpointIO
+from lightning_nanguard.recovery import tmp_files, verifying_io
+from lightning_nanguard.recovery.checkpoint_events import CheckpointEvent
+from lightning_nanguard.recovery.verifying_io import VerifyingCheckpointIO
 
 
 class SlowIO(TorchCheckpointIO):
@@ -67,7 +68,7 @@ def test_sigkill_mid_save_never_leaves_a_file_that_verifies_unless_complete(tmp_
     assert os.WIFSIGNALED(status)
     assert os.WTERMSIG(status) == signal.SIGKILL
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
-    assert leftovers == [f".last.ckpt.{pid}@{verifying_io._host()}.tmp"]  # hidden, not *.ckpt, names its writer
+    assert leftovers == [f".last.ckpt.{pid}@{tmp_files.host_name()}.tmp"]  # hidden, not *.ckpt, names its writer
     files = checkpoint_files(str(tmp_path))
     assert sorted(files) == sorted([str(target), str(tmp_path / LAST_GOOD_NAME)])
     for path in files:
@@ -80,7 +81,7 @@ def test_sigkill_mid_save_never_leaves_a_file_that_verifies_unless_complete(tmp_
 
 
 def test_stale_tmp_cleanup_touches_only_our_files_not_in_use(tmp_path: pathlib.Path) -> None:
-    me, host = os.getpid(), verifying_io._host()
+    me, host = os.getpid(), tmp_files.host_name()
     names = {
         f".a.ckpt.{me}@{host}.tmp": True,  # ours, this process, not being written
         f".a.ckpt.{me}@{host}-busy.tmp": False,  # another host: left alone while recent
@@ -94,13 +95,13 @@ def test_stale_tmp_cleanup_touches_only_our_files_not_in_use(tmp_path: pathlib.P
     busy = str(tmp_path / f".f.ckpt.{me}@{host}.tmp")
     for name in [*names, os.path.basename(busy)]:
         (tmp_path / name).write_bytes(b"x")
-    removed = verifying_io.remove_stale_tmp_files(str(tmp_path), in_use={busy})
+    removed = tmp_files.remove_stale_tmp_files(str(tmp_path), in_use={busy})
     assert sorted(os.path.basename(p) for p in removed) == sorted(n for n, gone in names.items() if gone)
     assert os.path.exists(busy)  # being written by this process now
-    old = time.time() - verifying_io.STALE_TMP_SECONDS - 60
+    old = time.time() - tmp_files.STALE_TMP_SECONDS - 60
     for name in (f".a.ckpt.{me}@{host}-busy.tmp", "c.ckpt.sha256.tmp", "notes.tmp"):
         os.utime(tmp_path / name, (old, old))
-    removed = verifying_io.remove_stale_tmp_files(str(tmp_path), in_use={busy})
+    removed = tmp_files.remove_stale_tmp_files(str(tmp_path), in_use={busy})
     assert sorted(os.path.basename(p) for p in removed) == [f".a.ckpt.{me}@{host}-busy.tmp", "c.ckpt.sha256.tmp"]
 
 
@@ -272,5 +273,5 @@ def test_fallback_never_moves_past_the_step_asked_for(tmp_path: pathlib.Path) ->
     assert "at or before step 4 verifies; the newer verified ones (epoch=0-step=30.ckpt) were not used" in str(
         info.value
     )
-    assert verifying_io.step_in_name("last.ckpt") is None
-    assert verifying_io.step_in_name("model-global_step=7-v1.ckpt") == 7
+    assert checkpoints.step_in_name("last.ckpt") is None
+    assert checkpoints.step_in_name("model-global_step=7-v1.ckpt") == 7

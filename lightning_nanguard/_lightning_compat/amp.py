@@ -1,4 +1,4 @@
-"""Every private or version-specific touch of Lightning/torch internals lives here, each with its public fallback."""
+"""The GradScaler's and fused optimizers' internals: the scale, ``found_inf``, and the skip they decide."""
 
 from __future__ import annotations
 
@@ -9,93 +9,43 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_nanguard import _distributed
+
 __all__ = [
-    "LoggingSteps",
     "accepts_found_inf",
+    "active_scaler",
     "agree_scaler_skip",
-    "batch_counter",
     "clamp_scale",
     "clear_found_inf",
     "clear_found_inf_of",
-    "clipping_possible",
+    "current_scale",
+    "flag_nonfinite",
     "get_scaler",
-    "guard_clipping",
-    "is_train_logging_step",
-    "log_step",
     "optimizer_handles_unscaling",
     "or_into_found_inf",
     "or_nonfinite_into_found_inf",
-    "saves_distributed_checkpoint",
     "scale_tensor",
-    "scaler_state",
     "set_found_inf",
     "set_found_inf_where_nonfinite",
-    "should_update_logs",
-    "strategy_class_names",
-    "train_batch_samplers",
     "true_flag",
 ]
-
-
-def log_step(trainer: pl.Trainer) -> int:
-    """The step Lightning's own ``self.log`` writes at (``_batches_that_stepped``); fallback ``global_step``."""
-    loop = getattr(trainer.fit_loop, "epoch_loop", None)
-    return int(getattr(loop, "_batches_that_stepped", trainer.global_step))
-
-
-def batch_counter(trainer: pl.Trainer) -> int:
-    """Training batches started so far in this fit (identifies the current batch, micro-batches included)."""
-    loop = getattr(trainer.fit_loop, "epoch_loop", None)
-    progress = getattr(getattr(loop, "batch_progress", None), "total", None)
-    return int(getattr(progress, "ready", -1))
-
-
-def should_update_logs(trainer: pl.Trainer) -> bool:
-    """Whether this training step is a logging step, exactly as Lightning's LearningRateMonitor decides it."""
-    connector = getattr(trainer, "_logger_connector", None)
-    try:
-        return bool(connector.should_update_logs)  # type: ignore[union-attr]
-    except (AttributeError, NotImplementedError):
-        n = int(getattr(trainer, "log_every_n_steps", 50))
-        return n > 0 and ((log_step(trainer) + 1) % n == 0 or trainer.should_stop)
-
-
-def is_train_logging_step(trainer: pl.Trainer) -> bool:
-    """``should_update_logs`` from a training batch hook, computed as Lightning does it there (its fit-loop branch)
-    without the property's loop dispatch: called every step."""
-    n = getattr(trainer, "log_every_n_steps", 50)
-    if not n:
-        return False
-    loop = getattr(trainer.fit_loop, "epoch_loop", None)
-    stepped = getattr(loop, "_batches_that_stepped", None)
-    if not isinstance(stepped, int):
-        return should_update_logs(trainer)
-    return (stepped + 1) % n == 0 or trainer.should_stop
-
-
-class LoggingSteps:
-    """``is_train_logging_step`` for one fit, with the fit loop's counter found once (at the start of training):
-    ``due(trainer)`` is then one attribute read and a modulo per step. Falls back to ``is_train_logging_step``
-    where the counter is not Lightning's."""
-
-    __slots__ = ("every", "loop")
-
-    def __init__(self, trainer: pl.Trainer) -> None:
-        self.every = getattr(trainer, "log_every_n_steps", 50)
-        loop = getattr(trainer.fit_loop, "epoch_loop", None)
-        self.loop = loop if isinstance(getattr(loop, "_batches_that_stepped", None), int) else None
-
-    def due(self, trainer: pl.Trainer) -> bool:
-        loop = self.loop
-        if loop is None:
-            return is_train_logging_step(trainer)
-        every = self.every
-        return bool(every) and ((loop._batches_that_stepped + 1) % every == 0 or trainer.should_stop)
 
 
 def get_scaler(trainer: pl.Trainer) -> Any | None:
     """The GradScaler the precision plugin drives (16-mixed), or ``None`` (32-true, bf16, true half)."""
     return getattr(trainer.precision_plugin, "scaler", None)
+
+
+def active_scaler(trainer: pl.Trainer) -> Any | None:
+    """The precision plugin's GradScaler when it is enabled, else ``None``."""
+    scaler = get_scaler(trainer)
+    return scaler if scaler is not None and scaler.is_enabled() else None
+
+
+def current_scale(trainer: pl.Trainer) -> float | None:
+    """The enabled GradScaler's scale (one host read), or ``None`` without one."""
+    scaler = active_scaler(trainer)
+    return None if scaler is None else float(scaler.get_scale())
 
 
 def optimizer_handles_unscaling(optimizer: Optimizer) -> bool:
@@ -111,18 +61,6 @@ def scale_tensor(scaler: Any) -> Tensor | None:
     if scaler is not None and scaler.is_enabled():
         return torch.tensor(float(scaler.get_scale()))
     return None
-
-
-def scaler_state(scaler: Any) -> tuple[float, int]:
-    """The scaler's current scale and growth tracker in one host read; the initial values before its lazy init."""
-    scale, tracker = getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None)
-    if isinstance(scale, torch.Tensor) and isinstance(tracker, torch.Tensor):
-        both = torch.stack([scale.detach().reshape(()).double(), tracker.detach().reshape(()).double()])
-        value, count = both.tolist()
-        return float(value), int(count)
-    # Public fallback: get_scale() returns the initial scale while ``_scale`` is still None (first step not taken).
-    get_tracker = getattr(scaler, "_get_growth_tracker", None)
-    return float(scaler.get_scale()), int(get_tracker()) if callable(get_tracker) else 0
 
 
 def clamp_scale(scaler: Any, low: float, high: float | None) -> None:
@@ -142,11 +80,6 @@ def clamp_scale(scaler: Any, low: float, high: float | None) -> None:
     clamped = min(max(current, low), high if high is not None else float("inf"))
     if clamped != current:
         scaler.update(clamped)
-
-
-def strategy_class_names(trainer: pl.Trainer) -> set[str]:
-    """Names of the strategy's classes (its MRO), to recognize strategies whose packages may not be installed."""
-    return {cls.__name__ for cls in type(trainer.strategy).__mro__}
 
 
 def accepts_found_inf(optimizer: Optimizer) -> bool:
@@ -230,12 +163,6 @@ def or_into_found_inf(scaler: Any, optimizer: Optimizer, flag: Tensor) -> None:
                 return
 
 
-def saves_distributed_checkpoint(strategy: Any) -> bool:
-    """``ModelParallelStrategy(save_distributed_checkpoint=...)``: whether it saves a directory of shards (Lightning
-    keeps the argument in a private attribute; its default is ``True``)."""
-    return bool(getattr(strategy, "_save_distributed_checkpoint", True))
-
-
 def agree_scaler_skip(trainer: pl.Trainer, optimizer: Optimizer) -> None:
     """Under DDP with a GradScaler: make every rank's scaler skip (and back off) when any rank's found an inf.
 
@@ -244,8 +171,7 @@ def agree_scaler_skip(trainer: pl.Trainer, optimizer: Optimizer) -> None:
     scales split for good. One SUM all-reduce of the local verdict, on the device (no host read); used when no
     nanguard member senses the steps (the sensor's reduced verdict does the same otherwise).
     """
-    from lightning_nanguard import _distributed
-    from lightning_nanguard.signals.tensors import all_finite
+    from lightning_nanguard.signals.tensors import all_finite  # a layer above this package: imported when called
 
     scaler = get_scaler(trainer)
     found = _found_inf_per_device(scaler, optimizer)
@@ -269,44 +195,3 @@ def true_flag(optimizer: Optimizer) -> Tensor:
         for p in group["params"]:
             return torch.ones((), dtype=torch.bool, device=p.device)
     return torch.ones((), dtype=torch.bool)
-
-
-def clipping_possible(trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
-    """Whether Lightning can clip gradients in this fit: a ``gradient_clip_val`` is set, or the module overrides
-    ``configure_gradient_clipping`` (which may clip with values of its own). Otherwise the precision plugin's
-    ``clip_gradients`` is only ever called with ``clip_val=0`` and returns at once, dropped update or not."""
-    if trainer.gradient_clip_val:
-        return True
-    return type(pl_module).configure_gradient_clipping is not pl.LightningModule.configure_gradient_clipping
-
-
-def guard_clipping(trainer: pl.Trainer, allowed: Any) -> None:
-    """Skip Lightning's gradient clipping for a step whose update nanguard dropped (``allowed()`` is False).
-
-    Lightning clips after ``on_before_optimizer_step``; with every gradient set to None, ``clip_grad_value_`` raises
-    on the empty list (and clipping would be pointless anyway). The precision plugin's ``clip_gradients`` is wrapped
-    as an instance attribute (saved and re-assigned, never deleted); installing twice wraps once.
-    """
-    plugin = trainer.precision_plugin
-    current = plugin.clip_gradients
-    if getattr(current, "_nanguard_guarded", False):
-        current._nanguard_allowed = allowed  # type: ignore[attr-defined]
-        return
-
-    def clip_gradients(*args: Any, **kwargs: Any) -> Any:
-        if not clip_gradients._nanguard_allowed():  # type: ignore[attr-defined]
-            return None
-        return current(*args, **kwargs)
-
-    clip_gradients._nanguard_guarded = True  # type: ignore[attr-defined]
-    clip_gradients._nanguard_allowed = allowed  # type: ignore[attr-defined]
-    plugin.clip_gradients = clip_gradients  # type: ignore[method-assign]
-
-
-def train_batch_samplers(trainer: pl.Trainer) -> list[Any]:
-    """The batch samplers of the training DataLoaders of the running fit (empty before they exist)."""
-    from torch.utils.data import DataLoader
-
-    combined = getattr(trainer.fit_loop, "_combined_loader", None)
-    loaders = getattr(combined, "flattened", None) or []
-    return [dl.batch_sampler for dl in loaders if isinstance(dl, DataLoader) and dl.batch_sampler is not None]

@@ -1,0 +1,51 @@
+"""Lightning's strategies and checkpoint layout: strategy classes, their private settings, instance attributes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+
+__all__ = [
+    "checkpoint_log_step",
+    "checkpoint_scaler_scale",
+    "fsdp1_state_dict_type",
+    "instance_attribute",
+    "saves_distributed_checkpoint",
+    "strategy_class_names",
+]
+
+
+def strategy_class_names(trainer: pl.Trainer) -> set[str]:
+    """Names of the strategy's classes (its MRO), to recognize strategies whose packages may not be installed."""
+    return {cls.__name__ for cls in type(trainer.strategy).__mro__}
+
+
+def saves_distributed_checkpoint(strategy: Any) -> bool:
+    """``ModelParallelStrategy(save_distributed_checkpoint=...)``: whether it saves a directory of shards (Lightning
+    keeps the argument in a private attribute; its default is ``True``)."""
+    return bool(getattr(strategy, "_save_distributed_checkpoint", True))
+
+
+def fsdp1_state_dict_type(strategy: Any) -> str:
+    """``FSDPStrategy(state_dict_type=...)``: ``"full"`` (its default: one file) or ``"sharded"`` (a directory)."""
+    return str(getattr(strategy, "_state_dict_type", "full"))
+
+
+def instance_attribute(obj: object, name: str) -> Any:
+    """``obj``'s own instance attribute ``name`` (one that overrides the class's method), or ``None``."""
+    return vars(obj).get(name)
+
+
+def checkpoint_scaler_scale(checkpoint: Mapping[str, Any], trainer: pl.Trainer) -> float | None:
+    """The GradScaler scale a Lightning checkpoint saved (under the precision plugin's class name), or ``None``."""
+    state = checkpoint.get(type(trainer.precision_plugin).__qualname__) or {}
+    scale = state.get("scale") if isinstance(state, dict) else None
+    return None if scale is None else float(scale)
+
+
+def checkpoint_log_step(checkpoint: Mapping[str, Any], default: int) -> int:
+    """The logging step (the fit loop's ``_batches_that_stepped``) a Lightning checkpoint saved, else ``default``."""
+    loops = checkpoint.get("loops", {}).get("fit_loop", {})
+    return int(loops.get("epoch_loop.state_dict", {}).get("_batches_that_stepped", default))

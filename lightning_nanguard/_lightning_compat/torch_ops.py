@@ -1,0 +1,54 @@
+"""torch internals: the fused foreach norms, pytree's ``tree_map``, a tensor's base, FSDP1's ``ShardedTensor``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_map
+
+__all__ = [
+    "foreach_norm",
+    "foreach_norms",
+    "host_buffer_marked",
+    "local_shards",
+    "tree_map",
+]
+
+
+# torch's fused per-tensor norms: one kernel per (device, dtype) group. Private in torch (no public equivalent);
+# a plain alias, so the step path pays no extra call.
+foreach_norm = torch._foreach_norm
+
+
+def foreach_norms(tensors: list[Tensor], ord: float = 2, *, dtypes: tuple[torch.dtype, ...] = ()) -> list[Tensor]:
+    """``foreach_norm`` accumulated in the first of ``dtypes`` the backend accepts for these tensors; without a
+    ``dtype`` (each tensor's own) when it accepts none (float64 tensors do not downcast; MPS has no float64)."""
+    for dtype in dtypes:
+        try:
+            return list(foreach_norm(tensors, ord, dtype=dtype))
+        except (TypeError, RuntimeError):
+            continue
+    return list(foreach_norm(tensors, ord))
+
+
+def host_buffer_marked(tensor: Tensor) -> bool:
+    """``tensor`` (or the tensor it is a view of) is marked ``_nanguard_host``: pinned host memory a device vector
+    was copied into, whose reads are host reads, not device synchronizations."""
+    base = tensor._base if tensor._base is not None else tensor
+    return bool(getattr(base, "_nanguard_host", False))
+
+
+_ShardedTensor: Any = None
+try:  # FSDP1's SHARDED_STATE_DICT holds ShardedTensors (without a device mesh); absent from some torch builds
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor as _ShardedTensor
+except ImportError:  # pragma: no cover - depends on the torch build
+    pass
+
+
+def local_shards(obj: Any) -> list[Tensor] | None:
+    """This rank's local shards of a ``ShardedTensor`` (FSDP1's sharded state dict), or ``None`` for anything else."""
+    if _ShardedTensor is not None and isinstance(obj, _ShardedTensor):
+        return [shard.tensor for shard in obj.local_shards()]
+    return None
