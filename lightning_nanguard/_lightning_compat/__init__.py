@@ -25,6 +25,13 @@ from lightning_nanguard._lightning_compat.amp import (
     set_found_inf_where_nonfinite,
     true_flag,
 )
+from lightning_nanguard._lightning_compat.dispatch import (
+    TorchDispatchMode,
+    autograd_node,
+    node_stack,
+    op_is_mutable,
+    tensor_version,
+)
 from lightning_nanguard._lightning_compat.loops import (
     LoggingSteps,
     is_train_logging_step,
@@ -61,9 +68,11 @@ __all__ = [
     "EVAL_STEP_CONTEXT",
     "AttributePatches",
     "LoggingSteps",
+    "TorchDispatchMode",
     "accepts_found_inf",
     "active_scaler",
     "agree_scaler_skip",
+    "autograd_node",
     "checkpoint_log_step",
     "checkpoint_scaler_scale",
     "clamp_scale",
@@ -82,6 +91,8 @@ __all__ = [
     "is_train_logging_step",
     "local_shards",
     "log_step",
+    "node_stack",
+    "op_is_mutable",
     "optimizer_handles_unscaling",
     "or_into_found_inf",
     "or_nonfinite_into_found_inf",
@@ -92,6 +103,7 @@ __all__ = [
     "should_update_logs",
     "strategy_class_names",
     "takes_dataloader_iter",
+    "tensor_version",
     "tensorboard_one_event",
     "train_batch_idx",
     "train_batch_samplers",

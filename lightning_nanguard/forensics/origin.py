@@ -36,8 +36,14 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode  # private: see "torch internals" below
 
+from lightning_nanguard._lightning_compat import (
+    TorchDispatchMode,
+    autograd_node,
+    node_stack,
+    op_is_mutable,
+    tensor_version,
+)
 from lightning_nanguard.forensics.op_stats import (
     frame_from_stack,
     frame_from_traceback,
@@ -60,32 +66,6 @@ from lightning_nanguard.forensics.origin_events import (
     to_origin,
 )
 from lightning_nanguard.policies.origin import Origin, SourceFrame, Stat
-
-# ---- torch internals (private API; to move to _lightning_compat.py) ----------------------------------------------
-# torch.utils._python_dispatch.TorchDispatchMode (imported above), torch._C._current_autograd_node(), anomaly mode's
-# node.metadata["traceback_"], Tensor._version.
-
-
-def _autograd_node() -> Any:
-    """The autograd node running now (``None`` outside the backward)."""
-    return torch._C._current_autograd_node()
-
-
-def _node_stack(node: Any) -> list[str]:
-    """The forward stack anomaly mode recorded when ``node`` was created (formatted entries, outermost first)."""
-    stack = node.metadata.get("traceback_") if node is not None else None
-    return list(stack) if isinstance(stack, list) else []
-
-
-def _version(t: Tensor) -> int:
-    """The tensor's in-place version counter (shared by views of one base)."""
-    try:
-        return int(t._version)
-    except RuntimeError:  # inference tensors have none
-        return -1
-
-
-# -------------------------------------------------------------------------------------------------------------------
 
 __all__ = ["OriginTracer"]
 
@@ -179,11 +159,11 @@ class OriginTracer:
 
     # ------------------------------------------------------------------------------------------------ the trace
     def _remember(self, t: Tensor, status: Status) -> None:
-        self._seen[id(t)] = (weakref.ref(t), _version(t), status)
+        self._seen[id(t)] = (weakref.ref(t), tensor_version(t), status)
 
     def _status(self, t: Tensor) -> Status:
         hit = self._seen.get(id(t))
-        if hit is not None and hit[0]() is t and hit[1] == _version(t):
+        if hit is not None and hit[0]() is t and hit[1] == tensor_version(t):
             return hit[2]
         [(finite, nan)] = check([t])
         status = FINITE if finite else Status(False, nan, self._source(t, nan))
@@ -300,7 +280,7 @@ class OriginTracer:
         parent: int | None,
         out_nan: bool,
     ) -> int:
-        node = _autograd_node()
+        node = autograd_node()
         ev = Event(0, kind, op=str(func), phase="backward" if node is not None else "forward", parent=parent)
         ev.produced = "nan" if out_nan else "inf"
         ev.node = type(node).__name__ if node is not None else ""
@@ -309,7 +289,7 @@ class OriginTracer:
         if kind == "birth" and self._births < EVENTS_EXPLAINED:
             self._births += 1
             bad_out = next(t for t, (finite, _) in zip(outs, checks, strict=True) if not finite)
-            ev.frame = frame_from_traceback(_node_stack(node)) if node is not None else frame_from_stack()
+            ev.frame = frame_from_traceback(node_stack(node)) if node is not None else frame_from_stack()
             ev.module = "" if node is not None else module_from_stack(self._names) or ""
             ev.stats, ev.rows = op_stats(ev.op, tuple(args), bad_out, self._producer, self._batch_size)
             ev.call = self._keep_call(func, args, kwargs)
@@ -319,7 +299,7 @@ class OriginTracer:
 
     def _keep_call(self, func: Any, args: Any, kwargs: Any) -> tuple[str, Any, Any] | None:
         """The op's inputs, copied, for an op-level offline replay (not an in-place op's: its input is overwritten)."""
-        if func._schema.is_mutable:
+        if op_is_mutable(func):
             return None
         tensors = [t for t in flat((args, kwargs)) if isinstance(t, Tensor)]
         size = sum(t.numel() * t.element_size() for t in tensors)
