@@ -1,16 +1,49 @@
-"""Whether a list of tensors is all finite: one fused pass, the verdict stays a device tensor (no host read)."""
+"""Tensors in nested containers: the one walker over a batch (``iter_tensors``), and whether a list of tensors is
+all finite (one fused pass, the verdict stays a device tensor: no host read)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_nanguard.signals.gradients import _foreach_norm_fp32
 
-__all__ = ["all_finite"]
+__all__ = ["all_finite", "at_path", "iter_tensors"]
+
+
+def iter_tensors(obj: Any) -> Iterator[Tensor]:
+    """Every tensor of a (nested) batch, depth first, in a stable order: tensors, mappings (in their order), lists
+    and tuples (named tuples too) and dataclass instances (in field order), as Lightning's ``apply_to_collection``
+    walks them. Anything else (strings, numbers, ``None``) holds no tensor."""
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from iter_tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from iter_tensors(value)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, f.name, None))
+
+
+def at_path(obj: Any, path: Sequence[Any]) -> Any:
+    """The part of a nested batch at ``path`` (mapping keys and sequence positions, outermost first); ``None`` where
+    the batch has no such part. ``()`` is the batch itself."""
+    for part in path:
+        if isinstance(obj, Mapping):
+            obj = obj.get(part)
+        elif isinstance(obj, (list, tuple)) and isinstance(part, int) and 0 <= part < len(obj):
+            obj = obj[part]
+        else:
+            return None
+    return obj
 
 
 def all_finite(tensors: Sequence[Tensor], *, wide: bool = False) -> Tensor:
