@@ -61,10 +61,10 @@ def _report(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        records = IncidentLog.read(found) if found is not None else []
+        records, notes = IncidentLog.read_checked(found) if found is not None else ([], [])
         shown = found or path
     elif os.path.isfile(path):
-        records = IncidentLog.read(path)
+        records, notes = IncidentLog.read_checked(path)
         shown = path
         run_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
         guess = os.path.join(run_dir, SUMMARY_FILE)
@@ -72,9 +72,13 @@ def _report(args: argparse.Namespace) -> int:
     else:
         print(f"nanguard report: no incident log at {path}", file=sys.stderr)
         return 2
+    for note in notes:  # damaged lines are left out, not fatal: a killed run is the one most worth a report
+        print(f"nanguard report: note: {note}", file=sys.stderr)
     if records:
         sources = sorted({s.strip() for r in records for s in r.source.split(",") if s.strip()})
         print(format_summary(records, sources, shown, limit=args.limit))
+    elif notes:
+        print(f"no readable incidents in {shown} ({len(notes)} damaged line(s) left out)")
     else:
         print(f"no incidents: nanguard recorded none in {path}")
         if summary is not None:
