@@ -158,7 +158,7 @@ def _is_index(value: Any) -> bool:
 
 
 def _kind(value: Any) -> str:
-    return "null" if value is None else f"a {type(value).__name__} ({str(value)[:40]!r})"
+    return "null" if value is None else f"{type(value).__name__} {repr(value)[:40]}"
 
 
 def _no_constant(name: str) -> Any:

@@ -140,7 +140,7 @@ class _Refill:
     ``head`` the pass's first healthy indices given (as many as a refill at the end can need).
     """
 
-    __slots__ = ("done", "head", "originals", "pool", "replaced", "sizes", "source")
+    __slots__ = ("done", "head", "originals", "pool", "recycled", "replaced", "sizes", "source")
 
     def __init__(self, source: Iterator[list[int]]) -> None:
         self.source = source
@@ -149,6 +149,7 @@ class _Refill:
         self.pool: deque[int] = deque()
         self.head: list[int] = []
         self.replaced = 0
+        self.recycled = 0  # head samples given again so far (the next refill goes on from there)
         self.done = False
 
     def next(self, bad: frozenset[int]) -> list[int] | None:
@@ -179,7 +180,9 @@ class _Refill:
                 self.replaced -= sum(1 for i in original if i in bad)
                 return original  # nothing healthy left in this pass: given as it was, its update is dropped
             spare = spare or out
-            out += [spare[k % len(spare)] for k in range(need - len(out))]
+            short = need - len(out)
+            out += [spare[(self.recycled + k) % len(spare)] for k in range(short)]
+            self.recycled += short
         if len(self.head) < len(bad) + need:
             self.head.extend(out)
         return out
