@@ -28,7 +28,6 @@ and its validation: ``quarantine_file``).
 from __future__ import annotations
 
 import copy
-import functools
 import hashlib
 import os
 from collections.abc import Sequence
@@ -61,6 +60,7 @@ class Quarantine:
         self._record = copy.deepcopy(self._seed)
         self._loaders: list[TrainLoader] = []
         self._hooks: dict[str, LoaderHook] = {}
+        self._hook_items: list[tuple[str, LoaderHook]] = []
         self._samplers: list[BatchSampler] = []
         self._bad: dict[str, frozenset[int]] = {}
         self.current: dict[str, list[int] | None] = {}  # this batch's dataset indices, per hooked loader
@@ -104,6 +104,7 @@ class Quarantine:
         """A fit begins: start from the seed file alone (nothing of an earlier fit), record the batch samplers."""
         self._record = copy.deepcopy(self._seed)
         self._bad.clear()
+        self._refresh_hooks()
         self._log_path = None
         self._dirty = False
         quarantine_sampler.install_patch()
@@ -115,6 +116,7 @@ class Quarantine:
             quarantine_sampler.detach(sampler)
         self._samplers.clear()
         self._hooks.clear()
+        self._hook_items = []
         self._loaders.clear()
         self.current = {}
         quarantine_sampler.remove_patch()
@@ -147,17 +149,23 @@ class Quarantine:
             if mine is not None and mine.attached_to(sampler):
                 mine.new_epoch()
                 continue
-            hook = LoaderHook(bad=functools.partial(self._bad_of, key), on_replaced=self._on_replaced)
+            hook = LoaderHook(on_replaced=self._on_replaced)
             hook.adopt(sampler)
             self._hooks[key] = hook
             self._samplers.append(sampler)
+        self._hook_items = list(self._hooks.items())
+        self.current = dict.fromkeys(self._hooks)
+        self._refresh_hooks()
         self._flush()
 
     # ------------------------------------------------------------------ per batch
     def next_batch(self) -> None:
         """``begin_batch`` while nothing is quarantined (no batch can be dropped): only keep ``current`` in step with
         the batches, called once per batch at any point before its incident is handled (the engine: at its end)."""
-        self.current = {key: hook.pop() for key, hook in self._hooks.items()}
+        current = self.current
+        for key, hook in self._hook_items:
+            queue = hook.queue
+            current[key] = queue.popleft()[1] if queue else None
 
     def begin_batch(self, batch: Any, trainer: pl.Trainer | None = None) -> bool:
         """Called at every batch start while the batch start is shown. True when this batch is quarantined: drop its
@@ -172,7 +180,7 @@ class Quarantine:
         drop = local if trainer is None or trainer.world_size <= 1 else _distributed.any_rank(trainer, local)
         if drop:
             self._record.dropped_batches += 1
-            self._changed(trainer.global_step if trainer is not None else None)
+            self._touched(trainer.global_step if trainer is not None else None)
         self._flush()
         return drop
 
@@ -251,7 +259,16 @@ class Quarantine:
         return [line + (f" (list: {self._log_path})" if self._log_path else "")]
 
     def _changed(self, step: int | None) -> None:
+        """What is quarantined changed: the samplers leave out the new sets from their next batch on."""
         self._bad.clear()
+        self._refresh_hooks()
+        self._touched(step)
+
+    def _refresh_hooks(self) -> None:
+        for key, hook in self._hook_items:
+            hook.bad = self._bad_of(key)
+
+    def _touched(self, step: int | None) -> None:
         if step is not None:
             self._record.step = int(step)
         self._dirty = True

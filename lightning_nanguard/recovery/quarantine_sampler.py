@@ -48,12 +48,12 @@ class _Pass:
 class LoaderHook:
     """Attached to one training loader's batch sampler: which samples its batches hold, and which to keep out.
 
-    ``bad`` returns the quarantined indices of this loader (a set, cached by the quarantine); ``on_replaced`` is
-    told how many quarantined indices a pass left out.
+    ``bad`` is the quarantined indices of this loader (set by the quarantine whenever they change); ``on_replaced``
+    is told how many quarantined indices a pass left out.
     """
 
-    def __init__(self, bad: Callable[[], frozenset[int]], on_replaced: Callable[[int], None]) -> None:
-        self.bad = bad
+    def __init__(self, on_replaced: Callable[[int], None]) -> None:
+        self.bad: frozenset[int] = _NOTHING
         self.on_replaced = on_replaced
         self.queue: deque[tuple[_Pass, list[int]]] = deque()
 
@@ -76,10 +76,6 @@ class LoaderHook:
         """A pass starts: what an abandoned earlier pass queued will never be trained."""
         if any(not p.finished for p, _ in self.queue):
             self.queue = deque(entry for entry in self.queue if entry[0].finished)
-
-    def pop(self) -> list[int] | None:
-        """The dataset indices of the batch now starting (None when unknown)."""
-        return self.queue.popleft()[1] if self.queue else None
 
 
 def detach(sampler: BatchSampler) -> None:
@@ -116,10 +112,13 @@ def _patched_iter(self: BatchSampler) -> Iterator[list[int]]:
     hook = self.__dict__.get(_HOOK)
     if hook is not None:
         hook.new_pass()
-    stream = _Refill(iter(original(self)))
+    source = iter(original(self))
+    stream = _Refill(source)
     while True:
         hook = self.__dict__.get(_HOOK)
-        batch = stream.next(hook.bad() if hook is not None else _NOTHING)
+        bad = hook.bad if hook is not None else _NOTHING
+        # Nothing to leave out and nothing read ahead (every healthy step): the batch as the sampler gives it.
+        batch = stream.next(bad) if bad or stream.sizes else next(source, None)
         if batch is None:
             break
         if hook is None:
