@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
         "report",
         help="print the incidents of a run (a log dir or an incidents.jsonl); exit 0, or 2 when there is no log",
         description="Print the incidents a run recorded (RUN_DIR/nanguard/incidents.jsonl). A run without incidents "
-        'prints "no incidents".',
+        'prints "no incidents". A line that is no incident record (the last one, cut short by a killed run) is left '
+        "out with a note on stderr.",
         epilog=EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -194,7 +194,10 @@ class Quarantine:
         this rank. A collective: every rank calls it, and every rank ends with the same quarantine."""
         local: dict[str, Any] = {"samples": [], "fingerprint": "", "note": ""}
         if take:
-            picked, note = samples_of_rows(batch, rows, self._loaders, self.current)
+            try:
+                picked, note = samples_of_rows(batch, rows, self._loaders, self.current)
+            except Exception:  # never one rank alone out of the all-gather below: the fingerprint instead
+                picked, note = [], ""
             if picked:
                 local.update(samples=[[k, i] for k, i in picked], note=note)
             elif batch is not None:
