@@ -28,13 +28,11 @@ and its validation: ``quarantine_file``).
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
 from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from lightning_nanguard import _distributed, _lightning_compat
@@ -43,7 +41,7 @@ from lightning_nanguard.recovery import quarantine_file, quarantine_sampler
 from lightning_nanguard.recovery.quarantine_file import EVERY_LOADER, QuarantineRecord
 from lightning_nanguard.recovery.quarantine_rows import TrainLoader, samples_of_rows
 from lightning_nanguard.recovery.quarantine_sampler import LoaderHook
-from lightning_nanguard.signals.tensors import iter_tensors
+from lightning_nanguard.signals.tensors import fingerprint
 
 __all__ = ["QUARANTINE_FILE", "Quarantine", "fingerprint"]
 
@@ -289,21 +287,3 @@ def _names(pairs: Sequence[tuple[str, int]]) -> str:
     plain = [i for k, i in pairs if k == EVERY_LOADER]
     keyed = [f"{k}[{i}]" for k, i in pairs if k != EVERY_LOADER]
     return ", ".join(([str(plain)] if plain else []) + keyed)
-
-
-def fingerprint(batch: Any) -> str:
-    """A digest of a batch's tensors (shapes and a few reductions, read to the host once)."""
-    tensors = [torch.view_as_real(t) if t.is_complex() else t for t in iter_tensors(batch)]
-    if not tensors:
-        return ""
-    stats = torch.stack(
-        [
-            torch.stack(
-                [t.detach().double().sum(), t.detach().double().abs().sum(), t.detach().double().square().sum()]
-            )
-            for t in tensors
-        ]
-    )
-    shapes = ";".join(str(tuple(t.shape)) for t in tensors)
-    values = ",".join(f"{v:.9g}" for v in stats.reshape(-1).tolist())
-    return hashlib.sha1(f"{shapes}|{values}".encode()).hexdigest()[:16]

@@ -4,6 +4,7 @@ all finite (one fused pass, the verdict stays a device tensor: no host read)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -13,7 +14,7 @@ from torch import Tensor
 
 from lightning_nanguard.signals.gradients import _foreach_norm_fp32
 
-__all__ = ["all_finite", "at_path", "iter_tensors"]
+__all__ = ["all_finite", "at_path", "fingerprint", "iter_tensors"]
 
 
 def iter_tensors(obj: Any) -> Iterator[Tensor]:
@@ -44,6 +45,25 @@ def at_path(obj: Any, path: Sequence[Any]) -> Any:
         else:
             return None
     return obj
+
+
+def fingerprint(batch: Any) -> str:
+    """A digest of a batch's tensors (shapes and a few reductions, read to the host once): the quarantine's key for
+    a batch without sample indices."""
+    tensors = [torch.view_as_real(t) if t.is_complex() else t for t in iter_tensors(batch)]
+    if not tensors:
+        return ""
+    stats = torch.stack(
+        [
+            torch.stack(
+                [t.detach().double().sum(), t.detach().double().abs().sum(), t.detach().double().square().sum()]
+            )
+            for t in tensors
+        ]
+    )
+    shapes = ";".join(str(tuple(t.shape)) for t in tensors)
+    values = ",".join(f"{v:.9g}" for v in stats.reshape(-1).tolist())
+    return hashlib.sha1(f"{shapes}|{values}".encode()).hexdigest()[:16]
 
 
 def all_finite(tensors: Sequence[Tensor], *, wide: bool = False) -> Tensor:
