@@ -61,10 +61,10 @@ def _report(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        records = IncidentLog.read(found) if found is not None else []
+        records, notes = IncidentLog.read_checked(found) if found is not None else ([], [])
         shown = found or path
     elif os.path.isfile(path):
-        records = IncidentLog.read(path)
+        records, notes = IncidentLog.read_checked(path)
         shown = path
         run_dir = os.path.dirname(os.path.dirname(os.path.abspath(path)))
         guess = os.path.join(run_dir, SUMMARY_FILE)
@@ -72,9 +72,13 @@ def _report(args: argparse.Namespace) -> int:
     else:
         print(f"nanguard report: no incident log at {path}", file=sys.stderr)
         return 2
+    for note in notes:  # damaged lines are left out, not fatal: a killed run is the one most worth a report
+        print(f"nanguard report: note: {note}", file=sys.stderr)
     if records:
         sources = sorted({s.strip() for r in records for s in r.source.split(",") if s.strip()})
         print(format_summary(records, sources, shown, limit=args.limit))
+    elif notes:
+        print(f"no readable incidents in {shown} ({len(notes)} damaged line(s) left out)")
     else:
         print(f"no incidents: nanguard recorded none in {path}")
         if summary is not None:
@@ -154,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
         "report",
         help="print the incidents of a run (a log dir or an incidents.jsonl); exit 0, or 2 when there is no log",
         description="Print the incidents a run recorded (RUN_DIR/nanguard/incidents.jsonl). A run without incidents "
-        'prints "no incidents".',
+        'prints "no incidents". A line that is no incident record (the last one, cut short by a killed run) is left '
+        "out with a note on stderr.",
         epilog=EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -43,3 +43,27 @@ def test_unknown_task_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> No
     with pytest.raises(SystemExit) as err:
         main(["demo", "--incident", "nope"])
     assert err.value.code == 2
+
+
+def test_ablate_entry_finished_means_finite_weights_and_skips_count_without_gradnormmonitor(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The shipped LightningCLI example has a NaN row: unguarded it exits 0 with NaN weights (not finished, and the
+    # table says why); AutoRollback alone skips the bad steps, counted though no GradNormMonitor logs a counter.
+    pytest.importorskip("jsonargparse")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    yamls = [os.path.join(root, "examples", "ablation", f"{n}.yaml") for n in ("none", "only_auto_rollback")]
+    entry = os.path.join(root, "examples", "cli", "train.py")
+    base = tmp_path / "base.yaml"
+    base.write_text("trainer:\n  max_epochs: 1\n  enable_progress_bar: false\n  enable_model_summary: false\n")
+    argv = ["ablate", "--entry", entry, "--base", str(base), "--yaml", *yamls, "--out", str(tmp_path / "out")]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    rows = {
+        line.split("|")[2].strip(): line.split("|") for line in printed.splitlines() if line.startswith("| (entry)")
+    }
+    assert rows["none"][4].strip() == "NO"
+    assert "the last training loss logged is nan" in rows["none"][12]
+    assert rows["only_auto_rollback"][4].strip() == "yes"
+    assert int(rows["only_auto_rollback"][8]) > 0  # skipped
+    assert 'finished: "yes" when the run returned normally AND its final weights are finite' in printed

@@ -126,14 +126,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("lightning_nanguard/callbacks/loss_scale_watchdog.py", "getattr(scaler, '_backoff_factor', None)"): (
         "owned by refactor-core, moved at merge: the GradScaler's backoff factor (no public getter in older torch)"
     ),
-    # ---- owned by data, moved at merge
-    ("lightning_nanguard/recovery/quarantine.py", "sampler.__dict__"): (
-        "owned by data, moved at merge: the quarantine's hook and ring kept on the batch sampler instance"
-    ),
-    ("lightning_nanguard/signals/tensors.py", "torch._foreach_norm"): (
-        "owned by data, moved at merge: _lightning_compat.foreach_norms(dtypes=(torch.float64, torch.float32)) is "
-        "the same search"
-    ),
     # ---- owned by scale, moved at merge
     ("lightning_nanguard/recovery/snapshot.py", "torch._foreach_copy_"): (
         "owned by scale, moved at merge: the snapshot's fused copy into preallocated buffers"

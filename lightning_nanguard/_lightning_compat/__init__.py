@@ -38,7 +38,7 @@ from lightning_nanguard._lightning_compat.loops import (
     log_step,
     should_update_logs,
     train_batch_idx,
-    train_batch_samplers,
+    train_loaders,
 )
 from lightning_nanguard._lightning_compat.patches import (
     EVAL_STEP_CONTEXT,
@@ -53,7 +53,9 @@ from lightning_nanguard._lightning_compat.strategies import (
     checkpoint_scaler_scale,
     fsdp1_state_dict_type,
     instance_attribute,
+    pop_instance_attribute,
     saves_distributed_checkpoint,
+    set_instance_attribute,
     strategy_class_names,
 )
 from lightning_nanguard._lightning_compat.torch_ops import (
@@ -96,17 +98,19 @@ __all__ = [
     "optimizer_handles_unscaling",
     "or_into_found_inf",
     "or_nonfinite_into_found_inf",
+    "pop_instance_attribute",
     "saves_distributed_checkpoint",
     "scale_tensor",
     "set_found_inf",
     "set_found_inf_where_nonfinite",
+    "set_instance_attribute",
     "should_update_logs",
     "strategy_class_names",
     "takes_dataloader_iter",
     "tensor_version",
     "tensorboard_one_event",
     "train_batch_idx",
-    "train_batch_samplers",
+    "train_loaders",
     "tree_map",
     "true_flag",
 ]

@@ -12,7 +12,7 @@ __all__ = [
     "log_step",
     "should_update_logs",
     "train_batch_idx",
-    "train_batch_samplers",
+    "train_loaders",
 ]
 
 
@@ -70,10 +70,23 @@ class LoggingSteps:
         return bool(every) and ((loop._batches_that_stepped + 1) % every == 0 or trainer.should_stop)
 
 
-def train_batch_samplers(trainer: pl.Trainer) -> list[Any]:
-    """The batch samplers of the training DataLoaders of the running fit (empty before they exist)."""
-    from torch.utils.data import DataLoader
-
+def train_loaders(trainer: pl.Trainer) -> list[tuple[tuple[Any, ...], Any]]:
+    """The running fit's training iterables with the path of each in the batch Lightning builds from them: ``()`` for
+    a single DataLoader (the batch is its batch), ``("a",)`` for ``{"a": loader, ...}``, ``(1,)`` for a list's second
+    one. Empty before the fit's CombinedLoader exists."""
     combined = getattr(trainer.fit_loop, "_combined_loader", None)
-    loaders = getattr(combined, "flattened", None) or []
-    return [dl.batch_sampler for dl in loaders if isinstance(dl, DataLoader) and dl.batch_sampler is not None]
+    flattened = getattr(combined, "flattened", None) or []
+    paths: dict[int, tuple[Any, ...]] = {}
+
+    def walk(node: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, (*path, key))
+        elif isinstance(node, (list, tuple)):
+            for i, value in enumerate(node):
+                walk(value, (*path, i))
+        else:
+            paths.setdefault(id(node), path)
+
+    walk(getattr(combined, "iterables", None), ())
+    return [(paths.get(id(loader), (i,)), loader) for i, loader in enumerate(flattened)]

@@ -12,7 +12,9 @@ __all__ = [
     "checkpoint_scaler_scale",
     "fsdp1_state_dict_type",
     "instance_attribute",
+    "pop_instance_attribute",
     "saves_distributed_checkpoint",
+    "set_instance_attribute",
     "strategy_class_names",
 ]
 
@@ -36,6 +38,17 @@ def fsdp1_state_dict_type(strategy: Any) -> str:
 def instance_attribute(obj: object, name: str) -> Any:
     """``obj``'s own instance attribute ``name`` (one that overrides the class's method), or ``None``."""
     return vars(obj).get(name)
+
+
+def set_instance_attribute(obj: object, name: str, value: Any) -> None:
+    """Keep ``value`` as ``obj``'s own instance attribute ``name`` (a mark or hook nanguard attaches to an object it
+    does not own, such as a DataLoader's batch sampler)."""
+    vars(obj)[name] = value
+
+
+def pop_instance_attribute(obj: object, name: str) -> Any:
+    """Remove and return ``obj``'s own instance attribute ``name`` (``None`` when it has none)."""
+    return vars(obj).pop(name, None)
 
 
 def checkpoint_scaler_scale(checkpoint: Mapping[str, Any], trainer: pl.Trainer) -> float | None:

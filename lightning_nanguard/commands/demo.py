@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from lightning_nanguard.commands.table import Row, markdown
+from lightning_nanguard.commands.table import LEGEND, Row, markdown
 
 __all__ = ["DEFAULT_INCIDENT", "add_parser", "row_of"]
 
@@ -36,6 +36,8 @@ def _run(args: argparse.Namespace) -> int:
         results.append(run_task(task.name, callbacks, seed=args.seed, root_dir=root, config=config))
     print()
     print(markdown([row_of(r) for r in results]))
+    print()
+    print(LEGEND)
     unguarded, guarded = results
     if unguarded.error:
         print(f"\nunguarded: {unguarded.error.splitlines()[0][:300]}")

@@ -8,12 +8,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["COLUMNS", "Row", "markdown", "write_csv"]
+__all__ = ["COLUMNS", "LEGEND", "Row", "markdown", "write_csv"]
+
+LEGEND = """\
+finished: "yes" when the run returned normally AND its final weights are finite (and its losses, where measured);
+  "NO" when it raised, or ended with non-finite weights or loss: the last column says which. A run that exits 0 with
+  NaN weights is not finished.
+skipped: updates dropped (by nanguard, a quarantine or the GradScaler); rollbacks: states restored; LR scale: the
+  learning rate at the end over the configured one."""
+
+_NOTE_WIDTH = 70  # the printed table's note column (the CSV holds the whole sentence)
 
 
 @dataclass
 class Row:
-    """What one run did (every column of the table)."""
+    """What one run did (every column of the table).
+
+    ``finished`` is True only for a run that returned normally with finite final weights (and losses, where
+    measured); ``note`` says why a run did not finish, or how a finished one was judged where its weights could not
+    be read (``why`` derives it from ``error`` and the losses where it is empty).
+    """
 
     task: str
     config: str
@@ -28,9 +42,27 @@ class Row:
     wall_time: float = math.nan
     log_dir: str = ""
     error: str = ""
+    note: str = ""
 
-    def cells(self) -> list[str]:
+    def why(self) -> str:
+        """Why the run did not finish (or how a finished one was judged), in one line."""
+        if self.note:
+            return self.note
+        if self.finished:
+            return ""
+        if self.error:
+            return self.error.strip().splitlines()[0] if self.error.strip() else "failed"
+        if not math.isfinite(self.train_loss):
+            return "ended with a non-finite training loss"
+        if not math.isfinite(self.val_loss):
+            return "ended with a non-finite validation loss"
+        return "ended with non-finite weights"
+
+    def cells(self, width: int | None = None) -> list[str]:
         causes = ", ".join(f"{k}={v}" for k, v in sorted(self.incidents_by_cause.items())) or "-"
+        why = self.why()
+        if width is not None and len(why) > width:
+            why = why[: width - 3] + "..."
         return [
             self.task,
             self.config,
@@ -43,6 +75,7 @@ class Row:
             str(self.rollbacks),
             f"{self.lr_scale:.3g}",
             f"{self.wall_time:.1f}",
+            why.replace("|", "/") if width is not None else why,
         ]
 
     @classmethod
@@ -63,6 +96,7 @@ COLUMNS = [
     "rollbacks",
     "LR scale",
     "wall s",
+    "note",
 ]
 
 
@@ -72,7 +106,7 @@ def _num(value: float) -> str:
 
 def markdown(rows: Sequence[Row]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(r.cells()) + " |" for r in rows]
+    lines += ["| " + " | ".join(r.cells(_NOTE_WIDTH)) + " |" for r in rows]
     return "\n".join(lines)
 
 

@@ -252,7 +252,7 @@ class Engine:
         self._batch, self._batch_idx = batch, batch_idx
         self._batch_began = time.perf_counter()
         self._drop_reason = ""
-        if self.quarantine is not None and self.quarantine.begin_batch(batch):
+        if self.quarantine is not None and self.quarantine.begin_batch(batch, trainer):  # rank-agreed
             self._drop_reason = "quarantined"
         if self.restorer is not None:
             step = trainer.global_step
@@ -500,6 +500,8 @@ class Engine:
         if self.scale_watch is not None and reading.scale is not None:
             collapse = self.scale_watch.observe(trainer, reading)
         if reading.bad:
+            if self._drop_reason == "quarantined" and (reading.state_before is None or reading.state_before[0]):
+                return  # a quarantined batch came back and its update was dropped (counted by the quarantine)
             self.skip_streak += 1
             if self._drop_reason == "stopping":
                 return  # the stop this batch started with is the incident

@@ -13,7 +13,8 @@ corrupt state                state non-finite otherwise (tensors named; buffers 
 gradient explosion           a spike or loss-scale collapse signal (the history is the evidence)
 gradient explosion           a snapshot taken mid-divergence (its step's loss and grad norm both >10x those of the
                              last sound snapshot: the run is diverging while still finite)
-input data                   NaN/inf in an input row
+input data                   NaN/inf in an input row (``signals.batch.split_batch`` says which parts are targets)
+targets                      NaN/inf in a target row (a float regression target)
 targets                      class targets < 0 or >= the output size the replay saw (ignore_index -100 excepted)
 input data                   a row ``1e3`` x larger than the batch's median row
 gradient explosion           a GradScaler overflow with a finite loss that was climbing (3x, rising 3 steps in a row)
@@ -74,6 +75,9 @@ HINTS: dict[Cause, str] = {
     Cause.TRANSIENT: "the same batch on the same weights was finite: a one-off (hardware, race, injected fault)",
     Cause.UNKNOWN: "check the data and the model at this step (forensics='every' replays each incident)",
 }
+
+
+TARGETS_NONFINITE_HINT = "the targets hold NaN/inf: check the label pipeline for these samples"
 
 
 @dataclass(frozen=True)
@@ -180,7 +184,7 @@ def _rank_rows(f: Findings, rows: tuple[int, ...]) -> tuple[tuple[int, ...], ...
     if len(f.batch) <= 1 or not rows:
         return ()
     wanted = set(rows)
-    return tuple(tuple(sorted(wanted & {*b.nonfinite_rows, *b.magnitude_rows, *b.target_rows})) for b in f.batch)
+    return tuple(tuple(sorted(wanted & set(b.rows))) for b in f.batch)
 
 
 def _with_magnitude_rows(f: Findings, d: Diagnosis) -> Diagnosis:
@@ -239,6 +243,11 @@ def _cheap_evidence(f: Findings) -> list[Evidence]:
         out.append(
             Evidence(EvidenceKind.BATCH_NONFINITE, f"NaN/inf in the inputs at {_at(f, ranks, rows)}", {"rows": rows})
         )
+    ranks, rows = _rows_by_rank(f, "nonfinite_target_rows")
+    if rows:
+        out.append(
+            Evidence(EvidenceKind.TARGETS_NONFINITE, f"NaN/inf in the targets at {_at(f, ranks, rows)}", {"rows": rows})
+        )
     ranks, rows = _rows_by_rank(f, "magnitude_rows")
     if rows:
         top = max(b.max_abs for b in f.batch)
@@ -279,6 +288,7 @@ def _cheap_cause(f: Findings) -> Diagnosis | None:
     kinds = {e.kind: e for e in evidence}
     for kind, cause in (
         (EvidenceKind.BATCH_NONFINITE, Cause.INPUT_DATA),
+        (EvidenceKind.TARGETS_NONFINITE, Cause.TARGETS),
         (EvidenceKind.TARGETS_OUT_OF_RANGE, Cause.TARGETS),
         (EvidenceKind.BATCH_MAGNITUDE, Cause.INPUT_DATA),
     ):
@@ -288,12 +298,14 @@ def _cheap_cause(f: Findings) -> Diagnosis | None:
         if kind in kinds:
             attr = {
                 EvidenceKind.BATCH_NONFINITE: "nonfinite_rows",
+                EvidenceKind.TARGETS_NONFINITE: "nonfinite_target_rows",
                 EvidenceKind.TARGETS_OUT_OF_RANGE: "target_rows",
                 EvidenceKind.BATCH_MAGNITUDE: "magnitude_rows",
             }[kind]
             ranks, rows = _rows_by_rank(f, attr)
             return Diagnosis(
                 cause,
+                hint=TARGETS_NONFINITE_HINT if kind is EvidenceKind.TARGETS_NONFINITE else "",
                 where=_at(f, ranks, rows),
                 evidence=(kinds[kind], *(e for e in evidence if e is not kinds[kind])),
                 ranks=ranks,

@@ -1,124 +1,123 @@
-"""Quarantine: data that caused an incident is skipped when it comes back, without a new incident.
+"""Quarantine: data that caused an incident is kept out when it comes back, without a new incident.
 
 Two keys, the best one available:
 
-* **sample indices** (map-style datasets with a ``BatchSampler``, single device or DDP): the batch sampler's output
-  is recorded in the main process, so the dataset index of every row of every training batch is known on the host
-  at no device cost. A quarantined index is then replaced by another index of the same batch before the batch is
-  loaded, so the bad sample never reaches the model again and the batch keeps its shape.
-* **batch fingerprints** (iterable datasets, custom batch samplers): a digest of the batch's tensors; while any
-  fingerprint is quarantined, every batch is fingerprinted at batch start (one host read per step then) and a
-  matching batch's update is dropped without an incident.
+* **(training loader, sample index)** (map-style datasets loaded through a ``BatchSampler``, single device or DDP):
+  the batch sampler's output is recorded in the main process, so the dataset index of every row of every training
+  batch is known on the host at no device cost (``quarantine_sampler``). A quarantined sample is left out of later
+  batches, which are refilled with the next healthy samples the sampler gives; the batches keep their size and
+  number. Several training loaders (``{"a": loader_a, "b": loader_b}``) each have their own indices, and the rows
+  of a batch are mapped to samples loader by loader, also through a collate function that reorders them
+  (``quarantine_rows``).
+* **batch fingerprints** (iterable datasets, custom batch samplers, anything without sample indices): a digest of
+  the batch's tensors; while any fingerprint is quarantined, every batch is fingerprinted at its start (one host
+  read per step then) and a matching batch's update is dropped.
 
-The quarantine is identical on every rank (additions are all-gathered), saved in the callback state (so it survives
-``fit(ckpt_path=...)``), written to ``<log_dir>/nanguard/quarantine.json``, listed by the summary and ``nanguard
-report``, and can be seeded from a file (``GradNormMonitor(quarantine_file=...)``).
+A quarantined batch that comes back (a fingerprint match, or samples a prefetched batch already held) has its update
+dropped, counted (``dropped_batches``) and recorded in the quarantine file, but is no new incident. Under DDP the
+ranks agree on that drop with one reduction per batch, and only while something is quarantined: every rank drops
+the update or none does.
 
-``BatchSampler.__iter__`` is wrapped (saved and re-assigned) only while a fit with a quarantine runs, because the
-first epoch's iterator is created before any training hook; instances record their recent batches in a small ring,
-and the training loaders' samplers are attached at each epoch start.
+The quarantine is identical on every rank (additions are all-gathered), kept for one fit (a callback reused by
+another Trainer starts empty; ``quarantine_file`` is the way to carry it), saved in the callback state (so it
+survives ``fit(ckpt_path=...)``), written to ``<log_dir>/nanguard/quarantine.json`` after each change and at the end
+of fit, listed by the summary, and can be seeded from a file (``GradNormMonitor(quarantine_file=...)``; the format
+and its validation: ``quarantine_file``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import copy
 import os
-from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
-from torch import Tensor
-from torch.utils.data import BatchSampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from lightning_nanguard import _distributed, _lightning_compat
+from lightning_nanguard.exceptions import NanGuardConfigError
+from lightning_nanguard.recovery import quarantine_file, quarantine_sampler
+from lightning_nanguard.recovery.quarantine_file import EVERY_LOADER, QuarantineRecord
+from lightning_nanguard.recovery.quarantine_rows import TrainLoader, samples_of_rows
+from lightning_nanguard.recovery.quarantine_sampler import LoaderHook
+from lightning_nanguard.signals.tensors import fingerprint
 
-__all__ = ["Quarantine"]
+__all__ = ["QUARANTINE_FILE", "Quarantine", "fingerprint"]
 
 QUARANTINE_FILE = os.path.join("nanguard", "quarantine.json")
-_RING = 512  # batches remembered per sampler before a training hook attaches (prefetch_factor * workers, at most)
-_PATCH: dict[str, Any] = {"original": None, "users": 0}
-
-
-def _patched_iter(self: BatchSampler) -> Iterator[list[int]]:
-    original = _PATCH["original"] or BatchSampler.__iter__
-    ring = self.__dict__.get("_nanguard_ring")
-    if ring is None:
-        ring = self.__dict__["_nanguard_ring"] = deque(maxlen=_RING)
-    ring.clear()
-    hook = self.__dict__.get("_nanguard_hook")
-    if hook is not None:
-        hook.new_pass()
-    for batch in original(self):
-        hook = self.__dict__.get("_nanguard_hook")
-        if hook is not None:
-            batch = hook.filter(batch)
-        else:
-            ring.append(list(batch))
-        yield batch
-
-
-class _SamplerHook:
-    """Attached to one training batch sampler: filters quarantined indices and queues each batch's indices."""
-
-    def __init__(self, quarantine: Quarantine) -> None:
-        self.quarantine = quarantine
-
-    def new_pass(self) -> None:
-        self.quarantine.queue.clear()
-
-    def filter(self, batch: list[int]) -> list[int]:
-        q = self.quarantine
-        if q.samples and any(i in q.samples for i in batch):
-            healthy = [i for i in batch if i not in q.samples] or q.last_healthy[-1:]
-            if healthy:
-                replaced = [i if i not in q.samples else healthy[k % len(healthy)] for k, i in enumerate(batch)]
-                q.replaced += sum(1 for i in batch if i in q.samples)
-                batch = replaced
-        else:
-            q.last_healthy = batch[-1:]
-        q.queue.append(list(batch))
-        return batch
 
 
 class Quarantine:
-    """The quarantined samples and batches of one GradNormMonitor."""
+    """The quarantined samples and batches of one GradNormMonitor, for one fit at a time."""
 
     def __init__(self, seed_file: str | None = None) -> None:
-        self.samples: set[int] = set()
-        self.fingerprints: set[str] = set()
-        self.queue: deque[list[int]] = deque()
-        self.current: list[int] | None = None  # dataset indices of the current batch's rows, when known
-        self.replaced = 0  # quarantined samples replaced in later batches
-        self.dropped_batches = 0  # quarantined batches whose update was dropped (fingerprint match)
-        self.last_healthy: list[int] = []
         self.seed_file = seed_file
-        self._hooks: list[BatchSampler] = []
+        # Read (and validated) here, at construction: a broken file is refused before any training.
+        self._seed = quarantine_file.read_file(seed_file) if seed_file is not None else QuarantineRecord()
+        self._record = copy.deepcopy(self._seed)
+        self._loaders: list[TrainLoader] = []
+        self._hooks: dict[str, LoaderHook] = {}
+        self._hook_items: list[tuple[str, LoaderHook]] = []
+        self._samplers: list[BatchSampler] = []
+        self._bad: dict[str, frozenset[int]] = {}
+        self.current: dict[str, list[int] | None] = {}  # this batch's dataset indices, per hooked loader
         self._log_path: str | None = None
-        if seed_file is not None:
-            self.load_file(seed_file)
+        self._dirty = False
+
+    # ------------------------------------------------------------------ what is quarantined
+    @property
+    def samples(self) -> set[int]:
+        """The quarantined sample indices, over every loader."""
+        return set().union(*self._record.samples.values()) if self._record.samples else set()
+
+    @property
+    def fingerprints(self) -> set[str]:
+        return self._record.fingerprints
+
+    @property
+    def replaced(self) -> int:
+        """Quarantined samples left out of later batches (and replaced by healthy ones)."""
+        return self._record.replaced
+
+    @property
+    def dropped_batches(self) -> int:
+        """Quarantined batches that came back and whose update was dropped."""
+        return self._record.dropped_batches
+
+    @property
+    def active(self) -> bool:
+        """Something is quarantined: every batch must be checked at its start (``begin_batch``)."""
+        return bool(self._record.fingerprints) or any(self._record.samples.values())
+
+    def _bad_of(self, key: str) -> frozenset[int]:
+        found = self._bad.get(key)
+        if found is None:
+            samples = self._record.samples
+            found = self._bad[key] = frozenset(samples.get(key, set()) | samples.get(EVERY_LOADER, set()))
+        return found
 
     # ------------------------------------------------------------------ lifecycle
     def install(self) -> None:
-        """Start recording batch samplers (a fit begins)."""
-        if _PATCH["users"] == 0:
-            _PATCH["original"] = BatchSampler.__iter__
-            BatchSampler.__iter__ = _patched_iter  # type: ignore[method-assign]
-        _PATCH["users"] += 1
+        """A fit begins: start from the seed file alone (nothing of an earlier fit), record the batch samplers."""
+        self._record = copy.deepcopy(self._seed)
+        self._bad.clear()
+        self._refresh_hooks()
+        self._log_path = None
+        self._dirty = False
+        quarantine_sampler.install_patch()
 
     def detach(self) -> None:
-        for sampler in self._hooks:
-            sampler.__dict__.pop("_nanguard_hook", None)
+        """The fit ends: the file as it stands now, and the samplers let go."""
+        self._flush(force=True)
+        for sampler in self._samplers:
+            quarantine_sampler.detach(sampler)
+        self._samplers.clear()
         self._hooks.clear()
-        self.queue.clear()
-        self.current = None
-        if _PATCH["users"] > 0:
-            _PATCH["users"] -= 1
-            if _PATCH["users"] == 0 and _PATCH["original"] is not None:
-                BatchSampler.__iter__ = _PATCH["original"]  # type: ignore[method-assign]
-                _PATCH["original"] = None
+        self._hook_items = []
+        self._loaders.clear()
+        self.current = {}
+        quarantine_sampler.remove_patch()
 
     def attach(self, trainer: pl.Trainer, log_dir: str | None) -> None:
         """Each epoch start: hook the training loaders' batch samplers (adopting what they yielded already).
@@ -128,132 +127,163 @@ class Quarantine:
         """
         if self._log_path is None and log_dir:
             self._log_path = os.path.join(log_dir, QUARANTINE_FILE)
-        for sampler in _lightning_compat.train_batch_samplers(trainer):
-            if not isinstance(sampler, BatchSampler) or sampler.__dict__.get("_nanguard_hook") is not None:
+            self._dirty = self._dirty or self.active
+        found = _lightning_compat.train_loaders(trainer)
+        self._loaders = []
+        samplers = [getattr(loader, "batch_sampler", None) for _, loader in found]
+        for (path, loader), sampler in zip(found, samplers, strict=True):
+            if not isinstance(loader, DataLoader):
                 continue
-            hook = _SamplerHook(self)
-            ring = sampler.__dict__.get("_nanguard_ring") or ()
-            self.queue.clear()
-            for batch in ring:  # yielded before this hook existed (the first epoch's prefetch)
-                self.queue.append(list(batch))
-            sampler.__dict__["_nanguard_hook"] = hook
-            self._hooks.append(sampler)
+            key = ".".join(str(p) for p in path)
+            self._loaders.append(TrainLoader(key, tuple(path), loader.dataset, loader.collate_fn))
+            if (
+                not isinstance(sampler, BatchSampler)
+                or isinstance(loader.dataset, IterableDataset)  # no sample indices: fingerprints
+                or sum(s is sampler for s in samplers) > 1  # one sampler iterated twice per batch: not followed
+            ):
+                self._hooks.pop(key, None)
+                continue
+            mine = self._hooks.get(key)
+            if mine is not None and mine.attached_to(sampler):
+                mine.new_epoch()
+                continue
+            hook = LoaderHook(on_replaced=self._on_replaced)
+            hook.adopt(sampler)
+            self._hooks[key] = hook
+            self._samplers.append(sampler)
+        self._hook_items = list(self._hooks.items())
+        self.current = dict.fromkeys(self._hooks)
+        self._refresh_hooks()
+        self._flush()
 
     # ------------------------------------------------------------------ per batch
-    @property
-    def active(self) -> bool:
-        """Something is quarantined: every batch must be checked at its start (``begin_batch``)."""
-        return bool(self.samples or self.fingerprints)
-
     def next_batch(self) -> None:
         """``begin_batch`` while nothing is quarantined (no batch can be dropped): only keep ``current`` in step with
         the batches, called once per batch at any point before its incident is handled (the engine: at its end)."""
-        self.current = self.queue.popleft() if self.queue else None
+        current = self.current
+        for key, hook in self._hook_items:
+            queue = hook.queue
+            current[key] = queue.popleft()[1] if queue else None
 
-    def begin_batch(self, batch: Any) -> bool:
-        """Called at every batch start. True when this batch is quarantined (drop its update, no incident)."""
-        self.current = self.queue.popleft() if self.queue else None
-        if self.current is not None and self.samples and any(i in self.samples for i in self.current):
-            self.dropped_batches += 1  # prefetched before the quarantine knew the sample
-            return True
-        if self.fingerprints and fingerprint(batch) in self.fingerprints:
-            self.dropped_batches += 1
-            return True
-        return False
+    def begin_batch(self, batch: Any, trainer: pl.Trainer | None = None) -> bool:
+        """Called at every batch start while the batch start is shown. True when this batch is quarantined: drop its
+        update, no incident. Under DDP (``trainer`` given) the ranks agree: one reduction, only while something is
+        quarantined, and every rank makes it (the quarantine is identical on every rank)."""
+        self.next_batch()
+        if not self.active:
+            return False
+        local = any(ids is not None and not self._bad_of(key).isdisjoint(ids) for key, ids in self.current.items())
+        if not local and self._record.fingerprints:
+            local = fingerprint(batch) in self._record.fingerprints
+        drop = local if trainer is None or trainer.world_size <= 1 else _distributed.any_rank(trainer, local)
+        if drop:
+            self._record.dropped_batches += 1
+            self._touched(trainer.global_step if trainer is not None else None)
+        self._flush()
+        return drop
+
+    def _on_replaced(self, n: int) -> None:
+        self._record.replaced += n
+        self._dirty = True
 
     # ------------------------------------------------------------------ incident path
     def add(self, trainer: pl.Trainer, batch: Any, rows: Sequence[int], step: int, *, take: bool = True) -> str:
         """Quarantine the rows of the current batch (all of it when ``rows`` is empty); ``take=False``: nothing from
         this rank. A collective: every rank calls it, and every rank ends with the same quarantine."""
-        local: dict[str, Any] = {"samples": [], "fingerprint": ""}
-        if not take:
-            pass
-        elif self.current is not None:
-            picked = [self.current[r] for r in rows if 0 <= r < len(self.current)] if rows else list(self.current)
-            local["samples"] = picked
-        elif batch is not None:
-            local["fingerprint"] = fingerprint(batch)
-        gathered = _distributed.all_gather_objects(trainer, local)
-        new_samples = sorted({int(s) for part in gathered for s in part["samples"]} - self.samples)  # type: ignore[index]
-        new_prints = sorted({str(part["fingerprint"]) for part in gathered if part["fingerprint"]} - self.fingerprints)  # type: ignore[index]
-        self.samples.update(new_samples)
-        self.fingerprints.update(new_prints)
-        self._write(step)
+        local: dict[str, Any] = {"samples": [], "fingerprint": "", "note": ""}
+        if take:
+            try:
+                picked, note = samples_of_rows(batch, rows, self._loaders, self.current)
+            except Exception:  # never one rank alone out of the all-gather below: the fingerprint instead
+                picked, note = [], ""
+            if picked:
+                local.update(samples=[[k, i] for k, i in picked], note=note)
+            elif batch is not None:
+                local["fingerprint"] = fingerprint(batch)
+        gathered: list[Any] = _distributed.all_gather_objects(trainer, local)
+        known = {(k, i) for k, ids in self._record.samples.items() for i in ids}
+        new_samples = sorted({(str(k), int(i)) for part in gathered for k, i in part["samples"]} - known)
+        new_prints = sorted({str(p["fingerprint"]) for p in gathered if p["fingerprint"]} - self._record.fingerprints)
+        for key, index in new_samples:
+            self._record.samples.setdefault(key, set()).add(index)
+        self._record.fingerprints.update(new_prints)
+        self._changed(step)
+        self._flush()
+        notes = sorted({str(p["note"]) for p in gathered if p["note"]})
         if new_samples:
-            return f"quarantined dataset sample(s) {new_samples}: they are replaced when they come back"
+            note = f" ({'; '.join(notes)})" if notes else ""
+            return f"quarantined dataset sample(s) {_names(new_samples)}{note}: left out when they come back"
         if new_prints:
-            return "quarantined this batch (fingerprint; the dataset exposes no sample indices): its update is dropped when it comes back"
-        return "the data was already quarantined"
+            return "quarantined this batch (fingerprint; no sample indices): its update is dropped when it comes back"
+        if any(p["samples"] or p["fingerprint"] for p in gathered):
+            return "the data was already quarantined"
+        return "nothing to quarantine (the batch's samples could not be identified)"
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "samples": sorted(self.samples),
-            "fingerprints": sorted(self.fingerprints),
-            "replaced": self.replaced,
-            "dropped_batches": self.dropped_batches,
-        }
+        return quarantine_file.dump(self._record)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.samples.update(int(s) for s in state.get("samples", []))
-        self.fingerprints.update(str(f) for f in state.get("fingerprints", []))
-        self.replaced = int(state.get("replaced", self.replaced))
-        self.dropped_batches = int(state.get("dropped_batches", self.dropped_batches))
+        try:
+            loaded = quarantine_file.parse(state, strict=False)
+        except ValueError as err:
+            raise NanGuardConfigError(
+                f"GradNormMonitor: the checkpoint's quarantine state is malformed ({err}); resume from another "
+                "checkpoint, or with GradNormMonitor(quarantine=False)."
+            ) from None
+        self._merge(loaded)
 
     def load_file(self, path: str) -> None:
-        """Seed from a JSON file: ``{"samples": [...], "fingerprints": [...]}`` or a plain list of sample indices."""
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        if isinstance(data, list):
-            data = {"samples": data}
-        self.load_state_dict(data)
+        """Add what a quarantine file lists (``quarantine_file`` describes the format; validated)."""
+        self._merge(quarantine_file.read_file(path))
+
+    def _merge(self, other: QuarantineRecord) -> None:
+        for key, indices in other.samples.items():
+            self._record.samples.setdefault(key, set()).update(indices)
+        self._record.fingerprints.update(other.fingerprints)
+        self._record.replaced = max(self._record.replaced, other.replaced)
+        self._record.dropped_batches = max(self._record.dropped_batches, other.dropped_batches)
+        self._changed(other.step or None)
 
     def summary_lines(self) -> list[str]:
-        if not self.samples and not self.fingerprints:
+        if not self.active:
             return []
-        shown = sorted(self.samples)[:10]
-        more = f" and {len(self.samples) - 10} more" if len(self.samples) > 10 else ""
-        line = f"quarantined: {len(self.samples)} sample(s) {shown}{more}" if self.samples else "quarantined:"
-        if self.fingerprints:
-            line += f" {len(self.fingerprints)} batch fingerprint(s)"
-        line += f"; replaced {self.replaced} time(s), {self.dropped_batches} batch update(s) dropped"
-        if self._log_path:
-            line += f" (list: {self._log_path})"
-        return [line]
+        pairs = sorted((k, i) for k, ids in self._record.samples.items() for i in ids)
+        parts = []
+        if pairs:
+            shown = _names(pairs[:10]) + (f" and {len(pairs) - 10} more" if len(pairs) > 10 else "")
+            parts.append(f"{len(pairs)} sample(s) {shown}")
+        if self._record.fingerprints:
+            parts.append(f"{len(self._record.fingerprints)} batch fingerprint(s)")
+        line = f"quarantined: {', '.join(parts)}; replaced {self.replaced} time(s), {self.dropped_batches} batch "
+        line += "update(s) dropped"
+        return [line + (f" (list: {self._log_path})" if self._log_path else "")]
 
-    def _write(self, step: int) -> None:
-        if self._log_path is None:
+    def _changed(self, step: int | None) -> None:
+        """What is quarantined changed: the samplers leave out the new sets from their next batch on."""
+        self._bad.clear()
+        self._refresh_hooks()
+        self._touched(step)
+
+    def _refresh_hooks(self) -> None:
+        for key, hook in self._hook_items:
+            hook.bad = self._bad_of(key)
+
+    def _touched(self, step: int | None) -> None:
+        if step is not None:
+            self._record.step = int(step)
+        self._dirty = True
+
+    def _flush(self, *, force: bool = False) -> None:
+        """Write the file (rank 0, a run with a log directory) when something changed since the last write."""
+        if self._log_path is None or not (self._dirty or (force and self.active)):
             return
-        os.makedirs(os.path.dirname(self._log_path), exist_ok=True)
-        tmp = self._log_path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({**self.state_dict(), "step": step}, f, indent=1)
-        os.replace(tmp, self._log_path)
+        quarantine_file.write_file(self._log_path, self._record)
+        self._dirty = False
 
 
-def fingerprint(batch: Any) -> str:
-    """A digest of a batch's tensors (shapes and a few reductions, read to the host once)."""
-    tensors = _tensors(batch)
-    if not tensors:
-        return ""
-    stats = torch.stack(
-        [
-            torch.stack(
-                [t.detach().double().sum(), t.detach().double().abs().sum(), t.detach().double().square().sum()]
-            )
-            for t in tensors
-        ]
-    )
-    shapes = ";".join(str(tuple(t.shape)) for t in tensors)
-    values = ",".join(f"{v:.9g}" for v in stats.reshape(-1).tolist())
-    return hashlib.sha1(f"{shapes}|{values}".encode()).hexdigest()[:16]
-
-
-def _tensors(batch: Any) -> list[Tensor]:
-    if isinstance(batch, Tensor):
-        return [batch]
-    if isinstance(batch, dict):
-        return [t for v in batch.values() for t in _tensors(v)]
-    if isinstance(batch, (list, tuple)):
-        return [t for v in batch for t in _tensors(v)]
-    return []
+def _names(pairs: Sequence[tuple[str, int]]) -> str:
+    """``[12, 507]`` for a fit's only loader (or every loader), ``a[3], b[21]`` per loader key otherwise."""
+    plain = [i for k, i in pairs if k == EVERY_LOADER]
+    keyed = [f"{k}[{i}]" for k, i in pairs if k != EVERY_LOADER]
+    return ", ".join(([str(plain)] if plain else []) + keyed)

@@ -100,9 +100,32 @@ class IncidentLog:
 
     @staticmethod
     def read(path: str) -> list[Incident]:
-        """Load the incidents a run wrote to ``path``."""
-        with open(path, encoding="utf-8") as f:
-            return [Incident.from_dict(json.loads(line)) for line in f if line.strip()]
+        """Load the incidents a run wrote to ``path`` (lines that are no incident record are left out:
+        ``read_checked`` says which)."""
+        return IncidentLog.read_checked(path)[0]
+
+    @staticmethod
+    def read_checked(path: str) -> tuple[list[Incident], list[str]]:
+        """The incidents a run wrote to ``path``, and a note for each line left out: a last line cut short (a run
+        killed while appending it: SIGKILL, out of memory, a full disk) or a line that is no incident record."""
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+        records: list[Incident] = []
+        notes: list[str] = []
+        for k, (n, line) in enumerate(lines):
+            try:
+                data = json.loads(line)
+                if not isinstance(data, dict):
+                    raise TypeError(f"a JSON {type(data).__name__}, not an object")
+                records.append(Incident.from_dict(data))
+            except (ValueError, TypeError) as err:
+                if k == len(lines) - 1 and not line.endswith("\n"):
+                    notes.append(
+                        f"{path}:{n}: the last line is cut short (the run was killed while writing it): skipped"
+                    )
+                else:
+                    notes.append(f"{path}:{n}: not an incident record ({str(err)[:80]}): skipped")
+        return records, notes
 
 
 def _json_safe(value: Any) -> Any:

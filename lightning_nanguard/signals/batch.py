@@ -3,6 +3,19 @@
 Nothing here runs on a healthy step. The magnitude test compares the rows of the offending batch with each other
 (a row whose largest value is ``ratio`` times the batch's median row), because keeping a running history of input
 magnitudes would cost a host read on every healthy step.
+
+**Inputs and targets.** Which parts of a batch are targets is decided by one rule (``split_batch``):
+
+* a mapping (``{"x": ..., "labels": ...}``): its entries under ``TARGET_KEYS`` (``labels``, ``label``, ``targets``,
+  ``target``, ``y``, ``classes``, ``class``) are the targets, every other entry is an input;
+* a list or tuple of two or more parts (``(x, y)``, ``(x, mask, y)``): its last part is the targets, the others
+  are inputs;
+* anything else (one tensor, a one-element tuple): inputs only.
+
+A NaN/inf in a target row is ``nonfinite_target_rows`` (a target problem), one in an input row ``nonfinite_rows``;
+magnitude outliers are looked for in the inputs only. Class targets are the integer tensors among the targets; they
+are checked against the model's output size only where that output can be a class-index head (two or more outputs):
+a single output is a binary logit or a regression, whose integer targets (0/1 labels, counts) are not class indices.
 """
 
 from __future__ import annotations
@@ -15,18 +28,30 @@ import torch
 from torch import Tensor
 
 from lightning_nanguard.signals.batch_rows import floating_tensors, nonfinite_rows
+from lightning_nanguard.signals.tensors import iter_tensors
 
-__all__ = ["IGNORE_INDEX", "BatchFindings", "integer_tensors", "magnitude_outliers", "read_batch", "target_tensor"]
+__all__ = [
+    "IGNORE_INDEX",
+    "MAGNITUDE_RATIO",
+    "TARGET_KEYS",
+    "BatchFindings",
+    "integer_tensors",
+    "magnitude_outliers",
+    "read_batch",
+    "split_batch",
+    "target_tensor",
+]
 
-_TARGET_KEYS = ("labels", "label", "targets", "target", "y", "classes", "class")
+TARGET_KEYS = ("labels", "label", "targets", "target", "y", "classes", "class")
 IGNORE_INDEX = -100  # cross_entropy's default ignore_index (and Hugging Face's padding label): never "out of range"
+MAGNITUDE_RATIO = 1e3  # a row whose largest |value| is this many times the batch's median row is an outlier
 
 
 @dataclass(frozen=True)
 class BatchFindings:
     """What one rank's batch shows, as plain values (picklable: gathered across ranks)."""
 
-    nonfinite_rows: tuple[int, ...] = ()
+    nonfinite_rows: tuple[int, ...] = ()  # rows with a NaN/inf in an input
     magnitude_rows: tuple[int, ...] = ()
     max_abs: float = 0.0  # the largest finite |value| in the float inputs
     median_row_abs: float = 0.0  # the median over rows of each row's largest |value|
@@ -35,35 +60,47 @@ class BatchFindings:
     target_max: int | None = None
     output_size: int | None = None  # the model's output size the targets were checked against (None: not checked)
     replayable: bool = True
+    nonfinite_target_rows: tuple[int, ...] = ()  # rows with a NaN/inf in a target (a float regression target)
+
+    @property
+    def rows(self) -> tuple[int, ...]:
+        """Every row any of the findings implicates."""
+        return tuple(
+            sorted({*self.nonfinite_rows, *self.nonfinite_target_rows, *self.magnitude_rows, *self.target_rows})
+        )
+
+
+def split_batch(batch: Any) -> tuple[list[Any], list[Any]]:
+    """The batch's ``(inputs, targets)`` parts, by the rule in the module docstring."""
+    if isinstance(batch, Mapping):
+        targets = [v for k, v in batch.items() if k in TARGET_KEYS]
+        return [v for k, v in batch.items() if k not in TARGET_KEYS], targets
+    if isinstance(batch, (list, tuple)) and len(batch) >= 2:
+        return list(batch[:-1]), [batch[-1]]
+    return [batch], []
 
 
 def integer_tensors(batch: Any) -> list[Tensor]:
     """Every integer (non-bool) tensor of a (nested) batch, in a stable order."""
-    if isinstance(batch, Tensor):
-        return [batch] if not batch.is_floating_point() and not batch.is_complex() and batch.dtype != torch.bool else []
-    if isinstance(batch, Mapping):
-        return [t for v in batch.values() for t in integer_tensors(v)]
-    if isinstance(batch, (list, tuple)):
-        return [t for v in batch for t in integer_tensors(v)]
-    return []
+    return [
+        t for t in iter_tensors(batch) if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+    ]
 
 
 def target_tensor(batch: Any) -> Tensor | None:
-    """The batch's class targets: a mapping's ``labels``/``targets``/``y`` entry, else the last integer tensor of a
-    ``(inputs, targets)`` sequence. ``None`` when the batch has none (regression, or integer inputs only)."""
+    """The batch's class targets: the first integer entry under ``TARGET_KEYS`` of a mapping, else the last integer
+    tensor of a sequence's targets. ``None`` when the batch has none (regression, or integer inputs only)."""
     if isinstance(batch, Mapping):
-        for key in _TARGET_KEYS:
+        for key in TARGET_KEYS:
             value = batch.get(key)
             if isinstance(value, Tensor) and integer_tensors(value):
                 return value
         return None
-    if isinstance(batch, (list, tuple)) and len(batch) >= 2:
-        last = integer_tensors(batch[-1])
-        return last[-1] if last else None
-    return None
+    found = integer_tensors(split_batch(batch)[1])
+    return found[-1] if found else None
 
 
-def magnitude_outliers(batch: Any, ratio: float = 1e3) -> tuple[list[int], float, float]:
+def magnitude_outliers(batch: Any, ratio: float = MAGNITUDE_RATIO) -> tuple[list[int], float, float]:
     """Rows whose largest finite |value| is ``ratio`` times the batch's median row (and the two magnitudes)."""
     row_max: Tensor | None = None
     for t in floating_tensors(batch):
@@ -89,8 +126,10 @@ def read_batch(batch: Any, out_size: int | None = None) -> BatchFindings:
     a replay saw it: guessing it from the modules (a tied head has no output Linear) would blame good labels."""
     if batch is None:
         return BatchFindings(replayable=False)
-    bad = nonfinite_rows(batch)
-    mag, top, median = magnitude_outliers(batch)
+    inputs, targets = split_batch(batch)
+    bad = nonfinite_rows(inputs)
+    bad_targets = nonfinite_rows(targets)
+    mag, top, median = magnitude_outliers(inputs)
     target = target_tensor(batch)
     t_rows: list[int] = []
     t_min = t_max = None
@@ -99,7 +138,7 @@ def read_batch(batch: Any, out_size: int | None = None) -> BatchFindings:
         used = flat != IGNORE_INDEX
         if bool(used.any()):
             t_min, t_max = int(flat[used].min()), int(flat[used].max())
-        if out_size is not None:
+        if out_size is not None and out_size >= 2:  # one output: a binary logit or a regression, not class indices
             wrong = used & ((flat < 0) | (flat >= out_size))
             t_rows = [int(i) for i in torch.nonzero(wrong.any(dim=1)).reshape(-1).tolist()]
     return BatchFindings(
@@ -112,4 +151,5 @@ def read_batch(batch: Any, out_size: int | None = None) -> BatchFindings:
         target_max=t_max,
         output_size=out_size,
         replayable=True,
+        nonfinite_target_rows=tuple(bad_targets),
     )

@@ -7,18 +7,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_nanguard.signals.tensors import iter_tensors
+
 __all__ = ["floating_tensors", "nonfinite_rows"]
 
 
 def floating_tensors(batch: Any) -> list[Tensor]:
-    """Every floating-point tensor in a (nested) batch, in a stable order."""
-    if isinstance(batch, Tensor):
-        return [batch] if batch.is_floating_point() else []
-    if isinstance(batch, dict):
-        return [t for v in batch.values() for t in floating_tensors(v)]
-    if isinstance(batch, (list, tuple)):
-        return [t for v in batch for t in floating_tensors(v)]
-    return []
+    """Every floating-point tensor in a (nested) batch, in a stable order (``signals.tensors.iter_tensors``)."""
+    return [t for t in iter_tensors(batch) if t.is_floating_point()]
 
 
 def nonfinite_rows(batch: Any) -> list[int]:

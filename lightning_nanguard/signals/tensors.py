@@ -1,16 +1,70 @@
-"""Whether a list of tensors is all finite: one fused pass, the verdict stays a device tensor (no host read)."""
+"""Tensors in nested containers: the one walker over a batch (``iter_tensors``), and whether a list of tensors is
+all finite (one fused pass, the verdict stays a device tensor: no host read)."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from lightning_nanguard import _lightning_compat
 from lightning_nanguard.signals.gradients import _foreach_norm_fp32
 
-__all__ = ["all_finite"]
+__all__ = ["all_finite", "at_path", "fingerprint", "iter_tensors"]
+
+
+def iter_tensors(obj: Any) -> Iterator[Tensor]:
+    """Every tensor of a (nested) batch, depth first, in a stable order: tensors, mappings (in their order), lists
+    and tuples (named tuples too) and dataclass instances (in field order), as Lightning's ``apply_to_collection``
+    walks them. Anything else (strings, numbers, ``None``) holds no tensor."""
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from iter_tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from iter_tensors(value)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, f.name, None))
+
+
+def at_path(obj: Any, path: Sequence[Any]) -> Any:
+    """The part of a nested batch at ``path`` (mapping keys and sequence positions, outermost first); ``None`` where
+    the batch has no such part. ``()`` is the batch itself."""
+    for part in path:
+        if isinstance(obj, Mapping):
+            obj = obj.get(part)
+        elif isinstance(obj, (list, tuple)) and isinstance(part, int) and 0 <= part < len(obj):
+            obj = obj[part]
+        else:
+            return None
+    return obj
+
+
+def fingerprint(batch: Any) -> str:
+    """A digest of a batch's tensors (shapes and a few reductions, read to the host once): the quarantine's key for
+    a batch without sample indices."""
+    tensors = [torch.view_as_real(t) if t.is_complex() else t for t in iter_tensors(batch)]
+    if not tensors:
+        return ""
+    stats = torch.stack(
+        [
+            torch.stack(
+                [t.detach().double().sum(), t.detach().double().abs().sum(), t.detach().double().square().sum()]
+            )
+            for t in tensors
+        ]
+    )
+    shapes = ";".join(str(tuple(t.shape)) for t in tensors)
+    values = ",".join(f"{v:.9g}" for v in stats.reshape(-1).tolist())
+    return hashlib.sha1(f"{shapes}|{values}".encode()).hexdigest()[:16]
 
 
 def all_finite(tensors: Sequence[Tensor], *, wide: bool = False) -> Tensor:
@@ -37,9 +91,4 @@ def all_finite(tensors: Sequence[Tensor], *, wide: bool = False) -> Tensor:
 
 
 def _foreach_norm_wide(tensors: list[Tensor]) -> list[Tensor]:
-    for dtype in (torch.float64, torch.float32):  # float64 is missing on some backends (MPS)
-        try:
-            return list(torch._foreach_norm(tensors, 2, dtype=dtype))
-        except (TypeError, RuntimeError):
-            continue
-    return [n.float() for n in torch._foreach_norm(tensors, 2)]  # older torch without dtype=
+    return _lightning_compat.foreach_norms(tensors, 2, dtypes=(torch.float64, torch.float32))  # no float64 on MPS

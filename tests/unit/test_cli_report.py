@@ -102,3 +102,28 @@ def test_report_limit_must_not_be_negative(tmp_path: pathlib.Path, capsys: pytes
         cli.main(["report", "--limit", "-1", str(_log(tmp_path / "incidents.jsonl", 1))])
     assert info.value.code == 2
     assert "0 lists every incident" in capsys.readouterr().err
+
+
+# repro: report_crashes_on_truncated_incident_log.py
+def test_report_reads_a_log_whose_last_line_a_killed_run_cut_short(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _log(tmp_path / INCIDENTS_FILE, 2)
+    text = path.read_text()
+    path.write_text(text[: len(text) - 40])  # the second record was half written when the run was killed
+    assert cli.main(["report", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert "incidents: 1 " in captured.out  # the intact record is reported
+    assert f"{path}:2: the last line is cut short (the run was killed while writing it): skipped" in captured.err
+
+
+def test_report_leaves_out_a_line_that_is_no_incident_record_with_a_note(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _log(tmp_path / INCIDENTS_FILE, 2)
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text(lines[0] + '{"step": 1}\n' + lines[1])
+    assert cli.main(["report", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert "incidents: 2 " in captured.out
+    assert f"{path}:2: not an incident record" in captured.err
