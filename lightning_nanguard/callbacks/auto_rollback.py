@@ -84,6 +84,10 @@ class AutoRollback(NanGuardCallback):
         source: ``"memory"`` (snapshots, disk as fallback) or ``"disk"`` (verified checkpoints only).
         checkpoint_dir: where verified checkpoints are found and the final one is written when no ModelCheckpoint
             is configured.
+        max_snapshot_bytes: the most host memory the snapshots may take on each rank, all slots together (``None``:
+            no limit). Under DDP each rank keeps 1/world of a snapshot's parameters and optimizer state. Fewer slots
+            are kept (with a warning) when not all fit; ``NanGuardConfigError`` at train start when not even one
+            does (docs/SCALE.md).
 
     Logged keys:
         ``nanguard/rollbacks``                 cumulative rollbacks, every logged step
@@ -114,6 +118,7 @@ class AutoRollback(NanGuardCallback):
         skip_batches: int = 0,
         source: Literal["memory", "disk"] = "memory",
         checkpoint_dir: str | None = None,
+        max_snapshot_bytes: int | None = None,
     ) -> None:
         owner = type(self).__name__
         check_int(owner, "every_n_steps", every_n_steps, minimum=1)
@@ -127,6 +132,7 @@ class AutoRollback(NanGuardCallback):
         if source == "memory" and num_snapshots == 0:
             raise NanGuardConfigError(f"{owner}(num_snapshots=0): must be >= 1 with source='memory'.")
         check_path(owner, "checkpoint_dir", checkpoint_dir)
+        check_int(owner, "max_snapshot_bytes", max_snapshot_bytes, minimum=1, allow_none=True)
         if source == "disk" and checkpoint_dir is not None and not os.path.isdir(checkpoint_dir):
             raise NanGuardConfigError(
                 f"{owner}(source='disk', checkpoint_dir={os.fspath(checkpoint_dir)!r}): must be an existing directory "
@@ -143,7 +149,10 @@ class AutoRollback(NanGuardCallback):
         self.source = source
         self.checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
         self.policy = RollbackPolicy(max_rollbacks, rollback_window, recurrence_steps)
-        self.ring = SnapshotRing(num_snapshots if source == "memory" else 0, pin_memory=True)
+        self.max_snapshot_bytes = max_snapshot_bytes
+        self.ring = SnapshotRing(
+            num_snapshots if source == "memory" else 0, pin_memory=True, max_bytes=max_snapshot_bytes
+        )
         self.skipped_batches = 0
         self._skip_left = 0
         self._last_event: int | None = None
@@ -181,6 +190,8 @@ class AutoRollback(NanGuardCallback):
                 "AutoRollback(source='disk') needs a checkpoint directory: configure a ModelCheckpoint with a dirpath "
                 "or pass AutoRollback(checkpoint_dir=...)."
             )
+        if self.source == "memory":  # every slot allocated now, outside the training steps
+            self.ring.prepare(trainer, pl_module, trainer.optimizers)
         super().on_train_start(trainer, pl_module)
 
     @override
