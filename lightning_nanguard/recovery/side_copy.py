@@ -88,8 +88,10 @@ class SideCopy:
         if kwargs.get("closure") is not None:
             kwargs = {**kwargs, "closure": self._then_wait(kwargs["closure"], event)}
             return args, kwargs
-        if args and callable(args[0]):
-            return (self._then_wait(args[0], event), *args[1:]), kwargs
+        # ``args`` starts with the optimizer itself (torch passes ``step``'s own arguments); a closure follows it.
+        at = next((k for k, a in enumerate(args) if a is not optimizer and callable(a)), None)
+        if at is not None:
+            return (*args[:at], self._then_wait(args[at], event), *args[at + 1 :]), kwargs
         self._wait(event)
         return None
 
