@@ -72,6 +72,7 @@ class Snapshot:
     opt_dtensors: dict[int, Any] = field(default_factory=dict)  # DTensor layout of sharded optimizer entries
     scale: float | None = None  # the GradScaler's scale at capture (restored only downward)
     event: Any = None  # the side-stream copy's completion (CUDA), until it is known complete
+    plan: Any = None  # (layout, live tensors' addresses, destinations, sources, kinds) of the last take
 
     def ready(self) -> bool:
         """The copy is complete (always, for a synchronous copy). Asks without waiting."""
@@ -237,7 +238,12 @@ class SnapshotRing:
         slot.valid = False  # until the copy is queued
         slot.wait()
         self._ensure(slot, layout)
-        dst, src, kinds = self._pairs(slot, layout, state.tensors)
+        # The copy plan (views of the live tensors' bytes and of the slot) is reused while the layout and every
+        # tensor's memory stay the same: most snapshots, at no per-tensor cost beyond reading its address.
+        key = (layout, [t.data_ptr() for t in state.tensors])
+        if slot.plan is None or slot.plan[0] is not layout or slot.plan[1] != key[1]:
+            slot.plan = (*key, *self._pairs(slot, layout, state.tensors))
+        _, _, dst, src, kinds = slot.plan
         slot.event = self._copy(dst, src, kinds)
         slot.layout, slot.n_model = layout, state.n_model
         slot.opt_keys, slot.opt_extras, slot.opt_dtensors = state.opt_keys, state.opt_extras, state.opt_dtensors
@@ -301,11 +307,12 @@ class SnapshotRing:
         """(Re)allocate ``slot``'s buffers where they are too small for ``layout``."""
         if slot.flat is None or slot.flat.numel() < layout.slot_bytes:
             release(slot.flat)
-            slot.valid, slot.flat = False, None
+            slot.valid, slot.flat, slot.plan = False, None, None
             slot.flat = host_buffer(layout.slot_bytes, pin=self._pin(layout))
         typed = [e.spec for e in layout.entries if e.region == TYPED]
         if [(tuple(t.shape), t.dtype) for t in slot.typed] != [(s.shape, s.dtype) for s in typed]:
             slot.typed = [torch.empty(s.shape, dtype=s.dtype) for s in typed]  # rare: not worth pinning
+            slot.plan = None
 
     def _pin(self, layout: Layout) -> bool:
         return self.pin_memory and any(e.spec.device.type == "cuda" for e in layout.entries)

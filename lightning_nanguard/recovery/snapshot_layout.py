@@ -20,6 +20,7 @@ import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -59,9 +60,9 @@ def byte_view(t: Tensor) -> Tensor | None:
     return flat.view(torch.uint8)
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """What a layout needs to know of one tensor of the state."""
+class TensorSpec(NamedTuple):
+    """What a layout needs to know of one tensor of the state (a tuple: made and compared once per tensor and
+    snapshot, so it is kept cheap)."""
 
     shape: tuple[int, ...]
     stride: tuple[int, ...]
@@ -80,7 +81,8 @@ class TensorSpec:
 
 
 def spec_of(t: Tensor, kind: str, shareable: bool) -> TensorSpec:
-    return TensorSpec(tuple(t.shape), tuple(t.stride()), t.dtype, t.device, kind, shareable, _dense(t))
+    dense = t.is_contiguous() or _dense(t)
+    return TensorSpec(tuple(t.shape), t.stride(), t.dtype, t.device, kind, shareable, dense)
 
 
 @dataclass(frozen=True)
