@@ -53,7 +53,7 @@ from lightning_nanguard.signals.tensors import all_finite
 
 __all__ = ["Snapshot", "SnapshotRing", "model_tensors"]
 
-GATHER_BYTES = 32 * 2**20  # bytes each rank contributes per all-gather round of a sharded restore
+GATHER_BYTES = 256 * 2**20  # bytes one all-gather round of a sharded restore brings (every rank's slice together)
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """Restore the shared stream of a sharded snapshot: every rank's chunk, all-gathered onto every rank, in rounds.
 
-Each round every rank contributes the same slice of its chunk (at most ``bucket`` bytes, copied to the collective
+Each round every rank contributes the same slice of its chunk (``bucket / world`` bytes, copied to the collective
 device), one all-gather brings every rank's slice, and the pieces are copied into the live tensors' bytes at once.
-Device memory stays bounded (``world * bucket`` bytes for the gathered slices, ``bucket`` for the contribution)
-however large the model; every rank runs the same rounds, with the same sizes, in the same order.
+The memory a restore borrows on the collective device stays bounded (``bucket`` bytes gathered, ``bucket / world``
+contributed) however large the model and the world; every rank runs the same rounds, with the same sizes, in the
+same order.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ __all__ = ["gather_shared"]
 
 def gather_shared(trainer: pl.Trainer, layout: Layout, flat: Tensor, targets: list[Tensor], bucket: int) -> None:
     """Write the whole shared stream of ``layout`` into ``targets`` (each live tensor's bytes, in entry order) from
-    every rank's ``flat`` (its chunk first). A collective: every rank calls it together."""
+    every rank's ``flat`` (its chunk first), ``bucket`` bytes per all-gather. A collective: every rank calls it
+    together."""
     world, chunk = layout.world, layout.chunk
-    size = max(ALIGN, min(chunk, bucket // ALIGN * ALIGN))
+    size = max(ALIGN, min(chunk, bucket // world // ALIGN * ALIGN))
     device = _distributed.collective_device(trainer)
     on_host = device.type == "cpu"
     send = None if on_host else torch.empty(size, dtype=torch.uint8, device=device)

@@ -63,7 +63,7 @@ class Probe(pl.Callback):
         self.info: dict[str, Any] = {}
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.rollback.ring.gather_bytes = 1 << 20  # several all-gather rounds per restore
+        self.rollback.ring.gather_bytes = 4 << 20  # 1 MiB per rank and round: 18 all-gather rounds per restore
         self.info["ring_bytes_at_start"] = self.rollback.ring.nbytes()  # allocated at train start, once
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, i: int) -> None:
