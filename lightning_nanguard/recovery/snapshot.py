@@ -147,13 +147,12 @@ class SnapshotRing:
         self.world, self.rank = trainer.world_size, trainer.global_rank
         ddp = self.shard and self.world > 1 and isinstance(trainer.strategy, DDPStrategy)
         self._shareable = shareable_parameters(module) if ddp else set()
-        cuda = any(t.is_cuda for t in model_tensors(module))
-        if self.pin_memory and cuda and all(isinstance(o, Optimizer) for o in optimizers):
-            device = next(t.device for t in model_tensors(module) if t.is_cuda)
-            self._side = SideCopy(device)
-            self._side.watch(optimizers)
         layout = self._layout(tuple(expected_specs(module, optimizers, self._shareable)))
         self._fit_budget(layout)
+        cuda = [t.device for t in model_tensors(module) if t.is_cuda]
+        if self.pin_memory and cuda and all(isinstance(o, Optimizer) for o in optimizers):
+            self._side = SideCopy(cuda[0])
+            self._side.watch(optimizers)
         for slot in self.slots:
             self._ensure(slot, layout)
 

@@ -99,7 +99,9 @@ class Probe(pl.Callback):
 @pytest.mark.distributed
 def test_four_ranks_keep_half_a_replica_and_roll_back_together(tmp_path: Any) -> None:
     out = str(tmp_path)
-    rollback = AutoRollback(every_n_steps=2, quiet_steps=0)
+    # A budget of 40 MiB per rank holds both sharded slots (18 MB each) where one whole copy (76 MB) would not fit;
+    # it is agreed across ranks at every snapshot (an all-reduce).
+    rollback = AutoRollback(every_n_steps=2, quiet_steps=0, max_snapshot_bytes=40 * 2**20)
     callbacks = [FaultInjector("param", steps=[3], ranks=[2]), rollback, Probe(out, rollback)]
     trainer = make_trainer(
         tmp_path, strategy="ddp_spawn", devices=WORLD, callbacks=callbacks, max_steps=6, deterministic=False
