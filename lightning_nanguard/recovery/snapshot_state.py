@@ -83,11 +83,11 @@ def live_state(module: nn.Module, optimizers: Sequence[Optimizer], shareable: se
     """The state as it is now. ``shareable``: ids of the parameters whose tensors (and optimizer state) are identical
     on every rank (``shareable_parameters``; empty where nothing is shared)."""
     params = list(module.parameters())
-    buffers = list(module.buffers())
-    tensors = [local_tensor(p) for p in params] + [local_tensor(b) for b in buffers]
-    specs = [spec_of(t, "param", id(p) in shareable) for t, p in zip(tensors, params, strict=False)]
-    specs += [spec_of(t, "buffer", False) for t in tensors[len(params) :]]
-    state = LiveState(tensors, specs, len(tensors))
+    weights = [local_tensor(p) for p in params]
+    buffers = [local_tensor(b) for b in module.buffers()]
+    specs = [spec_of(t, "param", id(p) in shareable) for t, p in zip(weights, params, strict=True)]
+    specs += [spec_of(t, "buffer", False) for t in buffers]
+    state = LiveState(weights + buffers, specs, len(weights) + len(buffers))
     for i, opt in enumerate(optimizers):
         for j, p in enumerate(p for group in opt.param_groups for p in group["params"]):
             entries = opt.state.get(p)
