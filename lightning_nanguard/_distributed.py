@@ -105,3 +105,28 @@ def destroy_process_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sharded snapshots (recovery/snapshot_gather.py): each DDP rank keeps a chunk of the training state's bytes, and a
+# restore gathers every rank's chunk on every rank.
+
+
+def collective_device(trainer: pl.Trainer) -> torch.device:
+    """The device this rank's collectives take their tensors on: the strategy's root device (the rank's GPU under
+    NCCL, the CPU under gloo)."""
+    return trainer.strategy.root_device
+
+
+def all_gather_equal(trainer: pl.Trainer, out: Tensor, local: Tensor) -> None:
+    """Every rank's ``local`` (the same number of elements on every rank), concatenated in rank order into ``out``
+    (``world_size * local.numel()`` elements, on ``collective_device``). A collective: every rank calls it, with the
+    same sizes, in the same order."""
+    if trainer.world_size <= 1:
+        out.copy_(local)
+        return
+    import torch.distributed as dist
+
+    # ``all_gather_single`` where torch has it (it deprecates ``all_gather_into_tensor`` there).
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, local)

@@ -126,10 +126,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("lightning_nanguard/callbacks/loss_scale_watchdog.py", "getattr(scaler, '_backoff_factor', None)"): (
         "owned by refactor-core, moved at merge: the GradScaler's backoff factor (no public getter in older torch)"
     ),
-    # ---- owned by scale, moved at merge
-    ("lightning_nanguard/recovery/snapshot.py", "torch._foreach_copy_"): (
-        "owned by scale, moved at merge: the snapshot's fused copy into preallocated buffers"
-    ),
     # ---- types from torch.distributed: no communication
     ("lightning_nanguard/signals/fsdp1.py", "from torch.distributed.fsdp import FullyShardedDataParallel"): (
         "a type import (isinstance), not a collective"

@@ -59,6 +59,8 @@ from lightning_nanguard._lightning_compat.strategies import (
     strategy_class_names,
 )
 from lightning_nanguard._lightning_compat.torch_ops import (
+    ddp_ignored_names,
+    foreach_copy_,
     foreach_norm,
     foreach_norms,
     host_buffer_marked,
@@ -82,7 +84,9 @@ __all__ = [
     "clear_found_inf_of",
     "clipping_possible",
     "current_scale",
+    "ddp_ignored_names",
     "flag_nonfinite",
+    "foreach_copy_",
     "foreach_norm",
     "foreach_norms",
     "fsdp1_state_dict_type",

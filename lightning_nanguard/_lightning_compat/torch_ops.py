@@ -9,6 +9,8 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 __all__ = [
+    "ddp_ignored_names",
+    "foreach_copy_",
     "foreach_norm",
     "foreach_norms",
     "host_buffer_marked",
@@ -20,6 +22,15 @@ __all__ = [
 # torch's fused per-tensor norms: one kernel per (device, dtype) group. Private in torch (no public equivalent);
 # a plain alias, so the step path pays no extra call.
 foreach_norm = torch._foreach_norm
+
+
+# torch's fused copy of tensor lists (the snapshot's copies): private in torch, a plain alias like ``foreach_norm``.
+foreach_copy_ = torch._foreach_copy_
+
+
+def ddp_ignored_names(module: torch.nn.Module) -> set[str]:
+    """The parameter and buffer names DDP was told to ignore (they may differ by rank)."""
+    return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()) or ())
 
 
 def foreach_norms(tensors: list[Tensor], ord: float = 2, *, dtypes: tuple[torch.dtype, ...] = ()) -> list[Tensor]:

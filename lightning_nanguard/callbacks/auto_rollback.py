@@ -63,6 +63,10 @@ class AutoRollback(NanGuardCallback):
             before the current one, weights-only) or ``"disk"`` (verified checkpoints only).
         checkpoint_dir: where verified checkpoints are found and the final one is written when no ModelCheckpoint
             is configured.
+        max_snapshot_bytes: the most host memory the snapshots may take on each rank, all slots together (``None``:
+            no limit). Under DDP each rank keeps 1/world of a snapshot's parameters and optimizer state. Fewer slots
+            are kept (with a warning) when not all fit; ``NanGuardConfigError`` at train start when not even one
+            does (docs/SCALE.md).
 
     Logged keys:
         ``nanguard/rollbacks``                 cumulative rollbacks, every logged step
@@ -95,6 +99,7 @@ class AutoRollback(NanGuardCallback):
         skip_batches: int = 0,
         source: Literal["memory", "disk"] = "memory",
         checkpoint_dir: str | None = None,
+        max_snapshot_bytes: int | None = None,
     ) -> None:
         owner = type(self).__name__
         for name, value, minimum in (
@@ -107,6 +112,7 @@ class AutoRollback(NanGuardCallback):
             ("rollback_window", rollback_window, 1),
         ):
             check_int(owner, name, value, minimum=minimum)
+        check_int(owner, "max_snapshot_bytes", max_snapshot_bytes, minimum=1, allow_none=True)
         check_choice(owner, "source", source, ("memory", "disk"))
         if source == "memory" and num_snapshots == 0:
             raise NanGuardConfigError(f"{owner}(num_snapshots=0): must be >= 1 with source='memory'.")
@@ -128,7 +134,10 @@ class AutoRollback(NanGuardCallback):
         self.checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
         self.policy = RollbackPolicy(max_rollbacks, rollback_window, recurrence_steps, skip_batches)
         self.book = SnapshotBook(every_n_steps, quiet_steps)
-        self.ring = SnapshotRing(num_snapshots if source == "memory" else 0, pin_memory=True)
+        self.max_snapshot_bytes = max_snapshot_bytes
+        self.ring = SnapshotRing(
+            num_snapshots if source == "memory" else 0, pin_memory=True, max_bytes=max_snapshot_bytes
+        )
         self.divergence: Divergence | None = None  # the verdict behind the last ``diverging()`` that answered True
         self._engine: Engine | None = None
 
@@ -160,6 +169,8 @@ class AutoRollback(NanGuardCallback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.source == "disk":
             require_checkpoint_dir(trainer, self.checkpoint_dir, "AutoRollback(source='disk')")
+        else:  # every slot allocated now, outside the training steps
+            self.ring.prepare(trainer, pl_module, trainer.optimizers)
         super().on_train_start(trainer, pl_module)
 
     @override

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_nanguard import _distributed, _lightning_compat
+from lightning_nanguard.recovery.host_memory import protect_forked_children
 from lightning_nanguard.signals.gradients import (
     GradNorms,
     ParamIndex,
@@ -119,6 +120,8 @@ class HostMirror:
 
     def __init__(self, size: int, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        if self.cuda:
+            protect_forked_children()  # a forked DataLoader worker must never free this buffer (host_memory.py)
         self.buffer = torch.empty(size, dtype=torch.float64, pin_memory=self.cuda)
         self.buffer._nanguard_host = True  # type: ignore[attr-defined]  # a host buffer: reading it is no device read
         self.array = self.buffer.numpy()  # the same memory: ``values`` reads it with no tensor op

@@ -50,6 +50,7 @@ def restore_state(
     """
     restored = _from_ring(trainer, pl_module, ring, decision, unsound)
     if restored is None:
+        ring.sync()  # a snapshot copy still reading the live state finishes before the checkpoint overwrites it
         restored = _from_disk(trainer, dirpath, at_or_before_step)
     if restored is None and decision.older_than is not None:
         restored = _from_ring(trainer, pl_module, ring, replace(decision, older_than=None), unsound)
@@ -75,11 +76,12 @@ def _from_ring(
         snap = None if chosen is None else ring.get(chosen)
         if snap is None:
             return None
-        # Parameters were verified when the snapshot was taken; the optimizer state is verified now (rare path).
+        # Parameters were verified when the snapshot was taken; the optimizer state is verified now (rare path), by
+        # each rank for what it keeps (its chunk, under DDP) and reduced.
         if not _distributed.any_rank(trainer, ~ring.state_finite(snap)):
             break
         ring.discard(snap)
-    ring.restore(snap, pl_module, trainer.optimizers)
+    ring.restore(snap, pl_module, trainer.optimizers, trainer)
     ring.discard_newer(snap.step)  # they belong to the trajectory that just went bad
     keep_lower_scale(trainer, snap.scale)
     return Restored(snap.step, snap.log_step, "memory", passed_over=passed_over)

@@ -1,73 +1,59 @@
-"""A ring of in-memory snapshots of the training state, in preallocated CPU buffers, copied with foreach ops.
+"""A ring of in-memory snapshots of the training state, in host buffers allocated once, copied with foreach ops.
 
-What a snapshot holds: every parameter and buffer of the module, and every optimizer's per-parameter state (Adam's
-moments and step counts, SGD's momentum buffers, ...). Not the optimizer's param-group hyperparameters (lr, eps),
-the schedulers, the GradScaler or the RNG: ``AutoRollback`` keeps those as they are (see its docstring).
+What a snapshot holds: every parameter and buffer of the module and every optimizer's per-parameter state
+(``recovery/snapshot_state.py``). Where: one flat byte buffer per slot, laid out by ``recovery/snapshot_layout.py``;
+the bytes of each tensor are copied as they lie in memory (``torch._foreach_copy_``), so a restore is bit-exact and
+copies *into* the live tensors: nothing ever aliases a snapshot (``Optimizer.load_state_dict`` would). Lazily created
+optimizer state (before the first step) is handled: a restore removes state the snapshot did not have and recreates
+state it had (a ``DTensor`` of the recorded layout for a sharded model).
 
-Copies go both ways with ``torch._foreach_copy_`` into buffers allocated once per slot (PERFORMANCE.md: 1.15-1.4x
-cheaper and far steadier than ``clone``/``deepcopy``, which page-fault fresh memory). A restore copies *into* the
-live tensors, so nothing ever aliases a snapshot (``Optimizer.load_state_dict`` would). Lazily created optimizer
-state (before the first step) is handled: a restore removes state the snapshot did not have and recreates state it
-had.
+``prepare`` (at fit start, outside the training steps) decides how the snapshots are kept and allocates every slot:
 
-Sharded state (``DTensor`` parameters and optimizer state: FSDP2, tensor parallelism) is snapshotted as each rank's
-local shards, into buffers of the local shapes: each rank keeps its own pieces, nothing is gathered, and a restore
-copies them back into the same local storage (``to_local()`` is a view of it). Optimizer state that has to be
-recreated on restore is rebuilt as a ``DTensor`` of the recorded layout around the restored local tensor.
+* **Under DDP** (several ranks, nothing sharded) each rank keeps ``1/world`` of the parameters' and optimizer
+  state's bytes, plus its own buffers; a restore gathers the other ranks' chunks (``recovery/snapshot_gather.py``,
+  collectives in ``_distributed.py``), so every rank ends with the same full state. A sharded model (FSDP, DTensor)
+  keeps each rank's own local shards, whole; a single process keeps everything.
+* **On CUDA** the slots are page-locked (``recovery/host_memory.py``) and the device-to-host copy runs on a side
+  stream while the next forward and backward run (``recovery/side_copy.py``): a snapshot is restorable once its copy
+  is complete (``Snapshot.ready``), and only a restore waits for it. On CPU the copy is synchronous.
+* **Budget** (``max_bytes``, per rank, every slot together): when the slots do not all fit, fewer slots are kept
+  (a warning says how many); when not even one fits, ``NanGuardConfigError`` says what it needs. Checked at fit start
+  against the expected state, and again at each snapshot against the real one (the largest need over the ranks, so
+  that every rank keeps the same slots).
 """
 
 from __future__ import annotations
 
-import copy
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_nanguard.signals.sharded import dtensor_spec, from_local_like, local_tensor
+from lightning_nanguard import _distributed, _lightning_compat
+from lightning_nanguard.recovery.host_memory import host_buffer, release
+from lightning_nanguard.recovery.side_copy import SideCopy
+from lightning_nanguard.recovery.snapshot_budget import slots_that_fit
+from lightning_nanguard.recovery.snapshot_gather import gather_shared
+from lightning_nanguard.recovery.snapshot_layout import LOCAL, SHARED, TYPED, Layout, TensorSpec, byte_view, plan_layout
+from lightning_nanguard.recovery.snapshot_state import (
+    EntryKey,
+    expected_specs,
+    live_state,
+    model_tensors,
+    optimizer_targets,
+    shareable_parameters,
+)
 from lightning_nanguard.signals.tensors import all_finite
 
 __all__ = ["Snapshot", "SnapshotRing", "model_tensors"]
 
-EntryKey = tuple[int, int, str]  # (optimizer index, parameter index within that optimizer, state key)
-
-
-def model_tensors(module: nn.Module) -> list[Tensor]:
-    """The module's parameters then buffers, deduplicated (tied weights once), in a stable order; this rank's local
-    tensors (the local shard of a ``DTensor``, sharing its storage)."""
-    return [local_tensor(t) for t in (*module.parameters(), *module.buffers())]
-
-
-def _optimizer_entries(
-    optimizers: Sequence[Optimizer],
-) -> tuple[list[EntryKey], list[Tensor], dict[EntryKey, Any], dict[int, Any]]:
-    """The optimizers' tensor state (local tensors), the non-tensor state, and the layout of each DTensor entry."""
-    keys: list[EntryKey] = []
-    tensors: list[Tensor] = []
-    extras: dict[EntryKey, Any] = {}
-    specs: dict[int, Any] = {}  # entry position -> DTensor layout (absent for plain tensors)
-    for i, opt in enumerate(optimizers):
-        for j, p in enumerate(p for group in opt.param_groups for p in group["params"]):
-            state = opt.state.get(p)
-            if not state:
-                continue
-            for k, v in state.items():
-                if isinstance(v, Tensor):
-                    spec = dtensor_spec(v)
-                    if spec is not None:
-                        specs[len(tensors)] = spec
-                    keys.append((i, j, k))
-                    tensors.append(local_tensor(v))
-                else:
-                    extras[(i, j, k)] = copy.deepcopy(v)
-    return keys, tensors, extras, specs
-
-
-def _signature(tensors: Sequence[Tensor]) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
-    return tuple((tuple(t.shape), t.dtype) for t in tensors)
+GATHER_BYTES = 256 * 2**20  # bytes one all-gather round of a sharded restore brings (every rank's slice together)
 
 
 @dataclass
@@ -77,35 +63,121 @@ class Snapshot:
     step: int = -1
     log_step: int = -1
     valid: bool = False
-    model: list[Tensor] = field(default_factory=list)
+    layout: Layout | None = None
+    flat: Tensor | None = None  # this rank's bytes: its chunk of the shared stream, then its local region
+    typed: list[Tensor] = field(default_factory=list)  # copies of the tensors with no byte view
+    n_model: int = 0  # entries of the module (parameters, buffers); optimizer entries follow
     opt_keys: list[EntryKey] = field(default_factory=list)
-    opt: list[Tensor] = field(default_factory=list)
-    opt_devices: list[torch.device] = field(default_factory=list)
     opt_extras: dict[EntryKey, Any] = field(default_factory=dict)
-    opt_specs: dict[int, Any] = field(default_factory=dict)  # DTensor layout of sharded optimizer entries
+    opt_dtensors: dict[int, Any] = field(default_factory=dict)  # DTensor layout of sharded optimizer entries
     scale: float | None = None  # the GradScaler's scale at capture (restored only downward)
-    _signature: tuple[Any, ...] = ()
+    event: Any = None  # the side-stream copy's completion (CUDA), until it is known complete
+    plan: Any = None  # (layout, live tensors' addresses, destinations, sources, kinds) of the last take
+
+    def ready(self) -> bool:
+        """The copy is complete (always, for a synchronous copy). Asks without waiting."""
+        if self.event is not None and self.event.query():
+            self.event = None
+        return self.event is None
+
+    def wait(self) -> None:
+        """Block until the copy is complete."""
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.model, *self.opt))
+        """Host bytes this slot holds on this rank (its allocated buffers)."""
+        flat = 0 if self.flat is None else self.flat.numel()
+        return flat + sum(t.numel() * t.element_size() for t in self.typed)
+
+    def view(self, index: int) -> Tensor:
+        """Entry ``index`` as a tensor of its own dtype and shape, viewing this slot's memory (entries this rank
+        keeps whole only: a shared entry is spread over the ranks)."""
+        assert self.layout is not None
+        assert self.flat is not None
+        e = self.layout.entries[index]
+        if e.region == TYPED:
+            return self.typed[e.offset]
+        if e.region == SHARED:
+            raise RuntimeError("nanguard: this tensor's snapshot is spread over the DDP ranks; a restore gathers it.")
+        start = self.layout.chunk + e.offset
+        raw = self.flat[start : start + e.spec.nbytes]
+        return raw.view(e.spec.dtype).as_strided(e.spec.shape, e.spec.stride)
+
+    @property
+    def model(self) -> list[Tensor]:
+        return [self.view(i) for i in range(self.n_model)]
+
+    @property
+    def opt(self) -> list[Tensor]:
+        return [self.view(self.n_model + n) for n in range(len(self.opt_keys))]
 
 
 class SnapshotRing:
-    """``capacity`` snapshots; ``take`` overwrites the oldest. Buffers are reused while the state's layout holds.
+    """``capacity`` snapshots; ``take`` overwrites the oldest. Buffers are reused while they are large enough.
 
     Args:
         capacity: number of snapshots kept.
-        pin_memory: allocate page-locked buffers (faster device-to-host copies on CUDA).
+        pin_memory: page-locked buffers and side-stream copies when the state is on a CUDA device.
+        max_bytes: the most host bytes the slots may hold on each rank, together; ``None``: no limit.
+        shard: under DDP, keep ``1/world`` of the parameters and optimizer state on each rank.
     """
 
-    def __init__(self, capacity: int, pin_memory: bool = False) -> None:
+    def __init__(
+        self, capacity: int, pin_memory: bool = False, *, max_bytes: int | None = None, shard: bool = True
+    ) -> None:
         self.capacity = capacity
         self.pin_memory = pin_memory
+        self.max_bytes = max_bytes
+        self.shard = shard
         self.slots = [Snapshot() for _ in range(capacity)]
+        self.gather_bytes = GATHER_BYTES
+        self.world, self.rank = 1, 0
+        self._shareable: set[int] = set()  # parameters whose bytes are spread over the ranks (DDP only)
+        self._side: SideCopy | None = None
+        self._trainer: Any = None  # weakref to the Trainer (budget agreement across ranks)
+        self._layout_of: tuple[tuple[TensorSpec, ...], Layout] | None = None
+
+    # ------------------------------------------------------------------ fit lifecycle
+    def prepare(self, trainer: pl.Trainer, module: nn.Module, optimizers: Sequence[Optimizer]) -> None:
+        """At fit start: choose sharding and side-stream copies, check the budget, allocate every slot."""
+        self.clear()
+        self._trainer = weakref.ref(trainer)
+        self.world, self.rank = trainer.world_size, trainer.global_rank
+        ddp = self.shard and self.world > 1 and isinstance(trainer.strategy, DDPStrategy)
+        self._shareable = shareable_parameters(module) if ddp else set()
+        layout = self._layout(tuple(expected_specs(module, optimizers, self._shareable)))
+        self._fit_budget(layout)
+        cuda = [t.device for t in model_tensors(module) if t.is_cuda]
+        if self.pin_memory and cuda and all(isinstance(o, Optimizer) for o in optimizers):
+            self._side = SideCopy(cuda[0])
+            self._side.watch(optimizers)
+        for slot in self.slots:
+            self._ensure(slot, layout)
+
+    def clear(self) -> None:
+        """Drop all snapshots and free their buffers (every copy in flight completes first)."""
+        self.sync()
+        for slot in self.slots:
+            release(slot.flat)
+        if self._side is not None:
+            self._side.unwatch()
+        self._side, self._trainer, self._layout_of = None, None, None
+        self.slots = [Snapshot() for _ in range(self.capacity)]
+
+    def sync(self) -> None:
+        """Block until every copy in flight is complete (before anything writes the live state outside the
+        optimizer's update: a restore)."""
+        if self._side is not None:
+            self._side.wait_all()
+        for slot in self.slots:
+            slot.wait()
 
     # ------------------------------------------------------------------ queries
     def steps(self) -> list[int]:
-        """Steps of the valid snapshots, oldest first."""
+        """Steps of the valid snapshots, oldest first (a snapshot whose copy is in flight included: it completes
+        before anything reads it)."""
         return sorted(s.step for s in self.slots if s.valid)
 
     def get(self, step: int) -> Snapshot | None:
@@ -120,14 +192,25 @@ class SnapshotRing:
             if s.valid and s.step > step:
                 s.valid = False
 
-    def clear(self) -> None:
-        """Drop all snapshots and their buffers."""
-        self.slots = [Snapshot() for _ in range(self.capacity)]
+    def nbytes(self) -> int:
+        """Host bytes the ring holds on this rank."""
+        return sum(s.nbytes() for s in self.slots)
 
     @staticmethod
     def state_finite(snapshot: Snapshot) -> Tensor:
-        """0-d bool: the snapshot's optimizer state is finite (its parameters were checked when it was taken)."""
-        return all_finite(snapshot.opt)
+        """0-d bool: the optimizer state this rank keeps of ``snapshot`` is finite (its parameters were checked when
+        it was taken). Waits for its copy. Under DDP each rank checks its own chunk: reduce the verdict."""
+        snapshot.wait()
+        layout = snapshot.layout
+        if layout is None:
+            return torch.tensor(True)
+        views = [snapshot.view(i) for i, e in enumerate(layout.entries) if i >= snapshot.n_model and e.region != SHARED]
+        if layout.sharded and snapshot.flat is not None:
+            for p in layout.pieces(*layout.own_range()):
+                spec = layout.entries[p.index].spec
+                if p.index >= snapshot.n_model:
+                    views.append(snapshot.flat[p.pos : p.pos + p.end - p.start].view(spec.dtype))
+        return all_finite(views)
 
     # ------------------------------------------------------------------ copies
     @torch.no_grad()
@@ -146,72 +229,160 @@ class SnapshotRing:
         ``keep``: the step of a snapshot not to overwrite while another slot can take the copy (the newest sound one,
         so that snapshots taken mid-divergence cannot push the last good state out of the ring).
         """
+        state = live_state(module, optimizers, self._shareable)
+        layout = self._layout(tuple(state.specs))
+        self._fit_budget(layout)
         candidates = [s for s in self.slots if not (s.valid and s.step == keep)] or self.slots
         slot = min(candidates, key=lambda s: (s.valid, s.step))
-        model = model_tensors(module)
-        keys, opt, extras, specs = _optimizer_entries(optimizers)
-        signature = (_signature(model), tuple(keys), _signature(opt))
-        if signature != slot._signature:
-            slot.valid = False
-            slot.model = [self._empty_like(t) for t in model]
-            slot.opt = [self._empty_like(t) for t in opt]
-            slot._signature = signature
-        slot.valid = False  # until the copy is complete
-        _copy(slot.model, model)
-        _copy(slot.opt, opt)
-        slot.opt_keys = keys
-        slot.opt_devices = [t.device for t in opt]
-        slot.opt_extras = extras
-        slot.opt_specs = specs
+        slot.valid = False  # until the copy is queued
+        slot.wait()
+        self._ensure(slot, layout)
+        # The copy plan (views of the live tensors' bytes and of the slot) is reused while the layout and every
+        # tensor's memory stay the same: most snapshots, at no per-tensor cost beyond reading its address.
+        key = (layout, [t.data_ptr() for t in state.tensors])
+        if slot.plan is None or slot.plan[0] is not layout or slot.plan[1] != key[1]:
+            slot.plan = (*key, *self._pairs(slot, layout, state.tensors))
+        _, _, dst, src, kinds = slot.plan
+        slot.event = self._copy(dst, src, kinds)
+        slot.layout, slot.n_model = layout, state.n_model
+        slot.opt_keys, slot.opt_extras, slot.opt_dtensors = state.opt_keys, state.opt_extras, state.opt_dtensors
         slot.step, slot.log_step, slot.scale = step, log_step, scale
         slot.valid = True
         return slot
 
     @torch.no_grad()
-    def restore(self, snapshot: Snapshot, module: nn.Module, optimizers: Sequence[Optimizer]) -> None:
-        """Copy ``snapshot`` into the live module and optimizer state, in place. Param-group hyperparameters stay."""
-        model = model_tensors(module)
-        if _signature(model) != snapshot._signature[0]:
+    def restore(
+        self,
+        snapshot: Snapshot,
+        module: nn.Module,
+        optimizers: Sequence[Optimizer],
+        trainer: pl.Trainer | None = None,
+    ) -> None:
+        """Copy ``snapshot`` into the live module and optimizer state, in place. Param-group hyperparameters stay.
+        Under DDP a collective (``trainer`` needed): every rank restores the same snapshot together."""
+        self.sync()
+        layout = snapshot.layout
+        assert layout is not None
+        assert snapshot.flat is not None
+        live = live_state(module, optimizers, self._shareable)
+        if [_form(s) for s in live.specs[: live.n_model]] != [
+            _form(e.spec) for e in layout.entries[: snapshot.n_model]
+        ]:
             raise RuntimeError(
                 "nanguard: the module's parameters changed shape or number since the snapshot was taken; "
                 "AutoRollback cannot restore it. Do not add or resize parameters during fit."
             )
-        dst, src = list(model), list(snapshot.model)
-        wanted: dict[tuple[int, int], list[int]] = {}
-        for n, (i, j, _) in enumerate(snapshot.opt_keys):
-            wanted.setdefault((i, j), []).append(n)
-        extras: dict[tuple[int, int], dict[str, Any]] = {}
-        for (i, j, k), v in snapshot.opt_extras.items():
-            extras.setdefault((i, j), {})[k] = v
-        for i, opt in enumerate(optimizers):
-            for j, p in enumerate(p for group in opt.param_groups for p in group["params"]):
-                entries, extra = wanted.get((i, j), []), extras.get((i, j), {})
-                if not entries and not extra:
-                    opt.state.pop(p, None)  # the snapshot predates this parameter's state
-                    continue
-                state = opt.state[p]
-                keep = {snapshot.opt_keys[n][2] for n in entries} | set(extra)
-                for k in [k for k in state if k not in keep]:
-                    del state[k]
-                for n in entries:
-                    k, buf = snapshot.opt_keys[n][2], snapshot.opt[n]
-                    live = state.get(k)
-                    live = local_tensor(live) if isinstance(live, Tensor) else None
-                    if live is not None and live.shape == buf.shape and live.dtype == buf.dtype:
-                        dst.append(live)
-                        src.append(buf)
-                    else:
-                        restored = buf.to(device=snapshot.opt_devices[n], copy=True)
-                        state[k] = from_local_like(restored, snapshot.opt_specs.get(n))
-                for k, v in extra.items():
-                    state[k] = copy.deepcopy(v)
-        _copy(dst, src)
+        specs = [e.spec for e in layout.entries[snapshot.n_model :]]
+        dst = live.tensors[: live.n_model] + optimizer_targets(
+            optimizers, snapshot.opt_keys, specs, snapshot.opt_extras, snapshot.opt_dtensors
+        )
+        pairs_dst: list[Tensor] = []
+        pairs_src: list[Tensor] = []
+        for i, e in enumerate(layout.entries):
+            if e.region == TYPED:
+                pairs_dst.append(dst[i])
+                pairs_src.append(snapshot.typed[e.offset])
+            elif e.region == LOCAL and e.spec.nbytes:
+                start = layout.chunk + e.offset
+                pairs_dst.append(_bytes(dst[i]))
+                pairs_src.append(snapshot.flat[start : start + e.spec.nbytes])
+        if pairs_dst:
+            _lightning_compat.foreach_copy_(pairs_dst, pairs_src)
+        if layout.sharded:
+            if trainer is None:
+                raise RuntimeError("nanguard: restoring a snapshot spread over DDP ranks needs the Trainer.")
+            gather_shared(trainer, layout, snapshot.flat, [_bytes(t) for t in dst], self.gather_bytes)
 
-    def _empty_like(self, t: Tensor) -> Tensor:
-        pin = self.pin_memory and torch.cuda.is_available()
-        return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+    # ------------------------------------------------------------------ internals
+    def _layout(self, specs: tuple[TensorSpec, ...]) -> Layout:
+        cached = self._layout_of
+        if cached is not None and cached[0] == specs:
+            return cached[1]
+        layout = plan_layout(specs, self.world, self.rank, bool(self._shareable))
+        self._layout_of = (specs, layout)
+        return layout
+
+    def _ensure(self, slot: Snapshot, layout: Layout) -> None:
+        """(Re)allocate ``slot``'s buffers where they are too small for ``layout``."""
+        if slot.flat is None or slot.flat.numel() < layout.slot_bytes:
+            release(slot.flat)
+            slot.valid, slot.flat, slot.plan = False, None, None
+            slot.flat = host_buffer(layout.slot_bytes, pin=self._pin(layout))
+        typed = [e.spec for e in layout.entries if e.region == TYPED]
+        if [(tuple(t.shape), t.dtype) for t in slot.typed] != [(s.shape, s.dtype) for s in typed]:
+            slot.typed = [torch.empty(s.shape, dtype=s.dtype) for s in typed]  # rare: not worth pinning
+            slot.plan = None
+
+    def _pin(self, layout: Layout) -> bool:
+        return self.pin_memory and any(e.spec.device.type == "cuda" for e in layout.entries)
+
+    def _fit_budget(self, layout: Layout) -> None:
+        """Keep as many slots as ``max_bytes`` holds (``snapshot_budget``), the same number on every rank."""
+        if self.max_bytes is None:
+            return
+        need = layout.slot_bytes + layout.typed_bytes
+        trainer = self._trainer() if self._trainer is not None else None
+        if trainer is not None and self.world > 1:
+            need = int(_distributed.max_across_ranks(trainer, torch.tensor([float(need)])).item())
+        fits = slots_that_fit(self.max_bytes, need, len(self.slots), world=self.world, sharded=layout.sharded)
+        if fits < len(self.slots):
+            self.sync()
+            ordered = sorted(self.slots, key=lambda s: (s.valid, s.step), reverse=True)
+            for slot in ordered[fits:]:
+                release(slot.flat)
+            self.slots = ordered[:fits]
+
+    def _pairs(
+        self, slot: Snapshot, layout: Layout, tensors: list[Tensor]
+    ) -> tuple[list[Tensor], list[Tensor], list[str]]:
+        """(destination, source, source kind) of each copy of one take: this rank's pieces of the shared stream, its
+        local region, its typed copies."""
+        assert slot.flat is not None
+        dst: list[Tensor] = []
+        src: list[Tensor] = []
+        kinds: list[str] = []
+        flat = slot.flat
+        if layout.sharded:
+            for p in layout.pieces(*layout.own_range()):
+                dst.append(flat[p.pos : p.pos + p.end - p.start])
+                src.append(_bytes(tensors[p.index])[p.start : p.end])
+                kinds.append(layout.entries[p.index].spec.kind)
+        for i, e in enumerate(layout.entries):
+            if e.region == LOCAL and e.spec.nbytes:
+                start = layout.chunk + e.offset
+                dst.append(flat[start : start + e.spec.nbytes])
+                src.append(_bytes(tensors[i]))
+            elif e.region == TYPED:
+                dst.append(slot.typed[e.offset])
+                src.append(tensors[i])
+            else:
+                continue
+            kinds.append(e.spec.kind)
+        return dst, src, kinds
+
+    def _copy(self, dst: list[Tensor], src: list[Tensor], kinds: list[str]) -> Any:
+        """Copy now (no side stream), or queue the copies on the side stream and return their event."""
+        side = self._side
+        if side is None:
+            if dst:
+                _lightning_compat.foreach_copy_(dst, src)
+            return None
+        host: tuple[list[Tensor], list[Tensor]] = ([], [])
+        buffers: tuple[list[Tensor], list[Tensor]] = ([], [])
+        state: tuple[list[Tensor], list[Tensor]] = ([], [])
+        for d, s, kind in zip(dst, src, kinds, strict=True):
+            group = host if not s.is_cuda else buffers if kind == "buffer" else state
+            group[0].append(d)
+            group[1].append(s)
+        return side.start(host, buffers, state)
 
 
-def _copy(dst: list[Tensor], src: list[Tensor]) -> None:
-    if dst:
-        torch._foreach_copy_(dst, src)
+def _form(spec: TensorSpec) -> tuple[Any, ...]:
+    return (spec.shape, spec.stride, spec.dtype)
+
+
+def _bytes(t: Tensor) -> Tensor:
+    view = byte_view(t)
+    if view is None:  # only dense tensors are placed in byte regions (snapshot_layout)
+        raise RuntimeError("nanguard: a snapshot tensor is no longer dense in memory; it cannot be restored.")
+    return view
