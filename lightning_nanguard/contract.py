@@ -8,8 +8,7 @@ The five stages of one event (see ARCHITECTURE.md) pass these values along::
     act       -> Action          done: skip, quarantine, rollback, backoff, promote, stop
     report    -> Incident        one record per event, with every action taken (reporting.incidents)
 
-Events other parts can subscribe to are frozen dataclasses too (``StateRestored``); requests one callback makes of
-the engine are ``RollbackRequest``. Every value here is plain data: safe to log, to compare in tests, and to build a
+Events other parts can subscribe to are frozen dataclasses too (``StateRestored``). Every value here is plain data: safe to log, to compare in tests, and to build a
 policy decision from without a Trainer.
 """
 
@@ -30,7 +29,6 @@ __all__ = [
     "PassedOverSnapshots",
     "Plan",
     "RestoreSource",
-    "RollbackRequest",
     "Signal",
     "StateRestored",
     "StepHealth",
@@ -71,8 +69,6 @@ class Signal(str, Enum):
     LOSS_AND_GRAD_NORM_SPIKE = "loss_and_grad_norm_spike"
     DIVERGING = "diverging"  # the state just snapshotted was taken mid-divergence (loss and grad norm far up)
     LOSS_SCALE_COLLAPSE = "loss_scale_collapse"
-    SKIP_STREAK = "skip_streak"  # too many dropped updates in a row
-    ROLLBACK_BUDGET_EXHAUSTED = "rollback_budget_exhausted"
 
 
 class Cause(str, Enum):
@@ -213,14 +209,6 @@ class StateRestored:
 
     from_step: int
     source: RestoreSource
-
-
-@dataclass(frozen=True)
-class RollbackRequest:
-    """A callback asks the engine to treat the current step as needing a rollback (it has dropped the update)."""
-
-    signal: Signal
-    source: str
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from lightning_nanguard.contract import Action
 from lightning_nanguard.exceptions import UnsupportedSetupError
-from lightning_nanguard.policies.verdict import Action
 from lightning_nanguard.reporting.incidents import Incident
 from lightning_nanguard.signals import fsdp1
 

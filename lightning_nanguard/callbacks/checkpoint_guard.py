@@ -12,10 +12,9 @@ from typing_extensions import override
 from lightning_nanguard import _lightning_compat
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._common import make_incident
-from lightning_nanguard.contract import Cause
+from lightning_nanguard.contract import Action, Cause
 from lightning_nanguard.engine import Engine, get_engine
 from lightning_nanguard.exceptions import NanGuardConfigError, UnsupportedSetupError
-from lightning_nanguard.policies.verdict import Action
 from lightning_nanguard.recovery import sharded_checkpoint
 from lightning_nanguard.recovery.verifying_io import CheckpointEvent, VerifyingCheckpointIO, remove_stale_tmp_files
 

@@ -17,10 +17,9 @@ from lightning_nanguard import _distributed, _lightning_compat
 from lightning_nanguard._validation import check_choice, check_int
 from lightning_nanguard.callbacks._base import mute_idle_hooks, unmute_hooks
 from lightning_nanguard.callbacks._common import check_strategy_supported, make_incident
-from lightning_nanguard.contract import Cause
+from lightning_nanguard.contract import Action, Cause
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.exceptions import UnsupportedSetupError
-from lightning_nanguard.policies.verdict import Action
 from lightning_nanguard.recovery.eval_precision import (
     AttributePatches,
     DeferredLog,

@@ -155,7 +155,6 @@ class GradNormMonitor(NanGuardCallback):
 
     # ------------------------------------------------------------------ lifecycle
     @override
-    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.on_spike == "rollback" and self.spike_zscore is not None and get_engine(trainer).restorer is None:
             rank_zero_warn(

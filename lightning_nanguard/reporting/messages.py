@@ -30,8 +30,6 @@ _SIGNAL_TEXT = {
     Signal.LOSS_AND_GRAD_NORM_SPIKE: "a loss and gradient-norm spike",
     Signal.DIVERGING: "a diverging run (loss and gradient norm far above the last sound snapshot's)",
     Signal.LOSS_SCALE_COLLAPSE: "a loss-scale collapse (the fp16 GradScaler keeps overflowing)",
-    Signal.SKIP_STREAK: "too many dropped updates in a row",
-    Signal.ROLLBACK_BUDGET_EXHAUSTED: "the rollback budget ran out",
 }
 
 _ACTION_TEXT = {
