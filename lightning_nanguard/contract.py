@@ -32,6 +32,7 @@ __all__ = [
     "Signal",
     "StateRestored",
     "StepHealth",
+    "StopReason",
 ]
 
 
@@ -85,11 +86,6 @@ class Cause(str, Enum):
     CORRUPT_STATE = "corrupt_state"  # parameters, buffers or optimizer state already non-finite
     TRANSIENT = "transient"  # the replay did not reproduce it
     UNKNOWN = "unknown"
-
-    @property
-    def data_caused(self) -> bool:
-        """The batch itself is to blame (quarantine it)."""
-        return self in (Cause.INPUT_DATA, Cause.TARGETS)
 
 
 class EvidenceKind(str, Enum):
@@ -184,17 +180,31 @@ class Diagnosis:
         }
 
 
+class StopReason(str, Enum):
+    """Why a plan ends training: each maps to the error raised and to what to try (``reporting.messages``)."""
+
+    NOTHING_RESTORES = "nothing_restores"  # the state is damaged and AutoRollback is not installed
+    NOTHING_VERIFIED = "nothing_verified"  # the state is damaged and no verified snapshot or checkpoint exists yet
+    RESTORE_FAILED = "restore_failed"  # the state is damaged and the rollback found nothing verified
+    ROLLBACK_BUDGET = "rollback_budget"  # AutoRollback's max_rollbacks per rollback_window ran out
+    SKIP_BUDGET = "skip_budget"  # more dropped updates in a row than max_consecutive_skips
+    STOP_ON_NONFINITE = "stop_on_nonfinite"  # GradNormMonitor(on_nonfinite="stop")
+    COLLAPSE_BUDGET = "collapse_budget"  # LossScaleWatchdog's max_collapses ran out
+    STOP_ON_COLLAPSE = "stop_on_collapse"  # LossScaleWatchdog(on_collapse="stop")
+    COLLAPSE_UNRESTORABLE = "collapse_unrestorable"  # a collapse, and no AutoRollback to restore a good state
+
+
 @dataclass(frozen=True)
 class Plan:
     """The remedy policy's decision for one event: the actions, in order, and why.
 
     ``actions`` only holds actions whose callback is installed (an ablated callback's remedy is never planned).
-    ``stop`` is set when a budget ran out: the event ends training after the restorative actions ran.
+    ``stop`` is set when the event ends training (after the restorative actions ran), saying why.
     """
 
     actions: tuple[Action, ...]
     reason: str = ""
-    stop: bool = False
+    stop: StopReason | None = None
     promote_module: str = ""  # with Action.PROMOTE
 
 

@@ -12,12 +12,13 @@ from lightning_nanguard import _distributed, _lightning_compat
 from lightning_nanguard._validation import check_choice, check_int, check_path
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.checkpoints import last_good_checkpoint
-from lightning_nanguard.contract import Cause, Divergence, PassedOverSnapshots, StepHealth
+from lightning_nanguard.contract import Divergence, PassedOverSnapshots, StepHealth
 from lightning_nanguard.engine import Engine
 from lightning_nanguard.engine.capabilities import Restored
 from lightning_nanguard.engine.incidents import EventHandled
 from lightning_nanguard.engine.state_check import model_finite
 from lightning_nanguard.exceptions import NanGuardConfigError, UnsupportedSetupError
+from lightning_nanguard.policies.causes import trusts_state
 from lightning_nanguard.policies.rollback import RollbackPolicy, SnapshotJudge, diverging_now, snapshot_due
 from lightning_nanguard.recovery.final_checkpoint import checkpoint_dir, save_verified_checkpoint
 from lightning_nanguard.recovery.rollback import restore_state
@@ -25,9 +26,6 @@ from lightning_nanguard.recovery.snapshot import SnapshotRing
 from lightning_nanguard.reporting import keys
 
 __all__ = ["AutoRollback"]
-
-# Causes after which the state is trusted again at once: the data was to blame, the model and optimizer were not.
-_NO_QUIET = frozenset({Cause.INPUT_DATA.value, Cause.TARGETS.value, Cause.TRANSIENT.value})
 
 
 class AutoRollback(NanGuardCallback):
@@ -310,7 +308,7 @@ class AutoRollback(NanGuardCallback):
         return save_verified_checkpoint(trainer, dirpath, f"nanguard-final-step={step}.ckpt")
 
     def _on_event(self, trainer: pl.Trainer, event: EventHandled) -> None:
-        if event.incident.cause not in _NO_QUIET:
+        if not trusts_state(event.incident.cause):
             self._last_event = max(self._last_event or 0, event.step)
 
     def _metrics(self, trainer: pl.Trainer) -> dict[str, float]:

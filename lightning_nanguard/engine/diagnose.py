@@ -19,16 +19,18 @@ import lightning.pytorch as pl
 from lightning_nanguard import _distributed
 from lightning_nanguard.contract import Diagnosis, Divergence, Signal
 from lightning_nanguard.engine.sensing import Reading
-from lightning_nanguard.engine.state_check import nonfinite_names
-from lightning_nanguard.policies.diagnosis import Findings, classify
+from lightning_nanguard.forensics import ReplayRequest, investigate
+from lightning_nanguard.policies.diagnosis import classify, needs_replay
+from lightning_nanguard.policies.findings import Findings
 from lightning_nanguard.signals.batch import BatchFindings, read_batch
 from lightning_nanguard.signals.history import read_history
+from lightning_nanguard.signals.model_tensors import nonfinite_names
 from lightning_nanguard.signals.state import StateFindings, read_state
 
 if TYPE_CHECKING:
     from lightning_nanguard.engine.engine import Engine, PendingEvent
 
-__all__ = ["EventFacts", "cheap_diagnosis", "diagnose", "gather_findings"]
+__all__ = ["EventFacts", "diagnose", "gather_findings"]
 
 
 class EventFacts:
@@ -56,18 +58,22 @@ class EventFacts:
 
 
 def diagnose(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModule, facts: EventFacts) -> Diagnosis:
-    """The diagnosis of one event. Every rank runs it; its collectives are made by every rank in the same order."""
-    from lightning_nanguard.forensics_bridge import investigate
-
-    found = investigate(engine, trainer, pl_module, facts)
-    if found is not None:
-        return found
-    return cheap_diagnosis(engine, trainer, facts)
-
-
-def cheap_diagnosis(engine: Engine, trainer: pl.Trainer, facts: EventFacts) -> Diagnosis:
-    """The cause from cheap evidence alone (no replay). One all-gather."""
-    return classify(gather_findings(engine, trainer, trainer.lightning_module, facts))
+    """The diagnosis of one event: the cheap evidence (one all-gather), and a replay when that does not settle it
+    (``forensics``). Every rank runs it; its collectives are made by every rank in the same order."""
+    findings = gather_findings(engine, trainer, pl_module, facts)
+    if needs_replay(findings):
+        guard = engine.guard
+        request = ReplayRequest(
+            engine.batch,
+            engine.batch_idx,
+            event_step(trainer, facts),
+            mode=guard.forensics if guard is not None else "first",
+            max_replay_steps=guard.max_replay_steps if guard is not None else 20.0,
+            has_step=bool(facts.readings),
+            update_applied=bool(facts.readings) and not all(r.dropped for r in facts.readings),
+        )
+        findings = investigate(trainer, pl_module, findings, request, engine.replays)
+    return classify(findings)
 
 
 def precision_of(trainer: pl.Trainer) -> str:

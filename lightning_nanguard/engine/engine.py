@@ -34,16 +34,13 @@ from lightning_nanguard.engine.capabilities import (
 )
 from lightning_nanguard.engine.sensing import QuickStep, Reading, Sensor
 from lightning_nanguard.engine.sink import IncidentSink
-from lightning_nanguard.engine.state_check import (
-    record_intended_infinities,
-    state_before_update,
-    state_verdict,
-    watched_buffers,
-)
+from lightning_nanguard.engine.state_check import state_before_update, state_verdict
 from lightning_nanguard.exceptions import NanGuardConfigError
+from lightning_nanguard.forensics import ReplayBook
 from lightning_nanguard.recovery.quarantine import Quarantine
 from lightning_nanguard.recovery.step_skip import drop_update
 from lightning_nanguard.reporting import emit
+from lightning_nanguard.signals.model_tensors import record_intended_infinities, watched_buffers
 from lightning_nanguard.signals.spike import RunningZScore
 
 __all__ = ["Engine", "PendingEvent", "get_engine"]
@@ -112,8 +109,7 @@ class Engine:
         self.finished = False
         self.final_state = ""
         self.module_overflows: dict[str, int] = {}
-        self.diagnoses: dict[tuple[Any, ...], Any] = {}  # forensics "first": verdict per evidence signature
-        self.replay_ms = 0.0
+        self.replays = ReplayBook()  # forensics over this fit: replay time spent, replays kept per evidence
         self.step_seconds = math.nan  # moving average of a healthy batch's wall time
         self._batch_began = 0.0
         self._host_only = False
@@ -541,6 +537,11 @@ class Engine:
             metrics.update(source(trainer))
         self.interval.reset()
         emit.log_event(trainer, metrics)
+
+    @property
+    def replay_ms(self) -> float:
+        """Forensics' replay time in this fit."""
+        return self.replays.spent_ms
 
     # ------------------------------------------------------------------ current batch (incident path)
     @property

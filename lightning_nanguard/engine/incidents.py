@@ -23,19 +23,22 @@ from lightning_nanguard.contract import (
     RestoreSource,
     Signal,
     StateRestored,
+    StopReason,
 )
 from lightning_nanguard.engine.capabilities import DEFAULT_MAX_CONSECUTIVE_SKIPS, Restored
 from lightning_nanguard.engine.diagnose import EventFacts, diagnose
-from lightning_nanguard.engine.state_check import model_finite, nonfinite_names, state_before_update, state_verdict
+from lightning_nanguard.engine.state_check import model_finite, state_before_update, state_verdict
 from lightning_nanguard.exceptions import (
     NanGuardError,
     NonFiniteTrainingError,
     RankDivergenceError,
     RecoveryBudgetExhausted,
 )
+from lightning_nanguard.policies.causes import CAUSES
 from lightning_nanguard.policies.remedy import Installed, RemedyFacts, plan_remedy
 from lightning_nanguard.reporting import messages
 from lightning_nanguard.reporting.incidents import Incident
+from lightning_nanguard.signals.model_tensors import nonfinite_names
 
 if TYPE_CHECKING:
     from lightning_nanguard.engine.engine import Engine, PendingEvent
@@ -105,13 +108,13 @@ def _handle_one(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModu
         plan = Plan(
             (*plan.actions, Action.STOP),
             "the state is non-finite and nothing verified could be restored",
-            stop=True,
+            stop=StopReason.RESTORE_FAILED,
         )
     if checkpoint:
         values["final_checkpoint"] = checkpoint
     where = messages.where_text(step, trainer.current_epoch, engine.batch_idx, facts.ranks)
     why = facts.event.collapse.reason if facts.event.collapse is not None else ""
-    if plan.stop:
+    if plan.stop is not None:
         state_now = _state_now(trainer, pl_module)
         message = messages.stop_message(
             facts.signal,
@@ -124,11 +127,7 @@ def _handle_one(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModu
             checkpoint=checkpoint,
             why=why,
         )
-        budget = "rollback budget" in plan.reason or "collapse budget" in plan.reason
-        error_type: type[NanGuardError] = RecoveryBudgetExhausted if budget else NonFiniteTrainingError
-        if facts.signal is Signal.RANK_DIVERGENCE and not budget:
-            error_type = RankDivergenceError
-        engine.request_stop(trainer, error_type(message))
+        engine.request_stop(trainer, stop_error(plan.stop, facts.signal)(message))
     else:
         message = messages.incident_message(facts.signal, where, diagnosis, plan, details, why=why)
     if Action.WARN in plan.actions:
@@ -215,7 +214,7 @@ def _act(
     if Action.PROMOTE in acts and engine.promoter is not None and plan.promote_module:
         details[Action.PROMOTE] = engine.promoter.promote(trainer, pl_module, plan.promote_module)
     if acts & {Action.PROMOTE, Action.ROLLBACK, Action.EPS_BACKOFF}:
-        engine.diagnoses.clear()  # the model or optimizer changed: a cached verdict no longer describes it
+        engine.replays.forget()  # the model or optimizer changed
     if plan.stop and Action.ROLLBACK in acts and engine.restorer is not None:
         save = getattr(engine.restorer, "save_final", None)
         if callable(save):
@@ -237,20 +236,20 @@ def _remedy_facts(engine: Engine, trainer: pl.Trainer, facts: EventFacts, diagno
     else:  # AutoRollback alone still escalates a run of dropped updates (GradNormMonitor's default budget)
         max_skips = DEFAULT_MAX_CONSECUTIVE_SKIPS if restorer is not None else None
     recent = 0
-    # Skips that count toward a backoff: not the data's fault, and not a damaged state (a rollback is its remedy).
-    # Nor the GradScaler's own overflow skips (a run of them is LossScaleWatchdog's collapse, which backs off).
+    cause = CAUSES[diagnosis.cause]
+    # Skips that count toward a backoff (``CauseSpec.counts_toward_backoff``), with the state intact (a rollback is a
+    # damaged state's remedy); not the GradScaler's routine skips (a run of them is LossScaleWatchdog's collapse).
     if (
         backoff is not None
-        and not diagnosis.cause.data_caused
-        and diagnosis.cause is not Cause.CORRUPT_STATE
-        and not (scaler_dropped and diagnosis.cause is Cause.HALF_PRECISION_OVERFLOW)
+        and cause.counts_toward_backoff
+        and not (scaler_dropped and cause.routine_under_scaler)
         and facts.state_ok
         and facts.signal is not Signal.NONFINITE_STATE
     ):
         engine.recent_skips.append(step)
         recent = sum(1 for s in engine.recent_skips if step - s < backoff.skip_window)
     module = diagnosis.module
-    if module and diagnosis.cause is Cause.HALF_PRECISION_OVERFLOW:
+    if module and cause.counts_module_overflow:
         engine.module_overflows[module] = engine.module_overflows.get(module, 0) + 1
     installed = Installed(
         drop=engine.restorer is not None or (guard is not None and guard.on_nonfinite != "warn"),
@@ -491,6 +490,21 @@ def _budget_left(engine: Engine, step: int) -> int:
     if engine.guard is not None:
         return max(0, engine.guard.max_consecutive_skips - engine.skip_streak)
     return -1
+
+
+# The error a stop raises, by why it stopped (``NonFiniteTrainingError`` for any reason not listed).
+STOP_ERRORS: dict[StopReason, type[NanGuardError]] = {
+    StopReason.ROLLBACK_BUDGET: RecoveryBudgetExhausted,
+    StopReason.COLLAPSE_BUDGET: RecoveryBudgetExhausted,
+}
+
+
+def stop_error(why: StopReason, signal: Signal) -> type[NanGuardError]:
+    """The error to raise: a rank divergence that no budget stopped is a ``RankDivergenceError``."""
+    error = STOP_ERRORS.get(why, NonFiniteTrainingError)
+    if signal is Signal.RANK_DIVERGENCE and error is NonFiniteTrainingError:
+        return RankDivergenceError
+    return error
 
 
 def _lightning_true_half(trainer: pl.Trainer) -> bool:

@@ -25,7 +25,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
-from lightning_nanguard.policies.diagnosis import PassResult
+from lightning_nanguard.policies.findings import PassResult
 
 __all__ = ["preserved_state", "run_pass"]
 
