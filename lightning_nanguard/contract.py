@@ -36,7 +36,15 @@ __all__ = [
 ]
 
 
-class Action(str, Enum):
+class _Value(str, Enum):
+    """A ``str`` enum whose ``str()`` and formatting give its plain value (as ``enum.StrEnum`` on Python 3.11+), so a
+    record, a log line or a message built from a member reads the same as one built from its value."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class Action(_Value):
     """What nanguard did about an event. A ``str`` so incident records and logs carry the plain value."""
 
     NONE = "none"
@@ -56,7 +64,7 @@ class Action(str, Enum):
     STOP = "stop"  # training stopped with an error
 
 
-class Signal(str, Enum):
+class Signal(_Value):
     """What the sensing stage saw (an incident's ``trigger``)."""
 
     NONFINITE_LOSS = "nonfinite_loss"
@@ -72,7 +80,7 @@ class Signal(str, Enum):
     LOSS_SCALE_COLLAPSE = "loss_scale_collapse"
 
 
-class Cause(str, Enum):
+class Cause(_Value):
     """Why an event happened: a closed set, each decided by documented evidence (``policies.diagnosis``)."""
 
     INPUT_DATA = "input_data"  # non-finite or far out-of-range values in the batch's inputs
@@ -88,7 +96,7 @@ class Cause(str, Enum):
     UNKNOWN = "unknown"
 
 
-class EvidenceKind(str, Enum):
+class EvidenceKind(_Value):
     """The kinds of evidence a diagnosis rests on, cheapest first."""
 
     BATCH_NONFINITE = "batch_nonfinite"  # NaN/inf in an input tensor (rows named)
@@ -180,7 +188,7 @@ class Diagnosis:
         }
 
 
-class StopReason(str, Enum):
+class StopReason(_Value):
     """Why a plan ends training: each maps to the error raised and to what to try (``reporting.messages``)."""
 
     NOTHING_RESTORES = "nothing_restores"  # the state is damaged and AutoRollback is not installed
@@ -208,7 +216,7 @@ class Plan:
     promote_module: str = ""  # with Action.PROMOTE
 
 
-class RestoreSource(str, Enum):
+class RestoreSource(_Value):
     MEMORY = "memory"
     DISK = "disk"
 

@@ -18,10 +18,10 @@ from typing_extensions import override
 from lightning_nanguard.callbacks._common import check_strategy_supported
 from lightning_nanguard.engine import Engine, get_engine
 
-__all__ = ["NanGuardCallback", "bind_engine_hooks", "mute_idle_hooks", "unmute_hooks"]
+__all__ = ["NanGuardCallback", "bind_engine_hooks", "mute_idle_hooks", "show_hooks", "unmute_hooks"]
 
 # The hooks Lightning dispatches once per batch or per step. For each, every installed callback costs a profiler
-# context and a ``state_key`` read even when the hook does nothing (about 2 µs each). Lightning skips a hook whose
+# context and a ``state_key`` read even when the hook does nothing (docs/PERFORMANCE.md). Lightning skips a hook whose
 # attribute is not callable (``trainer/call.py`` ``_call_callback_hooks``: ``if callable(fn)``), so during a fit a
 # member sets the per-batch hooks it has nothing to do in to ``None`` on the instance: Callback's no-ops always, the
 # engine's hooks unless it drives. ``setup`` of the next fit and ``teardown`` put the methods back.
@@ -177,6 +177,15 @@ def bind_engine_hooks(callback: NanGuardCallback, engine: Engine) -> None:
             callback.__dict__["on_train_batch_start"] = engine.batch_start if on else None
 
         engine.batch_start_switch = switch
+
+
+def show_hooks(callback: Callback, names: tuple[str, ...], *, shown: bool) -> None:
+    """Show ``names`` to Lightning's dispatch (the class's methods) or hide them (``None`` on the instance)."""
+    for name in names:
+        if shown:
+            callback.__dict__.pop(name, None)
+        else:
+            callback.__dict__[name] = None
 
 
 def unmute_hooks(callback: Callback) -> None:

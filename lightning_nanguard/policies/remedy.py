@@ -43,9 +43,10 @@ from dataclasses import dataclass, field
 from lightning_nanguard.contract import Action, Cause, Plan, Signal, StopReason
 from lightning_nanguard.policies.causes import CAUSES, Remedy
 
-__all__ = ["Installed", "RemedyFacts", "plan_remedy"]
+__all__ = ["Installed", "RemedyFacts", "plan_after_step", "plan_remedy"]
 
 _SPIKES = (Signal.LOSS_SPIKE, Signal.GRAD_NORM_SPIKE, Signal.LOSS_AND_GRAD_NORM_SPIKE)
+_COLLAPSE_BUDGET = "the loss-scale collapse budget (LossScaleWatchdog max_collapses) ran out"
 
 
 @dataclass(frozen=True)
@@ -65,8 +66,8 @@ class RemedyFacts:
     """Everything the policy needs about one event, as plain values."""
 
     signal: Signal
-    cause: Cause
-    installed: Installed
+    cause: Cause = Cause.UNKNOWN
+    installed: Installed = field(default_factory=Installed)
     state_damaged: bool = False
     caused_by_data: bool = False  # the diagnosis names batch rows that caused a non-data cause (a poisoned buffer)
     has_update: bool = True  # a step's update is at stake (False: a snapshot check or the end-of-fit check)
@@ -148,6 +149,26 @@ def plan_remedy(f: RemedyFacts) -> Plan:
     return _with_restore(f, acts, reason)
 
 
+def plan_after_step(f: RemedyFacts) -> Plan:
+    """An event seen only after someone else applied or dropped the update (DeepSpeed's ``engine.step()``): nothing
+    can be dropped, undone or restored, so it is counted (the loss scaler's own skip), warned about, or ends
+    training. One action, the one taken."""
+    if f.signal is Signal.LOSS_SCALE_COLLAPSE:
+        if f.collapse_budget_left <= 0:
+            return Plan((Action.STOP,), _COLLAPSE_BUDGET, stop=StopReason.COLLAPSE_BUDGET)
+        if f.on_collapse == "warn":
+            return Plan((Action.WARN,), 'LossScaleWatchdog(on_collapse="warn") keeps training')
+        if f.on_collapse == "stop":
+            return Plan((Action.STOP,), 'LossScaleWatchdog(on_collapse="stop")', stop=StopReason.STOP_ON_COLLAPSE)
+        return Plan((Action.STOP,), "no rollback can restore a good state", stop=StopReason.COLLAPSE_UNRESTORABLE)
+    if f.max_consecutive_skips is not None and f.skip_streak > f.max_consecutive_skips:
+        too_many = (
+            f"{f.skip_streak} dropped updates in a row, more than max_consecutive_skips={f.max_consecutive_skips}"
+        )
+        return Plan((Action.STOP,), too_many, stop=StopReason.SKIP_BUDGET)
+    return Plan((Action.SCALER_SKIP,), "the loss scaler dropped the update itself")
+
+
 def _promote_due(f: RemedyFacts) -> bool:
     """The module overflowed ``promote_after`` times, and it can run in float32 (autocast to switch off)."""
     return (
@@ -201,10 +222,9 @@ def _collapse(f: RemedyFacts) -> Plan:
     mode = f.on_collapse
     if mode == "auto":
         mode = "rollback" if f.installed.rollback else "stop"
-    collapse_budget = "the loss-scale collapse budget (LossScaleWatchdog max_collapses) ran out"
     if mode == "warn":
         if f.collapse_budget_left <= 0:
-            return _stop([Action.SCALER_SKIP], StopReason.COLLAPSE_BUDGET, collapse_budget)
+            return _stop([Action.SCALER_SKIP], StopReason.COLLAPSE_BUDGET, _COLLAPSE_BUDGET)
         return Plan((Action.SCALER_SKIP, Action.WARN), 'LossScaleWatchdog(on_collapse="warn") keeps training')
     if mode == "stop":
         return _stop([Action.SCALER_SKIP], StopReason.STOP_ON_COLLAPSE, 'LossScaleWatchdog(on_collapse="stop")')
@@ -218,7 +238,7 @@ def _collapse(f: RemedyFacts) -> Plan:
     if f.installed.backoff and "loss_scale_collapse" in f.backoff_triggers:
         acts.append(Action.BACKOFF)
     if f.collapse_budget_left <= 0:
-        return _stop(acts, StopReason.COLLAPSE_BUDGET, collapse_budget)
+        return _stop(acts, StopReason.COLLAPSE_BUDGET, _COLLAPSE_BUDGET)
     return _with_restore(f, acts, "the loss scale collapsed: the loss is exploding")
 
 
