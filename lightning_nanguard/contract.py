@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
 
 __all__ = [
     "Action",
@@ -125,7 +124,7 @@ class Evidence:
 
     kind: EvidenceKind
     summary: str
-    values: Mapping[str, Any] = field(default_factory=dict)
+    values: Mapping[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -167,7 +166,7 @@ class Diagnosis:
     caused_by_data: bool = False
     rank_rows: tuple[tuple[int, ...], ...] = ()  # the implicated rows on each rank (index = rank), under DDP
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """Plain JSON-ready values (for incident records)."""
         return {
             "cause": self.cause.value,

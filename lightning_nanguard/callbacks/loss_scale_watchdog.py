@@ -205,7 +205,7 @@ class LossScaleWatchdog(NanGuardCallback):
             return
         _lightning_compat.clamp_scale(scaler, self.min_scale, self.max_scale)
 
-    def _update_stays_in_range(self, scaler: Any, ran_with: float | None) -> bool:
+    def _update_stays_in_range(self, scaler: object, ran_with: float | None) -> bool:
         """The scale after the scaler's update of a step that ran with ``ran_with`` is within ``[ran_with *
         backoff_factor, ran_with * growth_factor]``: inside the range, nothing can need clamping."""
         grow, back = getattr(scaler, "_growth_factor", None), getattr(scaler, "_backoff_factor", None)
@@ -232,7 +232,7 @@ class LossScaleWatchdog(NanGuardCallback):
 
     # ------------------------------------------------------------------ state
     @override
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return {"version": 2, **self._policy.state_dict(), "history": self._history.as_lists()}
 
     @override

@@ -235,7 +235,7 @@ class OptimizerBackoff(NanGuardCallback):
 
     # ------------------------------------------------------------------ state
     @override
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         return self._scales.state_dict()
 
     @override
@@ -244,5 +244,5 @@ class OptimizerBackoff(NanGuardCallback):
         self._state_loaded = True
 
 
-def _schedulers(trainer: pl.Trainer) -> list[Any]:
+def _schedulers(trainer: pl.Trainer) -> list[object]:
     return [cfg.scheduler for cfg in trainer.lr_scheduler_configs]

@@ -4,7 +4,6 @@ rank-consistent facts), and what each action did comes back as a sentence and th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import lightning.pytorch as pl
 
@@ -25,7 +24,7 @@ class Outcome:
     """What the actions did: a sentence per action, the values for the incident record, the final checkpoint."""
 
     details: dict[Action, str] = field(default_factory=dict)
-    values: dict[str, Any] = field(default_factory=dict)
+    values: dict[str, object] = field(default_factory=dict)
     restored: bool = False
     checkpoint: str = ""  # a verified checkpoint saved before a stop
 

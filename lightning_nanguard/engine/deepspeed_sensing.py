@@ -1,14 +1,11 @@
-"""The engine's reading of a step DeepSpeed took: its outcome after ``engine.step()``, turned into events.
+"""The engine's reading of a step DeepSpeed took, after ``engine.step()``, turned into events.
 
-DeepSpeed's engine owns the optimizer step (``signals/deepspeed.py`` has where and how), so under DeepSpeed the
-nanguard engine does not sense steps in ``on_before_optimizer_step``: LossScaleWatchdog's and GradNormMonitor's
-watches read the outcome of ``engine.step()`` at the batch end instead, through one ``StepReader`` per nanguard
-engine (one read per optimizer step, shared by both; ``Registry.step_hooks``). What they read is DeepSpeed's reduced
-overflow flag and global grad norm and its loss scaler, identical on every rank, so every rank takes the same
-decision without a collective of nanguard's own. An overflow or a collapse is an event (``events.AfterStep``)
-handled by the incident path like any other: the policy decides (``policies.remedy.plan_after_step``), the record,
-the warning and the stop are the engine's. Nothing can be dropped or rolled back: the update happened inside
-``engine.step()``, after the last hook (``callbacks/_deepspeed.py`` says what each callback does there).
+DeepSpeed's engine owns the optimizer step (``signals/deepspeed.py`` has where and how), so the engine senses no step
+in ``on_before_optimizer_step`` there: one ``StepReader`` per engine reads each step's outcome at the batch end
+(``Registry.step_hooks``) for LossScaleWatchdog's and GradNormMonitor's watches. What it reads (the overflow flag,
+the global grad norm, the loss scaler) DeepSpeed has already reduced, so every rank decides alike with no collective
+of nanguard's own. An overflow or a collapse is an ``events.AfterStep`` handled by the incident path like any other
+event (``callbacks/_deepspeed.py`` says what each callback does under DeepSpeed).
 """
 
 from __future__ import annotations
@@ -126,7 +123,7 @@ class DeepSpeedScaleWatch:
         self.engine = engine
         self.active = True
         self.scaler: DeepSpeedScaler | None = None
-        self._holder: Any = None
+        self._holder: object = None
         self._raised: dict[int, tuple[Any, bool]] = {}  # id(holder) -> (holder, its raise_error_at_min_scale)
         self._scale_ran: float | None = None
         self.floor = settings.min_scale

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import cast
 
 import lightning.pytorch as pl
 
@@ -71,7 +71,9 @@ def gather_findings(
     local_state = None if facts.state_ok else read_state(pl_module, optimizers, nonfinite_names(pl_module, optimizers))
     # Each rank's clock too: a budget decided from one rank's step time could send the ranks different ways.
     local = (local_batch, local_state, float(ledger.step_seconds))
-    gathered: list[Any] = _distributed.all_gather_objects(trainer, local)
+    gathered = cast(
+        list[tuple[BatchFindings, StateFindings | None, float]], _distributed.all_gather_objects(trainer, local)
+    )
     batches: tuple[BatchFindings, ...] = tuple(b for b, _, _ in gathered)
     state = _merge_states([s for _, s, _ in gathered if s is not None], facts.state_names)
     clocks = [t for _, _, t in gathered if math.isfinite(t) and t > 0]

@@ -15,9 +15,9 @@ per-step hooks. This class builds them for each fit, lets the callbacks join and
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_nanguard import _lightning_compat
@@ -48,7 +48,7 @@ class Engine(StepFlow):
         self.sensor = Sensor()
         self.sink = IncidentSink()
         self.bus = EventBus()
-        self.members: list[Any] = []
+        self.members: list[Callback] = []
         self._fit_open = False
         self._start_fit()
 
@@ -56,13 +56,13 @@ class Engine(StepFlow):
         self.registry = Registry()
         self.ledger = FitLedger()
         self.incidents = IncidentPath(self.registry, self.ledger, self.sink, self.bus)
-        self.driver: Any = None
+        self.driver: Callback | None = None
         self.batch_start_switch = None
         self.finished = False
         self._start_steps()
 
     # ------------------------------------------------------------------ membership
-    def join(self, trainer: pl.Trainer, member: Any, *, fit: bool = True) -> bool:
+    def join(self, trainer: pl.Trainer, member: Callback, *, fit: bool = True) -> bool:
         """A callback's ``setup``. Returns True for the member whose hooks drive the engine this fit."""
         if not self._fit_open:
             self._fit_open = True

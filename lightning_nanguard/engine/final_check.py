@@ -50,73 +50,42 @@ def final_check(
     if verdict.sound:
         ledger.final_state = "finite (checked at the end of fit)"
         return
-    if verdict.finite:
-        _diverged(trainer, pl_module, verdict.diverged, restorer, ledger, sink, bus, tried)
-        return
-    gathered = _distributed.all_gather_objects(trainer, nonfinite_names(pl_module))
-    names = sorted({n for part in gathered for n in part})  # type: ignore[attr-defined]
-    diagnosis = Diagnosis(
-        Cause.CORRUPT_STATE, where=", ".join(names[:3]), state_tensors=tuple(names), state_damaged=True
-    )
+    if verdict.finite:  # under DDP, finite parameters whose copies differ across the ranks
+        names = list(verdict.diverged)
+        signal, diagnosis = Signal.RANK_DIVERGENCE, divergence_diagnosis(verdict.diverged)
+        problem = f"the ranks' parameters differ at the end of fit ({', '.join(names[:5])})"
+        promise, error = "every rank returns the same model", messages.divergence_error
+        restored_state = "finite and identical on every rank"
+        because = f"the ranks' copies of {', '.join(names[:3])} differed"
+        unrestored = f"finite, but the ranks' copies of {', '.join(names[:3])} DIFFER"
+        add = "add AutoRollback() so the last state verified identical on every rank is restored"
+    else:
+        gathered = _distributed.all_gather_objects(trainer, nonfinite_names(pl_module))
+        names = sorted({n for part in gathered for n in part})  # type: ignore[attr-defined]
+        signal = Signal.NONFINITE_STATE
+        diagnosis = Diagnosis(
+            Cause.CORRUPT_STATE, where=", ".join(names[:3]), state_tensors=tuple(names), state_damaged=True
+        )
+        problem = f"non-finite parameters or buffers at the end of fit ({', '.join(names[:5])})"
+        promise, error = "the model fit() returns is finite", messages.final_state_error
+        restored_state = "finite"
+        because = f"the last update(s) left {', '.join(names[:3])} non-finite"
+        unrestored = f"NON-FINITE ({', '.join(names[:3])})"
+        add = "add AutoRollback() so the last verified state is restored"
     restored = _restore_at_end(
-        trainer,
-        pl_module,
-        Signal.NONFINITE_STATE,
-        diagnosis,
-        restorer,
-        sink,
-        bus,
-        problem=f"non-finite parameters or buffers at the end of fit ({', '.join(names[:5])})",
-        promise="the model fit() returns is finite",
+        trainer, pl_module, signal, diagnosis, restorer, sink, bus, problem=problem, promise=promise
     )
     if restored is not None:
         ledger.final_state = (
-            f"finite: restored from step {restored.step} ({restored.source}) at the end of fit, because the "
-            f"last update(s) left {', '.join(names[:3])} non-finite"
+            f"{restored_state}: restored from step {restored.step} ({restored.source}) at the end of fit, because "
+            f"{because}"
         )
         return
-    ledger.final_state = f"NON-FINITE ({', '.join(names[:3])})"
-    hint = _NOTHING_VERIFIED if restorer is not None else "add AutoRollback() so the last verified state is restored"
+    ledger.final_state = unrestored
+    hint = _NOTHING_VERIFIED if restorer is not None else add
     if ledger.pending_error is None:
-        ledger.pending_error = NonFiniteTrainingError(messages.final_state_error(names, tried, hint))
-
-
-def _diverged(
-    trainer: pl.Trainer,
-    pl_module: pl.LightningModule,
-    names: tuple[str, ...],
-    restorer: Restorer | None,
-    ledger: FitLedger,
-    sink: IncidentSink,
-    bus: EventBus,
-    tried: str,
-) -> None:
-    """End of fit under DDP with finite parameters whose copies differ: restore an agreed state, or raise."""
-    restored = _restore_at_end(
-        trainer,
-        pl_module,
-        Signal.RANK_DIVERGENCE,
-        divergence_diagnosis(names),
-        restorer,
-        sink,
-        bus,
-        problem=f"the ranks' parameters differ at the end of fit ({', '.join(names[:5])})",
-        promise="every rank returns the same model",
-    )
-    if restored is not None:
-        ledger.final_state = (
-            f"finite and identical on every rank: restored from step {restored.step} ({restored.source}) at the "
-            f"end of fit, because the ranks' copies of {', '.join(names[:3])} differed"
-        )
-        return
-    ledger.final_state = f"finite, but the ranks' copies of {', '.join(names[:3])} DIFFER"
-    hint = (
-        _NOTHING_VERIFIED
-        if restorer is not None
-        else "add AutoRollback() so the last state verified identical on every rank is restored"
-    )
-    if ledger.pending_error is None:
-        ledger.pending_error = RankDivergenceError(messages.divergence_error(names, tried, hint))
+        kind = RankDivergenceError if signal is Signal.RANK_DIVERGENCE else NonFiniteTrainingError
+        ledger.pending_error = kind(error(names, tried, hint))
 
 
 def _restore_at_end(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Mapping
-from typing import Any, cast
+from typing import cast
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
@@ -25,6 +25,7 @@ from lightning_nanguard.engine.decide import remedy_facts
 from lightning_nanguard.engine.diagnose import diagnose
 from lightning_nanguard.engine.events import AfterStep, EventFacts, PendingEvent
 from lightning_nanguard.engine.final_check import divergence_diagnosis
+from lightning_nanguard.engine.reading import Reading
 from lightning_nanguard.engine.registry import Registry
 from lightning_nanguard.engine.sink import IncidentSink
 from lightning_nanguard.engine.state_check import state_before_update, state_verdict
@@ -101,7 +102,12 @@ class IncidentPath:
         self.bus = bus
 
     def handle(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, events: list[PendingEvent], batch: Any, batch_idx: int
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        events: list[PendingEvent],
+        batch: object,
+        batch_idx: int,
     ) -> None:
         """Handle the batch's events as one event (one incident), the most severe first."""
         events.sort(key=lambda e: _SEVERITY.index(e.signal) if e.signal in _SEVERITY else len(_SEVERITY))
@@ -114,7 +120,7 @@ class IncidentPath:
             self._step_event(trainer, pl_module, event, batch, batch_idx)
 
     def _step_event(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, event: PendingEvent, batch: Any, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, event: PendingEvent, batch: object, batch_idx: int
     ) -> None:
         """A training-step event: check the state, diagnose, decide, act, record."""
         registry, ledger = self.registry, self.ledger
@@ -123,15 +129,7 @@ class IncidentPath:
         # reduced), else now (the update was dropped on the device, or there was none).
         before = next((r.state_before for r in event.readings if r.state_before is not None), None)
         state_ok, names = before if before is not None else state_before_update(trainer, pl_module)
-        facts = EventFacts(
-            event,
-            step=step,
-            batch=batch,
-            batch_idx=batch_idx,
-            state_ok=state_ok,
-            state_names=names,
-            ranks=_bad_ranks(trainer, event),
-        )
+        facts = EventFacts(event, step, batch, batch_idx, state_ok, tuple(names), tuple(_bad_ranks(trainer, event)))
         if event.signal is Signal.RANK_DIVERGENCE:
             diagnosis = divergence_diagnosis(state_verdict(trainer, pl_module).diverged)
         else:
@@ -164,7 +162,7 @@ class IncidentPath:
             )
         else:
             message = messages.incident_message(event.signal, where, diagnosis, plan, out.details, why=why)
-        values = {**messages.values_of(facts.readings), **out.values, **(collapse.values if collapse else {})}
+        values = {**_values_of(facts.readings), **out.values, **(collapse.values if collapse else {})}
         self._record(
             trainer,
             Incident(
@@ -267,6 +265,20 @@ def _bad_ranks(trainer: pl.Trainer, event: PendingEvent) -> list[int]:
     gathered = [cast(tuple[bool, bool], g) for g in _distributed.all_gather_objects(trainer, (loss_bad, any_bad))]
     ranks = [i for i, g in enumerate(gathered) if g[0]] or [i for i, g in enumerate(gathered) if g[1]]
     return ranks or list(range(trainer.world_size))
+
+
+def _values_of(readings: list[Reading]) -> dict[str, object]:
+    """The first reading behind an event as plain floats (grad norm, loss, loss scale, a spike's z-scores)."""
+    out: dict[str, object] = {}
+    for r in readings[:1]:
+        if r.has_grads:
+            out["grad_norm"] = r.grad_norm
+        if r.loss is not None:
+            out["loss"] = r.loss
+        if r.scale is not None:
+            out["loss_scale"] = r.scale
+        out.update(r.zscores or {})
+    return out
 
 
 def _state_now(trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:

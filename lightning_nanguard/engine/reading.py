@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -118,7 +118,7 @@ class HostMirror:
         self.buffer = torch.empty(size, dtype=torch.float64, pin_memory=self.cuda)
         self.buffer._nanguard_host = True  # type: ignore[attr-defined]  # a host buffer: reading it is no device read
         self.array = self.buffer.numpy()  # the same memory: ``values`` reads it with no tensor op
-        self.event: Any = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
+        self.event: torch.cuda.Event | None = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
         self.size = size
         self._views: dict[int, Tensor] = {}  # n -> buffer[:n], made once
 
@@ -133,8 +133,9 @@ class HostMirror:
             self.event.record()
 
     def values(self, n: int) -> list[float]:
-        if self.event is not None and not self.event.query():
-            self.event.synchronize()  # old work only: the step it belongs to has been queued long ago
+        event = self.event
+        if event is not None and not event.query():  # type: ignore[no-untyped-call]
+            event.synchronize()  # old work only: the step it belongs to has been queued long ago
         return self.array[:n].tolist()  # type: ignore[no-any-return]
 
 

@@ -54,7 +54,7 @@ class StepFlow:
         self._losses: list[Tensor] = []
         self._readings: list[Reading] = []
         self._events: list[PendingEvent] = []
-        self._batch: Any = None
+        self._batch: object = None
         self._batch_idx = -1
         self._drop: DropReason | None = None  # set at the batch start: this batch's update is dropped, no incident
         self._quick: QuickStep | None = None  # this batch's step, read by ``Sensor.quick``, finite (batch end)

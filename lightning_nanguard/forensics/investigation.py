@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import lightning.pytorch as pl
 
@@ -52,7 +51,7 @@ class ReplayRequest:
         update_applied: some update of the step was not dropped (the replay then runs on post-update weights).
     """
 
-    batch: Any
+    batch: object
     batch_idx: int
     step: int
     mode: str = "first"
@@ -96,7 +95,7 @@ def investigate(
     )
 
 
-def _check_targets(trainer: pl.Trainer, f: Findings, replays: tuple[ReplayFindings, ...], batch: Any) -> Findings:
+def _check_targets(trainer: pl.Trainer, f: Findings, replays: tuple[ReplayFindings, ...], batch: object) -> Findings:
     """Check the class targets against the output size the replay saw (one all-gather, only when the gathered target
     ranges say some label may not fit: a decision every rank makes alike)."""
     size = next((r.hooked.out_size for r in replays if r.hooked is not None and r.hooked.out_size), None)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from lightning_nanguard.exceptions import NanGuardConfigError
 
@@ -29,7 +28,7 @@ def parse_triggers(on: str) -> frozenset[str]:
     return names
 
 
-def check_triggers(owner: str, triggers: Any) -> frozenset[str]:
+def check_triggers(owner: str, triggers: object) -> frozenset[str]:
     """``parse_triggers`` for a constructor argument: ``NanGuardConfigError`` naming the argument and the rule."""
     if not isinstance(triggers, str):
         raise NanGuardConfigError(f"{owner}(triggers={triggers!r}): must be a comma-separated string of trigger names.")

@@ -20,7 +20,7 @@ class CollapseFacts:
     """A loss-scale collapse, as the watchdog saw it: why, the values behind it, the budget left."""
 
     reason: str
-    values: dict[str, Any]
+    values: dict[str, object]
     budget_left: int
 
 
@@ -100,7 +100,7 @@ class CollapsePolicy:
         """Further collapses the budget allows (``None``: unlimited)."""
         return None if self.max_collapses is None else max(0, self.max_collapses - self.collapses)
 
-    def readings(self) -> dict[str, Any]:
+    def readings(self) -> dict[str, object]:
         """The counters behind a collapse, for its incident record."""
         return {
             "overflow_streak": self.streak,
@@ -111,7 +111,7 @@ class CollapsePolicy:
             "collapse_reason": self.reason,
         }
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """The counters, as primitives (``weights_only``-safe)."""
         return {
             "overflow_steps": self.overflow_steps,

@@ -30,7 +30,7 @@ class BackoffResult:
 
     lr: str = ""
     eps: str = ""
-    values: Mapping[str, Any] = field(default_factory=dict)
+    values: Mapping[str, object] = field(default_factory=dict)
 
 
 class BackoffScales:
@@ -52,13 +52,13 @@ class BackoffScales:
         self.extra_notches = 0  # this event's rollback passed over snapshots taken mid-divergence
         self._schedulers: tuple[int, ...] = ()  # ids of the schedulers brought to the scale last
 
-    def stamp(self, optimizers: Sequence[Optimizer], schedulers: Sequence[Any]) -> None:
+    def stamp(self, optimizers: Sequence[Optimizer], schedulers: Sequence[object]) -> None:
         """Record scale 1.0 in every fresh optimizer and scheduler before anyone snapshots them: a scheduler restore
         is ``__dict__.update`` and cannot drop a record its saved state lacks (``stamp_lr_scale``)."""
         for opt in optimizers:
             stamp_lr_scale(opt, schedulers)
 
-    def new_schedulers(self, schedulers: Sequence[Any]) -> bool:
+    def new_schedulers(self, schedulers: Sequence[object]) -> bool:
         """A scheduler was built since the last ``sync`` (StochasticWeightAveraging's SWALR, mid-fit): it starts at
         the configured scale."""
         return tuple(id(s) for s in schedulers) != self._schedulers
@@ -73,7 +73,7 @@ class BackoffScales:
             self.eps_scale = float(groups[0][2].get(EPS_SCALE_KEY, 1.0))
 
     def sync(
-        self, optimizers: Sequence[Optimizer], schedulers: Sequence[Any]
+        self, optimizers: Sequence[Optimizer], schedulers: Sequence[object]
     ) -> tuple[dict[str, float], dict[str, float]]:
         """Bring every optimizer and scheduler to the current scales. Returns the eps changes (before, after)."""
         self._schedulers = tuple(id(s) for s in schedulers)
@@ -94,7 +94,7 @@ class BackoffScales:
     def back_off(
         self,
         optimizers: Sequence[Optimizer],
-        schedulers: Sequence[Any],
+        schedulers: Sequence[object],
         step: int,
         *,
         lr: bool,
@@ -105,7 +105,7 @@ class BackoffScales:
         now; say what changed."""
         policy = self.policy
         before = policy.scale
-        values: dict[str, Any] = {}
+        values: dict[str, object] = {}
         lr_text = eps_text = ""
         if lr:
             notches = 1 + self.extra_notches
@@ -133,7 +133,7 @@ class BackoffScales:
             eps_text = f"eps is already at its cap max_eps={self.max_eps:g}"
         return BackoffResult(lr_text, eps_text, values)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """The scales and the policy's record, as primitives (``weights_only``-safe)."""
         p = self.policy
         return {

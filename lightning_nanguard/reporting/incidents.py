@@ -50,13 +50,13 @@ class Incident:
     trigger: Signal | str
     action: Action
     source: str
-    values: dict[str, Any] = field(default_factory=dict)
+    values: dict[str, object] = field(default_factory=dict)
     budget_left: int = -1
     message: str = ""
     actions: list[Action] = field(default_factory=list)
     cause: Cause | None = None
     where: str = ""
-    diagnosis: dict[str, Any] = field(default_factory=dict)
+    diagnosis: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen
@@ -65,7 +65,7 @@ class Incident:
         set_(self, "actions", [_member(Action, a) for a in self.actions])
         set_(self, "cause", _member(Cause, self.cause) if self.cause else None)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "step": self.step,
             "epoch": self.epoch,
@@ -132,7 +132,7 @@ class IncidentLog:
             return [Incident.from_dict(json.loads(line)) for line in f if line.strip()]
 
 
-def _member(kind: type[E], value: Any) -> Any:
+def _member(kind: type[E], value: object) -> object:
     """``value`` as a member of ``kind`` when it is one (or names one); else unchanged."""
     if isinstance(value, kind):
         return value
@@ -142,7 +142,7 @@ def _member(kind: type[E], value: Any) -> Any:
         return value
 
 
-def _json_safe(value: Any) -> Any:
+def _json_safe(value: object) -> object:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, (list, tuple)):

@@ -5,7 +5,6 @@ check)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from lightning_nanguard.contract import Action, Diagnosis, Plan, Signal, StopReason
 
@@ -166,17 +165,3 @@ def _what_to_try(diagnosis: Diagnosis, plan: Plan) -> str:
     if tip:
         tips.append(tip)
     return "; ".join(tips) or "check the data and the model at this step"
-
-
-def values_of(readings: Sequence[Any]) -> dict[str, Any]:
-    """The readings behind an event as plain floats (grad norm, loss, loss scale)."""
-    out: dict[str, Any] = {}
-    for r in readings[:1]:
-        if r.has_grads:
-            out["grad_norm"] = r.grad_norm
-        if r.loss is not None:
-            out["loss"] = r.loss
-        if r.scale is not None:
-            out["loss_scale"] = r.scale
-        out.update(r.zscores or {})
-    return out

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_nanguard.exceptions import UnsupportedSetupError
+
 __all__ = ["SHARE_ATTR", "install", "is_fsdp1", "mark_parameters", "refusal", "refusal_use_orig_params"]
 
 SHARE_ATTR = "_nanguard_share"  # set on an original parameter: its weight in the SUM (``sharded.share_of``)
@@ -44,7 +46,7 @@ _NOT_SUPPORTED = {
 _TESTED_PRECISIONS = ("32-true", "32", "bf16-mixed")
 
 
-def is_fsdp1(strategy: Any) -> bool:
+def is_fsdp1(strategy: object) -> bool:
     """``strategy`` is Lightning's ``FSDPStrategy`` (or a subclass): read from the class names, no import."""
     return any(cls.__name__ == "FSDPStrategy" for cls in type(strategy).__mro__)
 
@@ -105,8 +107,6 @@ def mark_parameters(model: Any, world_size: int) -> int:
         if handle is None:  # a unit that manages no parameter of its own (the root of a fully wrapped model)
             continue
         if not getattr(handle, "_use_orig_params", True):  # wrapped by hand with use_orig_params=False
-            from lightning_nanguard.exceptions import UnsupportedSetupError
-
             raise UnsupportedSetupError(f"nanguard does not support {refusal_use_orig_params()}.")
         flat = handle.flat_param
         shard_group = handle.process_group.size() if handle.uses_sharded_strategy else 1
