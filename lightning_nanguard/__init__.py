@@ -9,6 +9,7 @@ from lightning_nanguard.callbacks import (
     OptimizerBackoff,
 )
 from lightning_nanguard.checkpoints import last_good_checkpoint, verify_checkpoint
+from lightning_nanguard.contract import Action
 from lightning_nanguard.exceptions import (
     CheckpointVerificationError,
     NanGuardConfigError,
@@ -18,7 +19,6 @@ from lightning_nanguard.exceptions import (
     RecoveryBudgetExhausted,
     UnsupportedSetupError,
 )
-from lightning_nanguard.policies.verdict import Action
 from lightning_nanguard.preset import default_callbacks
 from lightning_nanguard.reporting.incidents import Incident
 

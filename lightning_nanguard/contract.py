@@ -8,8 +8,7 @@ The five stages of one event (see ARCHITECTURE.md) pass these values along::
     act       -> Action          done: skip, quarantine, rollback, backoff, promote, stop
     report    -> Incident        one record per event, with every action taken (reporting.incidents)
 
-Events other parts can subscribe to are frozen dataclasses too (``StateRestored``); requests one callback makes of
-the engine are ``RollbackRequest``. Every value here is plain data: safe to log, to compare in tests, and to build a
+Events other parts can subscribe to are frozen dataclasses too (``StateRestored``). Every value here is plain data: safe to log, to compare in tests, and to build a
 policy decision from without a Trainer.
 """
 
@@ -18,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
 
 __all__ = [
     "Action",
@@ -30,14 +28,22 @@ __all__ = [
     "PassedOverSnapshots",
     "Plan",
     "RestoreSource",
-    "RollbackRequest",
     "Signal",
     "StateRestored",
     "StepHealth",
+    "StopReason",
 ]
 
 
-class Action(str, Enum):
+class _Value(str, Enum):
+    """A ``str`` enum whose ``str()`` and formatting give its plain value (as ``enum.StrEnum`` on Python 3.11+), so a
+    record, a log line or a message built from a member reads the same as one built from its value."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class Action(_Value):
     """What nanguard did about an event. A ``str`` so incident records and logs carry the plain value."""
 
     NONE = "none"
@@ -57,7 +63,7 @@ class Action(str, Enum):
     STOP = "stop"  # training stopped with an error
 
 
-class Signal(str, Enum):
+class Signal(_Value):
     """What the sensing stage saw (an incident's ``trigger``)."""
 
     NONFINITE_LOSS = "nonfinite_loss"
@@ -71,11 +77,9 @@ class Signal(str, Enum):
     LOSS_AND_GRAD_NORM_SPIKE = "loss_and_grad_norm_spike"
     DIVERGING = "diverging"  # the state just snapshotted was taken mid-divergence (loss and grad norm far up)
     LOSS_SCALE_COLLAPSE = "loss_scale_collapse"
-    SKIP_STREAK = "skip_streak"  # too many dropped updates in a row
-    ROLLBACK_BUDGET_EXHAUSTED = "rollback_budget_exhausted"
 
 
-class Cause(str, Enum):
+class Cause(_Value):
     """Why an event happened: a closed set, each decided by documented evidence (``policies.diagnosis``)."""
 
     INPUT_DATA = "input_data"  # non-finite or far out-of-range values in the batch's inputs
@@ -90,13 +94,8 @@ class Cause(str, Enum):
     TRANSIENT = "transient"  # the replay did not reproduce it
     UNKNOWN = "unknown"
 
-    @property
-    def data_caused(self) -> bool:
-        """The batch itself is to blame (quarantine it)."""
-        return self in (Cause.INPUT_DATA, Cause.TARGETS)
 
-
-class EvidenceKind(str, Enum):
+class EvidenceKind(_Value):
     """The kinds of evidence a diagnosis rests on, cheapest first."""
 
     BATCH_NONFINITE = "batch_nonfinite"  # NaN/inf in an input tensor (rows named)
@@ -125,7 +124,7 @@ class Evidence:
 
     kind: EvidenceKind
     summary: str
-    values: Mapping[str, Any] = field(default_factory=dict)
+    values: Mapping[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -167,7 +166,7 @@ class Diagnosis:
     caused_by_data: bool = False
     rank_rows: tuple[tuple[int, ...], ...] = ()  # the implicated rows on each rank (index = rank), under DDP
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """Plain JSON-ready values (for incident records)."""
         return {
             "cause": self.cause.value,
@@ -188,21 +187,35 @@ class Diagnosis:
         }
 
 
+class StopReason(_Value):
+    """Why a plan ends training: each maps to the error raised and to what to try (``reporting.messages``)."""
+
+    NOTHING_RESTORES = "nothing_restores"  # the state is damaged and AutoRollback is not installed
+    NOTHING_VERIFIED = "nothing_verified"  # the state is damaged and no verified snapshot or checkpoint exists yet
+    RESTORE_FAILED = "restore_failed"  # the state is damaged and the rollback found nothing verified
+    ROLLBACK_BUDGET = "rollback_budget"  # AutoRollback's max_rollbacks per rollback_window ran out
+    SKIP_BUDGET = "skip_budget"  # more dropped updates in a row than max_consecutive_skips
+    STOP_ON_NONFINITE = "stop_on_nonfinite"  # GradNormMonitor(on_nonfinite="stop")
+    COLLAPSE_BUDGET = "collapse_budget"  # LossScaleWatchdog's max_collapses ran out
+    STOP_ON_COLLAPSE = "stop_on_collapse"  # LossScaleWatchdog(on_collapse="stop")
+    COLLAPSE_UNRESTORABLE = "collapse_unrestorable"  # a collapse, and no AutoRollback to restore a good state
+
+
 @dataclass(frozen=True)
 class Plan:
     """The remedy policy's decision for one event: the actions, in order, and why.
 
     ``actions`` only holds actions whose callback is installed (an ablated callback's remedy is never planned).
-    ``stop`` is set when a budget ran out: the event ends training after the restorative actions ran.
+    ``stop`` is set when the event ends training (after the restorative actions ran), saying why.
     """
 
     actions: tuple[Action, ...]
     reason: str = ""
-    stop: bool = False
+    stop: StopReason | None = None
     promote_module: str = ""  # with Action.PROMOTE
 
 
-class RestoreSource(str, Enum):
+class RestoreSource(_Value):
     MEMORY = "memory"
     DISK = "disk"
 
@@ -213,14 +226,6 @@ class StateRestored:
 
     from_step: int
     source: RestoreSource
-
-
-@dataclass(frozen=True)
-class RollbackRequest:
-    """A callback asks the engine to treat the current step as needing a rollback (it has dropped the update)."""
-
-    signal: Signal
-    source: str
 
 
 @dataclass(frozen=True)

@@ -69,63 +69,8 @@ class Hit:
     line: int
 
 
-# (path, code) -> why it stays where it is. Sites in modules another piece of work owns are listed with the module
-# their touch belongs in; the list shrinks as they move.
+# (path, code) -> why it stays where it is.
 ALLOWED: dict[tuple[str, str], str] = {
-    # ---- owned by refactor-core, moved at merge
-    ("lightning_nanguard/callbacks/_base.py", "callback.__dict__"): (
-        "owned by refactor-core, moved at merge: hooks muted by writing the instance attributes of a callback "
-        "(Lightning skips a hook that is not callable); belongs in _lightning_compat"
-    ),
-    ("lightning_nanguard/engine/engine.py", "trainer.__dict__"): (
-        "owned by refactor-core, moved at merge: get_engine keeps the engine on the Trainer instance; belongs in "
-        "_lightning_compat"
-    ),
-    ("lightning_nanguard/engine/sensing.py", "torch._foreach_norm"): (
-        "owned by refactor-core, moved at merge: the step path's fused norm; _lightning_compat.foreach_norm is the "
-        "same function as a plain alias (no extra call layer)"
-    ),
-    ("lightning_nanguard/engine/state_check.py", "torch._foreach_norm"): (
-        "owned by refactor-core, moved at merge: _lightning_compat.foreach_norms(dtypes=(torch.float64,)) is the "
-        "same search"
-    ),
-    ("lightning_nanguard/engine/state_check.py", "getattr(module, '_ddp_params_and_buffers_to_ignore', ())"): (
-        "owned by refactor-core, moved at merge: DDP's ignored parameters (a private attribute torch's DDP reads)"
-    ),
-    ("lightning_nanguard/signals/gradients.py", "torch._foreach_norm"): (
-        "owned by refactor-core, moved at merge: the step path's fused per-layer norms; "
-        "_lightning_compat.foreach_norm is the same function as a plain alias"
-    ),
-    ("lightning_nanguard/signals/gradients.py", "g.coalesce()._values"): (
-        "owned by refactor-core, moved at merge: a sparse gradient's values (torch's private accessor)"
-    ),
-    ("lightning_nanguard/signals/fsdp1.py", "getattr(strategy, '_state_dict_type', 'full')"): (
-        "owned by refactor-core, moved at merge: _lightning_compat.fsdp1_state_dict_type reads the same"
-    ),
-    ("lightning_nanguard/signals/fsdp1.py", "getattr(unit, '_handle', None)"): (
-        "owned by refactor-core, moved at merge: FSDP1's flat-parameter handle of a wrapped unit"
-    ),
-    ("lightning_nanguard/signals/fsdp1.py", "getattr(handle, '_use_orig_params', True)"): (
-        "owned by refactor-core, moved at merge: FSDP1's use_orig_params, kept on the handle"
-    ),
-    ("lightning_nanguard/signals/fsdp1.py", "getattr(flat, '_params', None)"): (
-        "owned by refactor-core, moved at merge: the original parameters behind FSDP1's flat parameter"
-    ),
-    ("lightning_nanguard/signals/fsdp1.py", "getattr(flat, '_shared_params', None)"): (
-        "owned by refactor-core, moved at merge: FSDP1's shared parameters of a flat parameter"
-    ),
-    ("lightning_nanguard/signals/fsdp1.py", "strategy.__dict__"): (
-        "owned by refactor-core, moved at merge: FSDP1's marks kept on the strategy instance"
-    ),
-    ("lightning_nanguard/recovery/backoff.py", "getattr(s, '_schedulers', [])"): (
-        "owned by refactor-core, moved at merge: the schedulers inside torch's SequentialLR/ChainedScheduler"
-    ),
-    ("lightning_nanguard/callbacks/loss_scale_watchdog.py", "getattr(scaler, '_growth_factor', None)"): (
-        "owned by refactor-core, moved at merge: the GradScaler's growth factor (no public getter in older torch)"
-    ),
-    ("lightning_nanguard/callbacks/loss_scale_watchdog.py", "getattr(scaler, '_backoff_factor', None)"): (
-        "owned by refactor-core, moved at merge: the GradScaler's backoff factor (no public getter in older torch)"
-    ),
     # ---- types from torch.distributed: no communication
     ("lightning_nanguard/signals/fsdp1.py", "from torch.distributed.fsdp import FullyShardedDataParallel"): (
         "a type import (isinstance), not a collective"

@@ -75,7 +75,7 @@ def test_the_quick_reading_is_the_general_one(tmp_path: Any, monkeypatch: pytest
     assert [r.step for r, _ in pairs if r.bad] == [5]
     engine = get_engine(trainer)
     assert engine.skipped_steps == 1  # the bad step still went through the general decision
-    assert engine.finite_steps == 7
+    assert engine.ledger.finite_steps == 7
     last = engine.last_reading  # made from the last step's quick values on first use
     assert last is not None
     assert last.step == 7
@@ -187,8 +187,8 @@ def test_the_step_clock_does_not_count_validation(tmp_path: Any) -> None:
     )
     trainer.fit(_SlowValidation())
     engine = get_engine(trainer)
-    assert engine.finite_steps == 16
-    assert 0 < engine.step_seconds < 0.02, engine.step_seconds
+    assert engine.ledger.finite_steps == 16
+    assert 0 < engine.ledger.step_seconds < 0.02, engine.ledger.step_seconds
 
 
 class _DumpRank(_HookProbe):

@@ -84,7 +84,7 @@ def test_a_buffer_that_holds_infinities_at_the_start_is_intended_and_checked_for
     trainer = make_trainer(tmp_path, callbacks=ng.default_callbacks(), max_steps=10)
     trainer.fit(MaskModel())
     assert get_engine(trainer).sink.records == []
-    assert get_engine(trainer).final_state.startswith("finite")
+    assert get_engine(trainer).ledger.final_state.startswith("finite")
     # A NaN in it is still damage.
     trainer = make_trainer(tmp_path, callbacks=[NanIntoMask(), ng.GradNormMonitor()], max_steps=10)
     with pytest.raises(ng.NonFiniteTrainingError, match="mask"):

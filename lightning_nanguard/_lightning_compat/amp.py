@@ -9,17 +9,15 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_nanguard import _distributed
-
 __all__ = [
     "accepts_found_inf",
     "active_scaler",
-    "agree_scaler_skip",
     "clamp_scale",
     "clear_found_inf",
     "clear_found_inf_of",
     "current_scale",
     "flag_nonfinite",
+    "found_inf_per_device",
     "get_scaler",
     "optimizer_handles_unscaling",
     "or_into_found_inf",
@@ -95,7 +93,7 @@ def set_found_inf(optimizer: Optimizer, flag: Tensor) -> None:
     optimizer.found_inf = flag.to(torch.float32)  # type: ignore[attr-defined]
 
 
-def _found_inf_per_device(scaler: Any, optimizer: Optimizer) -> dict[torch.device, Tensor] | None:
+def found_inf_per_device(scaler: Any, optimizer: Optimizer) -> dict[torch.device, Tensor] | None:
     """The GradScaler's ``found_inf`` tensors for ``optimizer`` (filled by ``unscale_``), or ``None`` before it ran
     (a fused optimizer unscales inside its step)."""
     state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
@@ -128,7 +126,7 @@ def set_found_inf_where_nonfinite(optimizer: Optimizer, values: Tensor) -> None:
 def or_nonfinite_into_found_inf(scaler: Any, optimizer: Optimizer, values: Tensor) -> None:
     """``or_into_found_inf`` with the verdict "``values`` holds a NaN or an inf": straight into the scaler's
     ``found_inf`` (one op) where it lives on the device of ``values``."""
-    found = _found_inf_per_device(scaler, optimizer)
+    found = found_inf_per_device(scaler, optimizer)
     if found and all(t.device == values.device and t.dtype == torch.float32 for t in found.values()):
         for t in found.values():
             flag_nonfinite(t, values)
@@ -150,7 +148,7 @@ def or_into_found_inf(scaler: Any, optimizer: Optimizer, flag: Tensor) -> None:
     backs off together when the verdict was reduced across ranks. Fused optimizers (not unscaled yet): the first
     gradient element becomes inf where ``flag`` is true, so the scaler's own check finds it.
     """
-    found = _found_inf_per_device(scaler, optimizer)
+    found = found_inf_per_device(scaler, optimizer)
     if found:
         for t in found.values():
             torch.maximum(t, flag.to(device=t.device, dtype=t.dtype), out=t)
@@ -161,27 +159,6 @@ def or_into_found_inf(scaler: Any, optimizer: Optimizer, flag: Tensor) -> None:
                 head = p.grad.view(-1)[:1]
                 head.copy_(torch.where(flag.to(head.device), torch.full_like(head, torch.inf), head))
                 return
-
-
-def agree_scaler_skip(trainer: pl.Trainer, optimizer: Optimizer) -> None:
-    """Under DDP with a GradScaler: make every rank's scaler skip (and back off) when any rank's found an inf.
-
-    DDP's gradients are identical on every rank after the all-reduce, but a fault after it (or a rank-local
-    overflow in ``unscale_``) makes one scaler skip and halve its scale while the others step: the ranks' weights and
-    scales split for good. One SUM all-reduce of the local verdict, on the device (no host read); used when no
-    nanguard member senses the steps (the sensor's reduced verdict does the same otherwise).
-    """
-    from lightning_nanguard.signals.tensors import all_finite  # a layer above this package: imported when called
-
-    scaler = get_scaler(trainer)
-    found = _found_inf_per_device(scaler, optimizer)
-    if found:
-        local = torch.stack([t.reshape(()).float() for t in found.values()]).amax()
-    else:  # a fused optimizer unscales inside its step: read its (still scaled) gradients
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        local = (~all_finite(grads)).float()
-    reduced = _distributed.sum_across_ranks(trainer, local.reshape(1))[0] > 0
-    or_into_found_inf(scaler, optimizer, reduced)
 
 
 def clear_found_inf_of(trainer: pl.Trainer, opt_idx: int) -> None:

@@ -10,7 +10,11 @@ import lightning.pytorch as pl
 __all__ = [
     "checkpoint_log_step",
     "checkpoint_scaler_scale",
+    "fsdp1_handle",
+    "fsdp1_original_params",
     "fsdp1_state_dict_type",
+    "fsdp1_uses_orig_params",
+    "has_instance_attribute",
     "instance_attribute",
     "pop_instance_attribute",
     "saves_distributed_checkpoint",
@@ -46,6 +50,11 @@ def set_instance_attribute(obj: object, name: str, value: Any) -> None:
     vars(obj)[name] = value
 
 
+def has_instance_attribute(obj: object, name: str) -> bool:
+    """``obj`` has its own instance attribute ``name`` (``None`` included)."""
+    return name in vars(obj)
+
+
 def pop_instance_attribute(obj: object, name: str) -> Any:
     """Remove and return ``obj``'s own instance attribute ``name`` (``None`` when it has none)."""
     return vars(obj).pop(name, None)
@@ -62,3 +71,18 @@ def checkpoint_log_step(checkpoint: Mapping[str, Any], default: int) -> int:
     """The logging step (the fit loop's ``_batches_that_stepped``) a Lightning checkpoint saved, else ``default``."""
     loops = checkpoint.get("loops", {}).get("fit_loop", {})
     return int(loops.get("epoch_loop.state_dict", {}).get("_batches_that_stepped", default))
+
+
+def fsdp1_handle(unit: Any) -> Any:
+    """The flat-parameter handle of an FSDP1 unit (``None`` for a unit that manages no parameter of its own)."""
+    return getattr(unit, "_handle", None)
+
+
+def fsdp1_uses_orig_params(handle: Any) -> bool:
+    """FSDP1 kept the original parameters for this handle (``use_orig_params=True``)."""
+    return bool(getattr(handle, "_use_orig_params", True))
+
+
+def fsdp1_original_params(flat: Any) -> list[Any]:
+    """The original parameters behind an FSDP1 flat parameter, shared ones included."""
+    return [*(getattr(flat, "_params", None) or ()), *(getattr(flat, "_shared_params", None) or ())]

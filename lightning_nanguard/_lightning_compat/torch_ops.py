@@ -14,7 +14,10 @@ __all__ = [
     "foreach_norm",
     "foreach_norms",
     "host_buffer_marked",
+    "inner_schedulers",
     "local_shards",
+    "scaler_factors",
+    "sparse_values",
     "tree_map",
 ]
 
@@ -63,3 +66,19 @@ def local_shards(obj: Any) -> list[Tensor] | None:
     if _ShardedTensor is not None and isinstance(obj, _ShardedTensor):
         return [shard.tensor for shard in obj.local_shards()]
     return None
+
+
+def sparse_values(g: Tensor) -> Tensor:
+    """The stored values of a sparse COO tensor (coalesced: each index once), a dense tensor its norm is taken of."""
+    return g.coalesce()._values()
+
+
+def inner_schedulers(scheduler: object) -> list[object]:
+    """The schedulers inside torch's composite ``SequentialLR`` / ``ChainedScheduler`` (empty for any other)."""
+    return list(getattr(scheduler, "_schedulers", []) or [])
+
+
+def scaler_factors(scaler: object) -> tuple[float | None, float | None]:
+    """The GradScaler's ``(growth_factor, backoff_factor)`` (``None`` where it does not keep them as floats)."""
+    grow, back = getattr(scaler, "_growth_factor", None), getattr(scaler, "_backoff_factor", None)
+    return (grow if isinstance(grow, float) else None, back if isinstance(back, float) else None)

@@ -15,13 +15,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_nanguard import _lightning_compat
 from lightning_nanguard.callbacks._common import check_strategy_supported
 from lightning_nanguard.engine import Engine, get_engine
 
-__all__ = ["NanGuardCallback", "bind_engine_hooks", "mute_idle_hooks", "unmute_hooks"]
+__all__ = ["NanGuardCallback", "bind_engine_hooks", "mute_idle_hooks", "show_hooks", "unmute_hooks"]
 
 # The hooks Lightning dispatches once per batch or per step. For each, every installed callback costs a profiler
-# context and a ``state_key`` read even when the hook does nothing (about 2 µs each). Lightning skips a hook whose
+# context and a ``state_key`` read even when the hook does nothing (docs/PERFORMANCE.md). Lightning skips a hook whose
 # attribute is not callable (``trainer/call.py`` ``_call_callback_hooks``: ``if callable(fn)``), so during a fit a
 # member sets the per-batch hooks it has nothing to do in to ``None`` on the instance: Callback's no-ops always, the
 # engine's hooks unless it drives. ``setup`` of the next fit and ``teardown`` put the methods back.
@@ -154,7 +155,7 @@ def mute_idle_hooks(callback: Callback, *, drives: bool) -> None:
     for name in _PER_BATCH_HOOKS:
         impl = getattr(cls, name)
         if impl is getattr(Callback, name) or (impl is getattr(NanGuardCallback, name) and not drives):
-            callback.__dict__[name] = None
+            _lightning_compat.set_instance_attribute(callback, name, None)
 
 
 def bind_engine_hooks(callback: NanGuardCallback, engine: Engine) -> None:
@@ -169,16 +170,39 @@ def bind_engine_hooks(callback: NanGuardCallback, engine: Engine) -> None:
         ("on_before_optimizer_step", engine.before_optimizer_step),
         ("on_train_batch_end", engine.on_train_batch_end),
     ):
-        if getattr(cls, name) is getattr(NanGuardCallback, name) and name not in callback.__dict__:
-            callback.__dict__[name] = target
-    if callback.__dict__.get("on_train_batch_start") == engine.batch_start:
+        if getattr(cls, name) is getattr(NanGuardCallback, name) and not _lightning_compat.has_instance_attribute(
+            callback, name
+        ):
+            _lightning_compat.set_instance_attribute(callback, name, target)
+    if _lightning_compat.instance_attribute(callback, "on_train_batch_start") == engine.batch_start:
         # The engine hides it while it has nothing to do at a batch start (``Engine.refresh_batch_start``).
-        def switch(on: bool) -> None:
-            callback.__dict__["on_train_batch_start"] = engine.batch_start if on else None
+        engine.batch_start_switch = BatchStartSwitch(callback, engine)
 
-        engine.batch_start_switch = switch
+
+class BatchStartSwitch:
+    """Shows or hides the driver's ``on_train_batch_start`` (the engine's own ``batch_start``). A class, not a
+    closure: a Trainer that holds it can still be pickled (``torch.save(trainer)``)."""
+
+    __slots__ = ("callback", "engine")
+
+    def __init__(self, callback: Callback, engine: Engine) -> None:
+        self.callback = callback
+        self.engine = engine
+
+    def __call__(self, on: bool) -> None:
+        target = self.engine.batch_start if on else None
+        _lightning_compat.set_instance_attribute(self.callback, "on_train_batch_start", target)
+
+
+def show_hooks(callback: Callback, names: tuple[str, ...], *, shown: bool) -> None:
+    """Show ``names`` to Lightning's dispatch (the class's methods) or hide them (``None`` on the instance)."""
+    for name in names:
+        if shown:
+            _lightning_compat.pop_instance_attribute(callback, name)
+        else:
+            _lightning_compat.set_instance_attribute(callback, name, None)
 
 
 def unmute_hooks(callback: Callback) -> None:
     for name in _PER_BATCH_HOOKS:
-        callback.__dict__.pop(name, None)
+        _lightning_compat.pop_instance_attribute(callback, name)

@@ -7,7 +7,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lightning_nanguard import _lightning_compat
-from lightning_nanguard.contract import Action
+from lightning_nanguard.contract import Action, Cause
 from lightning_nanguard.exceptions import UnsupportedSetupError
 from lightning_nanguard.reporting.incidents import Incident
 from lightning_nanguard.signals import fsdp1
@@ -97,7 +97,7 @@ def make_incident(
     trainer: pl.Trainer,
     *,
     trigger: str,
-    action: Action | str,
+    action: Action,
     source: str,
     ranks: list[int] | None = None,
     values: dict[str, Any] | None = None,
@@ -111,20 +111,20 @@ def make_incident(
     """An Incident for an event outside a training step (a checkpoint, a preflight finding, an evaluation re-run)."""
     if batch_idx is None:
         batch_idx = _lightning_compat.train_batch_idx(trainer)
-    name = action.value if isinstance(action, Action) else str(action)
+    action = action if isinstance(action, Action) else Action(action)
     return Incident(
         step=int(trainer.global_step) if step is None else step,
         epoch=int(trainer.current_epoch),
         batch_idx=batch_idx,
         ranks=list(ranks) if ranks is not None else [int(trainer.global_rank)],
         trigger=trigger,
-        action=name,
+        action=action,
         source=source,
         values=dict(values or {}),
         budget_left=budget_left,
         message=message,
-        actions=[name],
-        cause=cause,
+        actions=[action],
+        cause=Cause(cause) if cause else None,
         where=where,
     )
 

@@ -10,7 +10,7 @@ from torch.optim import Optimizer
 
 from lightning_nanguard import _lightning_compat
 from lightning_nanguard.callbacks._common import make_incident
-from lightning_nanguard.contract import Cause
+from lightning_nanguard.contract import Action, Cause
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.exceptions import UnsupportedSetupError
 from lightning_nanguard.policies.preflight import Finding, GroupInfo, OptimizerInfo, preflight_findings
@@ -64,11 +64,11 @@ def run_preflight(trainer: pl.Trainer, on_hazard: OnHazard, safe_eps: float, sou
         )
     sink = get_engine(trainer).sink
     for f in findings:
-        message, action, values = f.message, "preflight", dict(f.values)
+        message, action, values = f.message, Action.PREFLIGHT, dict(f.values)
         if on_hazard == "fix" and f.fixable and f.fix_eps is not None:
             _set_eps(trainer.optimizers[f.opt_idx], f.group_idx, f.fix_eps)
             message = f"{message} Fixed: nanguard set eps {f.values['eps']:g} -> {f.fix_eps:g}."
-            action = "fix"
+            action = Action.FIX
         # Reported, never fed to a decision: a preflight finding is not a training event.
         sink.record(
             trainer,

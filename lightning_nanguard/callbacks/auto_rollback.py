@@ -11,12 +11,13 @@ from typing_extensions import override
 from lightning_nanguard import _lightning_compat
 from lightning_nanguard._validation import check_choice, check_int, check_path
 from lightning_nanguard.callbacks._base import NanGuardCallback
-from lightning_nanguard.contract import Cause, Divergence, PassedOverSnapshots
+from lightning_nanguard.contract import Divergence, PassedOverSnapshots
 from lightning_nanguard.engine import Engine
 from lightning_nanguard.engine.capabilities import Restored
 from lightning_nanguard.engine.incidents import EventHandled
 from lightning_nanguard.engine.state_check import model_finite
 from lightning_nanguard.exceptions import NanGuardConfigError
+from lightning_nanguard.policies.causes import trusts_state
 from lightning_nanguard.policies.rollback import RollbackPolicy
 from lightning_nanguard.policies.snapshot_health import History, SnapshotBook
 from lightning_nanguard.recovery.disk_restore import has_rollback_checkpoint
@@ -26,9 +27,6 @@ from lightning_nanguard.recovery.snapshot import SnapshotRing
 from lightning_nanguard.reporting import keys
 
 __all__ = ["AutoRollback"]
-
-# Causes after which the state is trusted again at once: the data was to blame, the model and optimizer were not.
-_NO_QUIET = frozenset({Cause.INPUT_DATA.value, Cause.TARGETS.value, Cause.TRANSIENT.value})
 
 
 class AutoRollback(NanGuardCallback):
@@ -238,7 +236,7 @@ class AutoRollback(NanGuardCallback):
         return self._engine.history if self._engine is not None else ()
 
     def _on_event(self, trainer: pl.Trainer, event: EventHandled) -> None:
-        if event.incident.cause not in _NO_QUIET:
+        if not trusts_state(event.incident.cause):
             self.book.distrust(event.step)
 
     def _metrics(self, trainer: pl.Trainer) -> dict[str, float]:

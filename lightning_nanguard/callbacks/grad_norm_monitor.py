@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from lightning_nanguard import _lightning_compat
 from lightning_nanguard._validation import check_choice, check_float, check_int, check_path
 from lightning_nanguard.callbacks import _deepspeed
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.engine import Engine, get_engine
 from lightning_nanguard.engine.capabilities import GuardSettings
-from lightning_nanguard.engine.sensing import current_grad_norm
+from lightning_nanguard.engine.grad_metrics import grad_metrics, layers_due
 from lightning_nanguard.exceptions import NanGuardConfigError
 from lightning_nanguard.recovery.quarantine import Quarantine
-from lightning_nanguard.reporting import emit, keys
-from lightning_nanguard.signals.gradients import layer_norms
 
 __all__ = ["GradNormMonitor"]
 
@@ -155,7 +151,6 @@ class GradNormMonitor(NanGuardCallback):
 
     # ------------------------------------------------------------------ lifecycle
     @override
-    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.on_spike == "rollback" and self.spike_zscore is not None and get_engine(trainer).restorer is None:
             rank_zero_warn(
@@ -167,7 +162,13 @@ class GradNormMonitor(NanGuardCallback):
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
         self._engine = engine
         if _deepspeed.is_deepspeed(trainer):  # DeepSpeed's engine owns the step: its outcome is read after it
-            _deepspeed.install_grad_watch(self, trainer, engine)
+            _deepspeed.install_grad_watch(
+                trainer,
+                engine,
+                spike_zscore=self.spike_zscore,
+                max_consecutive_skips=self.max_consecutive_skips,
+                skipped_before=self._restored_skips,
+            )
             return
         settings = GuardSettings(
             owner=type(self).__name__,
@@ -223,44 +224,12 @@ class GradNormMonitor(NanGuardCallback):
         engine = self._engine
         if engine is None:
             return {}
-        interval = engine.interval
-        out: dict[str, float] = {
-            keys.SKIPPED_STEPS: float(self.skipped_steps),
-            keys.NONFINITE_STEPS: float(interval.nonfinite_steps),
-        }
-        if not math.isnan(interval.grad_norm):
-            out[keys.GRAD_NORM] = interval.grad_norm  # the last finite step's norm
-        if interval.grad_norm_max > -math.inf:
-            out[keys.GRAD_NORM_MAX] = interval.grad_norm_max  # inf when a step of the interval was non-finite
-        if not math.isnan(interval.loss):
-            out[keys.LOSS] = interval.loss
-        if self._quarantine is not None:
-            out[keys.QUARANTINED] = float(len(self._quarantine.samples) + len(self._quarantine.fingerprints))
-        reading = engine.last_reading
-        clipped = self._clipped_norm(trainer, reading)
-        if clipped is not None:
-            out[keys.GRAD_NORM_CLIPPED] = clipped
-        if reading is not None and reading.norms is not None and self._layers_due(trainer):
-            names, values = layer_norms(reading.index, reading.norms)
-            out.update({f"{keys.LAYER_GRAD_NORM}/{n}": v for n, v in zip(names, values.tolist(), strict=True)})
-            if self.histogram:
-                emit.log_histogram(trainer, keys.GRAD_NORM_HIST, reading.norms.tensor_norms)
-        return out
-
-    def _layers_due(self, trainer: pl.Trainer) -> bool:
-        if self.layer_depth is None and not self.histogram:
-            return False
-        if self.log_every_n_steps is None:
-            return True  # called on Lightning's logging steps
-        return (_lightning_compat.log_step(trainer) + 1) % self.log_every_n_steps == 0
-
-    def _clipped_norm(self, trainer: pl.Trainer, reading: Any) -> float | None:
-        clip = trainer.gradient_clip_val
-        if not clip or reading is None or reading.dropped or not reading.has_grads:
-            return None
-        if trainer.gradient_clip_algorithm in (None, "norm"):
-            # torch's clip_grad_norm_: coef = clip / (norm + 1e-6), clamped to 1: the post-clip norm, no pass needed.
-            return reading.grad_norm * min(1.0, float(clip) / (reading.grad_norm + 1e-6))
-        # Value clipping: the clipped gradients are still on the parameters (zero_grad runs in the next closure).
-        # Sharded parameters: the global norm (a collective; this runs on every rank, on logging steps).
-        return current_grad_norm(trainer, reading.index)
+        return grad_metrics(
+            trainer,
+            engine.ledger.interval,
+            engine.last_reading,
+            skipped=self.skipped_steps,
+            quarantine=self._quarantine,
+            layers=layers_due(trainer, self.layer_depth, self.log_every_n_steps, self.histogram),
+            histogram=self.histogram,
+        )

@@ -1,12 +1,11 @@
 """LossScaleWatchdog: the loss scale on the dashboard, a floor it lacks, and a collapse met by a remedy.
 
 The GradScaler (``16-mixed``) is watched through the engine's step reading; DeepSpeed's own fp16 loss scaler
-(``DeepSpeedStrategy``) after DeepSpeed's step, by ``callbacks/_deepspeed.py``.
+(``DeepSpeedStrategy``) after DeepSpeed's step, by ``engine/deepspeed_sensing.py``.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -18,18 +17,17 @@ from typing_extensions import override
 from lightning_nanguard import _lightning_compat
 from lightning_nanguard._validation import check_choice, check_float, check_int
 from lightning_nanguard.callbacks._base import NanGuardCallback
-from lightning_nanguard.callbacks._deepspeed import DeepSpeedScaleWatch, is_deepspeed, step_reader
+from lightning_nanguard.callbacks._deepspeed import install_scale_watch, is_deepspeed
 from lightning_nanguard.contract import StateRestored
 from lightning_nanguard.engine import Engine, get_engine
-from lightning_nanguard.engine.capabilities import CollapseFacts
-from lightning_nanguard.engine.sensing import Reading
+from lightning_nanguard.engine.deepspeed_sensing import DeepSpeedScaleWatch, ScaleSettings
+from lightning_nanguard.engine.reading import Reading
 from lightning_nanguard.exceptions import NanGuardConfigError
-from lightning_nanguard.policies.loss_scale import CollapsePolicy
+from lightning_nanguard.policies.loss_scale import CollapseFacts, CollapsePolicy
 from lightning_nanguard.reporting import keys
+from lightning_nanguard.signals.loss_scale import ScaleHistory
 
 __all__ = ["LossScaleWatchdog"]
-
-_HISTORY = 16  # (step, scale) pairs kept for the report: the last changes of the scale
 
 
 class LossScaleWatchdog(NanGuardCallback):
@@ -121,9 +119,8 @@ class LossScaleWatchdog(NanGuardCallback):
         self.max_collapses = max_collapses
         self.window = window
         self._policy = CollapsePolicy(floor_patience, max_overflow_streak, max_collapses, window)
-        self._history: deque[tuple[int, float]] = deque(maxlen=_HISTORY)
+        self._history = ScaleHistory()  # the last changes of the scale, for a collapse's record
         self._active = False
-        self._last_scale: float | None = None
         self._deepspeed: DeepSpeedScaleWatch | None = None
 
     @override
@@ -133,7 +130,7 @@ class LossScaleWatchdog(NanGuardCallback):
     @property
     def scale_history(self) -> list[tuple[int, float]]:
         """The recent ``(global_step, scale)`` changes, oldest first (the scale a step ran with)."""
-        return list(self._history)
+        return list(self._history.changes)
 
     # ------------------------------------------------------------------ lifecycle
     @override
@@ -141,9 +138,9 @@ class LossScaleWatchdog(NanGuardCallback):
         if is_deepspeed(trainer):
             # DeepSpeed's engine owns the scaler and the step: watched after it (the scaler exists from train start).
             self._active = True
-            self._deepspeed = DeepSpeedScaleWatch(self, engine)
-            step_reader(engine).subscribe(type(self).__name__, self._deepspeed.on_step)
-            engine.add_metrics(self._deepspeed.metrics)
+            rules = self.floor_patience is not None or self.max_overflow_streak is not None
+            settings = ScaleSettings(self.min_scale, self.max_scale, self.on_collapse, self.max_collapses, rules)
+            self._deepspeed = install_scale_watch(engine, settings, self._policy, self._history)
             return
         scaler = _lightning_compat.get_scaler(trainer)
         self._active = scaler is not None and bool(scaler.is_enabled())
@@ -190,32 +187,15 @@ class LossScaleWatchdog(NanGuardCallback):
     def observe(self, trainer: pl.Trainer, reading: Reading) -> CollapseFacts | None:
         scale = reading.scale
         assert scale is not None
-        self._note_scale(reading.step, scale)
+        self._history.note(reading.step, scale)
         at_floor = scale <= self.min_scale  # identical on every rank: the scale came with the reduced reading
         if not self._policy.observe(reading.bad, at_floor):
             return None
-        values = {
-            **self._policy.readings(),
-            "loss_scale": scale,
-            "min_scale": self.min_scale,
-            "scale_history": [[s, v] for s, v in self._history],
-        }
-        reason = self._policy.reason.replace("at its floor", f"at its floor min_scale={self.min_scale:g}")
-        facts = CollapseFacts(reason, values, self._policy.budget_left)
-        self._policy.reset_streaks()
-        return facts
-
-    def _note_scale(self, step: int, scale: float) -> None:
-        """The scale ``step`` ran with: kept when it changed (``scale_history``)."""
-        self._last_scale = scale
-        if not self._history or self._history[-1][1] != scale:
-            self._history.append((step, scale))
+        return self._policy.collapse(scale, self.min_scale, self._history.as_lists())
 
     def collapses_left(self) -> int | None:
         """Further collapses the budget allows (``None``: unlimited)."""
-        if self.max_collapses is None:
-            return None
-        return max(0, self.max_collapses - self._policy.collapses)
+        return self._policy.collapses_left()
 
     def after_step(self, trainer: pl.Trainer, readings: Sequence[Reading] = ()) -> None:
         """Hold the scale in ``[min_scale, max_scale]``: on the device, no host read. Nothing to do (no device op)
@@ -225,11 +205,11 @@ class LossScaleWatchdog(NanGuardCallback):
             return
         _lightning_compat.clamp_scale(scaler, self.min_scale, self.max_scale)
 
-    def _update_stays_in_range(self, scaler: Any, ran_with: float | None) -> bool:
+    def _update_stays_in_range(self, scaler: object, ran_with: float | None) -> bool:
         """The scale after the scaler's update of a step that ran with ``ran_with`` is within ``[ran_with *
         backoff_factor, ran_with * growth_factor]``: inside the range, nothing can need clamping."""
-        grow, back = getattr(scaler, "_growth_factor", None), getattr(scaler, "_backoff_factor", None)
-        if ran_with is None or not isinstance(grow, float) or not isinstance(back, float):
+        grow, back = _lightning_compat.scaler_factors(scaler)
+        if ran_with is None or grow is None or back is None:
             return False
         return ran_with * back >= self.min_scale and (self.max_scale is None or ran_with * grow <= self.max_scale)
 
@@ -245,18 +225,17 @@ class LossScaleWatchdog(NanGuardCallback):
             keys.OVERFLOW_STREAK: float(self._policy.streak),
         }
         scaler = _lightning_compat.get_scaler(trainer)
-        if scaler is not None and self._last_scale is not None:
+        if scaler is not None and self._history.last is not None:
             # The scale after this step's update (what the next step runs with): one host read per logging step.
             out[keys.LOSS_SCALE] = float(scaler.get_scale())
         return out
 
     # ------------------------------------------------------------------ state
     @override
-    def state_dict(self) -> dict[str, Any]:
-        history = [[step, scale] for step, scale in self._history]
-        return {"version": 2, **self._policy.state_dict(), "history": history}
+    def state_dict(self) -> dict[str, object]:
+        return {"version": 2, **self._policy.state_dict(), "history": self._history.as_lists()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._policy.load_state_dict(state_dict)
-        self._history = deque(((int(s), float(v)) for s, v in state_dict.get("history", [])), maxlen=_HISTORY)
+        self._history.load(state_dict.get("history", []))

@@ -8,22 +8,14 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from lightning_nanguard._validation import check_choice, check_float, check_int
-from lightning_nanguard.callbacks._base import NanGuardCallback
+from lightning_nanguard.callbacks._base import NanGuardCallback, show_hooks
 from lightning_nanguard.callbacks._preflight import OnHazard, run_preflight
 from lightning_nanguard.contract import PassedOverSnapshots, StateRestored
 from lightning_nanguard.engine import Engine
 from lightning_nanguard.engine.incidents import EventHandled
-from lightning_nanguard.exceptions import NanGuardConfigError
-from lightning_nanguard.policies.backoff import BackoffPolicy, parse_triggers
-from lightning_nanguard.recovery.backoff import (
-    EPS_SCALE_KEY,
-    eps_groups,
-    eps_metrics,
-    lr_scale_of,
-    stamp_lr_scale,
-    sync_eps_scale,
-    sync_lr_scale,
-)
+from lightning_nanguard.policies.backoff import BackoffPolicy, check_triggers
+from lightning_nanguard.recovery.backoff import eps_metrics
+from lightning_nanguard.recovery.backoff_scales import BackoffResult, BackoffScales
 from lightning_nanguard.reporting import keys
 
 __all__ = ["OptimizerBackoff"]
@@ -41,12 +33,10 @@ class OptimizerBackoff(NanGuardCallback):
     deeper for each: restoring any of them would have met the divergence again, and a backoff of its own.
 
     The learning rate is multiplied by ``lr_factor`` together with every anchor the schedulers recompute it from
-    (``base_lrs``, ``initial_lr``/``max_lr``/``min_lr``, ``max_lrs``, ``eta_min``, ``min_lrs``, SWALR's ``swa_lr``,
-    composite schedulers included), so LambdaLR, OneCycleLR, CyclicLR, the cosine schedules, SWA and the rest keep
-    it: the schedule becomes exactly ``scale`` times the configured one. Each param group and scheduler records the
-    scale baked into it, and the recording travels with their state, so after anything restores an older
-    optimizer/scheduler state (a rollback, ``fit(ckpt_path=...)``) or builds a new scheduler (StochasticWeightAveraging)
-    the backoff is re-applied exactly once.
+    (``recovery/backoff.py``), so LambdaLR, OneCycleLR, CyclicLR, the cosine schedules, SWA and the rest keep it: the
+    schedule becomes exactly ``scale`` times the configured one. Each param group and scheduler records the scale
+    baked into it, so after anything restores an older optimizer/scheduler state (a rollback, ``fit(ckpt_path=...)``)
+    or builds a new scheduler (StochasticWeightAveraging) the backoff is re-applied exactly once.
 
     eps backs off by ``eps_factor`` up to ``max_eps``. With ``eps_backoff="auto"`` it acts only on non-fused param
     groups holding float16 parameters (``precision="16-true"``): there eps lives in fp16, 1e-8 is 0 and Adam divides
@@ -114,14 +104,7 @@ class OptimizerBackoff(NanGuardCallback):
         owner = type(self).__name__
         check_float(owner, "lr_factor", lr_factor, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
         check_float(owner, "min_lr_scale", min_lr_scale, low=0.0, high=1.0, low_inclusive=False)
-        if not isinstance(triggers, str):
-            raise NanGuardConfigError(
-                f"{owner}(triggers={triggers!r}): must be a comma-separated string of trigger names."
-            )
-        try:
-            trigger_set = parse_triggers(triggers)
-        except ValueError as err:
-            raise NanGuardConfigError(f"{owner}(triggers={triggers!r}): {err}.") from None
+        trigger_set = check_triggers(owner, triggers)
         check_int(owner, "skips_before_backoff", skips_before_backoff, minimum=1)
         check_int(owner, "skip_window", skip_window, minimum=1)
         check_int(owner, "recover_after", recover_after, minimum=1, allow_none=True)
@@ -147,10 +130,10 @@ class OptimizerBackoff(NanGuardCallback):
             recover_after=recover_after,
             recover_steps=recover_steps,
         )
-        self._eps_scale = 1.0
-        self._extra_notches = 0  # this event's rollback passed over snapshots taken mid-divergence
+        self._scales = BackoffScales(
+            self._policy, eps_mode=eps_backoff, eps_factor=self.eps_factor, max_eps=self.max_eps
+        )
         self._state_loaded = False
-        self._schedulers_seen: tuple[int, ...] = ()
 
     @override
     def _make_state_key(self) -> str:
@@ -164,7 +147,7 @@ class OptimizerBackoff(NanGuardCallback):
     @property
     def eps_scale(self) -> float:
         """The factor eps backoff has applied to the eps of the groups it acts on (capped at ``max_eps``)."""
-        return self._eps_scale
+        return self._scales.eps_scale
 
     # ------------------------------------------------------------------ lifecycle
     @override
@@ -173,38 +156,27 @@ class OptimizerBackoff(NanGuardCallback):
         engine.bus.subscribe(EventHandled, self._on_event)
         engine.bus.subscribe(StateRestored, self._on_restored)
         engine.bus.subscribe(PassedOverSnapshots, self._on_passed_over)
-        self._extra_notches = 0
+        self._scales.extra_notches = 0
         engine.add_metrics(self._metrics)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Record scale 1.0 in every fresh optimizer/scheduler before anyone snapshots them: a scheduler restore is
-        # ``__dict__.update`` and cannot drop a record its saved state lacks (see ``stamp_lr_scale``).
-        schedulers = [cfg.scheduler for cfg in trainer.lr_scheduler_configs]
-        for opt in trainer.optimizers:
-            stamp_lr_scale(opt, schedulers)
+        self._scales.stamp(trainer.optimizers, _schedulers(trainer))
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Optimizer and scheduler state are restored by now (on a resume too): check them, then re-apply.
         run_preflight(trainer, self.on_hazard, self.safe_eps, type(self).__name__)
-        if not self._state_loaded and trainer.optimizers:
-            # No callback state (added on resume): adopt the scale the optimizer state says was baked in.
-            self._policy.scale = lr_scale_of(trainer.optimizers[0])
-            groups = eps_groups(trainer.optimizers, self.eps_backoff)
-            if groups:
-                self._eps_scale = float(groups[0][2].get(EPS_SCALE_KEY, 1.0))
+        if not self._state_loaded:  # no callback state (added on resume): the scales the optimizer state holds
+            self._scales.adopt(trainer.optimizers)
         self._sync(trainer)
-        self._schedulers_seen = _scheduler_ids(trainer)
         super().on_train_start(trainer, pl_module)
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        # A scheduler built mid-fit (StochasticWeightAveraging's SWALR) starts at the configured scale: re-apply.
-        if self._policy.scale != 1.0 and _scheduler_ids(trainer) != self._schedulers_seen:
-            self._schedulers_seen = _scheduler_ids(trainer)
+        if self._policy.scale != 1.0 and self._scales.new_schedulers(_schedulers(trainer)):
             self._sync(trainer)
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
@@ -213,71 +185,38 @@ class OptimizerBackoff(NanGuardCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if self.recover_after is not None and self._policy.scale < 1.0:
-            change = self._policy.tick(trainer.global_step)
-            if change is not None:
-                self._sync(trainer)
+        if self.recover_after is not None and self._policy.scale < 1.0 and self._policy.tick(trainer.global_step):
+            self._sync(trainer)  # a recovery notch
 
     # ------------------------------------------------------------------ the engine's Backoff
     def eps_applies(self, trainer: pl.Trainer) -> bool:
-        return any(float(g["eps"]) < self.max_eps for _, _, g in eps_groups(trainer.optimizers, self.eps_backoff))
+        return self._scales.eps_applies(trainer.optimizers)
 
-    def back_off(self, trainer: pl.Trainer, *, lr: bool, eps: bool, cause: str) -> dict[str, Any]:
-        """Apply one backoff now; the values for the incident record."""
-        before_lr = self._policy.scale
-        values: dict[str, Any] = {}
-        if lr:
-            notches = 1 + self._extra_notches
-            self._policy.back_off(cause, notches, step=trainer.global_step)
-            at_floor = self._policy.scale == before_lr
-            values.update(lr_scale_before=before_lr, lr_scale_after=self._policy.scale)
-            values["lr_text"] = (
-                f"the learning rate is already at its floor min_lr_scale={self.min_lr_scale:g}"
-                if at_floor
-                else f"lowered the learning rate to {self._policy.scale:g}x its schedule (was {before_lr:g}x)"
-            )
-            if notches > 1 and not at_floor:
-                values["lr_notches"] = notches
-                values["lr_text"] += (
-                    f", {notches} notches of lr_factor={self.lr_factor:g}: the rollback passed over "
-                    f"{notches - 1} snapshot(s) taken mid-divergence, each a state that would have diverged again"
-                )
-        if eps:
-            self._eps_scale *= self.eps_factor
-        eps_before, eps_after = self._sync(trainer)
-        if eps_after:
-            values.update(eps_before=eps_before, eps_after=eps_after)
-            values["eps_text"] = f"raised eps {eps_before} -> {eps_after}"
-        elif eps:
-            values["eps_text"] = f"eps is already at its cap max_eps={self.max_eps:g}"
-        return values
+    def back_off(self, trainer: pl.Trainer, *, lr: bool, eps: bool, cause: str) -> BackoffResult:
+        """Apply one backoff now (after the scheduler step)."""
+        done = self._scales.back_off(
+            trainer.optimizers, _schedulers(trainer), trainer.global_step, lr=lr, eps=eps, cause=cause
+        )
+        self._refresh_hooks()
+        return done
 
     # ------------------------------------------------------------------ reactions (engine events only: rank-consistent)
     def _on_event(self, trainer: pl.Trainer, event: EventHandled) -> None:
         self._policy.last_event_step = max(self._policy.last_event_step, event.step)
-        self._extra_notches = 0  # the event is handled: its rollback's finding does not carry over to the next
+        self._scales.extra_notches = 0  # the event is handled: its rollback's finding does not carry over
 
     def _on_passed_over(self, trainer: pl.Trainer, event: PassedOverSnapshots) -> None:
         # The rollback comes before the backoff within one event (the engine's order of actions).
-        self._extra_notches = len(event.passed_over)
+        self._scales.extra_notches = len(event.passed_over)
 
     def _on_restored(self, trainer: pl.Trainer, event: StateRestored) -> None:
         self._sync(trainer)
 
     # ------------------------------------------------------------------ acting
-    def _sync(self, trainer: pl.Trainer) -> tuple[dict[str, float], dict[str, float]]:
-        """Bring every optimizer and scheduler to the current scales. Returns the eps changes (before, after)."""
-        schedulers = [cfg.scheduler for cfg in trainer.lr_scheduler_configs]
-        for opt in trainer.optimizers:
-            sync_lr_scale(opt, schedulers, self._policy.scale)
-        eps_before: dict[str, float] = {}
-        eps_after: dict[str, float] = {}
-        for i, j, group in eps_groups(trainer.optimizers, self.eps_backoff):
-            moved = sync_eps_scale(group, self._eps_scale, self.max_eps)
-            if moved is not None:
-                eps_before[f"opt{i}_group{j}"], eps_after[f"opt{i}_group{j}"] = moved
+    def _sync(self, trainer: pl.Trainer) -> None:
+        """Bring every optimizer and scheduler to the current scales."""
+        self._scales.sync(trainer.optimizers, _schedulers(trainer))
         self._refresh_hooks()
-        return eps_before, eps_after
 
     @override
     def _mute_idle_hooks(self) -> None:
@@ -288,39 +227,22 @@ class OptimizerBackoff(NanGuardCallback):
         """Its own per-batch hooks (re-applying the scale to a scheduler built mid-fit, the recovery timer) have work
         only while the learning rate is backed off: hidden from Lightning's per-batch dispatch otherwise, where it
         does not drive the engine (``_base.mute_idle_hooks``). Every change of the scale passes through ``_sync``."""
-        idle = not self._drives and self._policy.scale == 1.0
-        for name in ("on_train_batch_start", "on_train_batch_end"):
-            if idle:
-                self.__dict__[name] = None
-            else:
-                self.__dict__.pop(name, None)
+        shown = self._drives or self._policy.scale != 1.0
+        show_hooks(self, ("on_train_batch_start", "on_train_batch_end"), shown=shown)
 
     def _metrics(self, trainer: pl.Trainer) -> dict[str, float]:
         return {keys.LR_SCALE: self._policy.scale, **eps_metrics(trainer.optimizers, keys.EPS)}
 
     # ------------------------------------------------------------------ state
     @override
-    def state_dict(self) -> dict[str, Any]:
-        p = self._policy
-        return {
-            "version": 1,
-            "lr_scale": p.scale,
-            "eps_scale": self._eps_scale,
-            "backoffs": p.backoffs,
-            "last_event_step": p.last_event_step,
-            "lr_ceiling": p.ceiling,
-        }
+    def state_dict(self) -> dict[str, object]:
+        return self._scales.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        p = self._policy
-        p.scale = float(state_dict.get("lr_scale", 1.0))
-        self._eps_scale = float(state_dict.get("eps_scale", 1.0))
-        p.backoffs = int(state_dict.get("backoffs", 0))
-        p.last_event_step = int(state_dict.get("last_event_step", -1))
-        p.ceiling = float(state_dict.get("lr_ceiling", 1.0))
+        self._scales.load_state_dict(state_dict)
         self._state_loaded = True
 
 
-def _scheduler_ids(trainer: pl.Trainer) -> tuple[int, ...]:
-    return tuple(id(cfg.scheduler) for cfg in trainer.lr_scheduler_configs)
+def _schedulers(trainer: pl.Trainer) -> list[object]:
+    return [cfg.scheduler for cfg in trainer.lr_scheduler_configs]

@@ -8,17 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import lightning.pytorch as pl
 
-from lightning_nanguard.contract import Divergence, Signal
-from lightning_nanguard.engine.sensing import Reading
+from lightning_nanguard.contract import Divergence
+from lightning_nanguard.engine.reading import Reading
+from lightning_nanguard.policies.loss_scale import CollapseFacts
+from lightning_nanguard.recovery.backoff_scales import BackoffResult
 
 __all__ = [
     "DEFAULT_MAX_CONSECUTIVE_SKIPS",
     "Backoff",
-    "CollapseFacts",
     "GuardSettings",
     "MetricSource",
     "Promoter",
@@ -57,15 +58,6 @@ class Restored:
     in_window: int = 1
 
 
-@dataclass(frozen=True)
-class CollapseFacts:
-    """A loss-scale collapse, as LossScaleWatchdog saw it."""
-
-    reason: str
-    values: dict[str, Any]
-    budget_left: int
-
-
 class Restorer(Protocol):
     """AutoRollback."""
 
@@ -91,6 +83,10 @@ class Restorer(Protocol):
         handles that event). Judged from the engine's reduced readings, so identical on every rank."""
         ...
 
+    def save_final(self, trainer: pl.Trainer, step: int) -> str:
+        """Save a verified checkpoint before a stop; its path (``""`` when none was written)."""
+        ...
+
 
 class Backoff(Protocol):
     """OptimizerBackoff."""
@@ -102,8 +98,8 @@ class Backoff(Protocol):
 
     def eps_applies(self, trainer: pl.Trainer) -> bool: ...
 
-    def back_off(self, trainer: pl.Trainer, *, lr: bool, eps: bool, cause: str) -> dict[str, Any]:
-        """Apply now (after the scheduler step); returns the before/after values for the incident."""
+    def back_off(self, trainer: pl.Trainer, *, lr: bool, eps: bool, cause: str) -> BackoffResult:
+        """Apply now (after the scheduler step)."""
         ...
 
 
@@ -136,10 +132,3 @@ class MetricSource(Protocol):
     """Contributes host floats to the one batched logger call of each logging step."""
 
     def __call__(self, trainer: pl.Trainer) -> dict[str, float]: ...
-
-
-SIGNAL_OF_SPIKE = {
-    (True, False): Signal.LOSS_SPIKE,
-    (False, True): Signal.GRAD_NORM_SPIKE,
-    (True, True): Signal.LOSS_AND_GRAD_NORM_SPIKE,
-}

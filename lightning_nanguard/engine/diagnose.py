@@ -1,73 +1,56 @@
-"""Diagnose (the engine's seam to forensics): the cause of one event, identical on every rank.
+"""Diagnose: the cause of one training-step event, identical on every rank.
 
 The cheap evidence is gathered here (``gather_findings``): the batch's non-finite, outlying and out-of-range values
 (``signals.batch``), the non-finite state by kind and the optimizer's part in it (``signals.state``), the recent
 history (``signals.history``), the GradScaler's facts, the resumed checkpoint and, for a ``diverging`` event (which,
-like a non-finite state found at a snapshot, has no step reading), the restorer's verdict on the snapshot. Each rank reads its own and one
-all-gather makes it everyone's, so ``policies.diagnosis.classify`` decides the same on every rank.
-``lightning_nanguard.forensics`` adds a replay of the batch when that evidence does not settle the cause.
+like a non-finite state found at a snapshot, has no step reading), the restorer's verdict on the snapshot. Each rank
+reads its own and one all-gather makes it everyone's, so ``policies.diagnosis.classify`` decides the same on every
+rank. ``lightning_nanguard.forensics`` adds a replay of the batch when that evidence does not settle the cause.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import cast
 
 import lightning.pytorch as pl
 
 from lightning_nanguard import _distributed
 from lightning_nanguard.contract import Diagnosis, Divergence, Signal
-from lightning_nanguard.engine.sensing import Reading
-from lightning_nanguard.engine.state_check import nonfinite_names
-from lightning_nanguard.policies.diagnosis import Findings, classify
+from lightning_nanguard.engine.accounting import FitLedger
+from lightning_nanguard.engine.events import EventFacts
+from lightning_nanguard.engine.registry import Registry
+from lightning_nanguard.forensics import ReplayRequest, investigate
+from lightning_nanguard.policies.diagnosis import classify, needs_replay
+from lightning_nanguard.policies.findings import Findings
 from lightning_nanguard.signals.batch import BatchFindings, read_batch
 from lightning_nanguard.signals.history import read_history
+from lightning_nanguard.signals.model_tensors import nonfinite_names
 from lightning_nanguard.signals.state import StateFindings, read_state
 
-if TYPE_CHECKING:
-    from lightning_nanguard.engine.engine import Engine, PendingEvent
-
-__all__ = ["EventFacts", "cheap_diagnosis", "diagnose", "gather_findings"]
+__all__ = ["diagnose", "gather_findings", "is_half", "precision_of"]
 
 
-class EventFacts:
-    """What the incident path knows about an event before diagnosing it (all rank-consistent)."""
-
-    def __init__(
-        self,
-        event: PendingEvent,
-        *,
-        state_ok: bool,
-        state_names: Sequence[str],
-        ranks: Sequence[int],
-    ) -> None:
-        self.event = event
-        self.signal = event.signal
-        self.readings: list[Reading] = event.readings
-        self.state_ok = state_ok
-        self.state_names = tuple(state_names)
-        self.ranks = tuple(ranks)
-
-    @property
-    def scaler_overflow(self) -> bool:
-        """A GradScaler overflow of the scaled gradients: loss finite, gradients not, under 16-mixed."""
-        return any(r.scale is not None and r.loss_finite and not r.grads_finite for r in self.readings)
-
-
-def diagnose(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModule, facts: EventFacts) -> Diagnosis:
-    """The diagnosis of one event. Every rank runs it; its collectives are made by every rank in the same order."""
-    from lightning_nanguard.forensics_bridge import investigate
-
-    found = investigate(engine, trainer, pl_module, facts)
-    if found is not None:
-        return found
-    return cheap_diagnosis(engine, trainer, facts)
-
-
-def cheap_diagnosis(engine: Engine, trainer: pl.Trainer, facts: EventFacts) -> Diagnosis:
-    """The cause from cheap evidence alone (no replay). One all-gather."""
-    return classify(gather_findings(engine, trainer, trainer.lightning_module, facts))
+def diagnose(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, facts: EventFacts, registry: Registry, ledger: FitLedger
+) -> Diagnosis:
+    """The diagnosis of one event: the cheap evidence (one all-gather), and a replay when that does not settle it
+    (``forensics``). Every rank runs it; its collectives are made by every rank in the same order."""
+    findings = gather_findings(trainer, pl_module, facts, registry, ledger)
+    if needs_replay(findings):
+        guard = registry.guard
+        request = ReplayRequest(
+            facts.batch,
+            facts.batch_idx,
+            facts.step,
+            mode=guard.forensics if guard is not None else "first",
+            max_replay_steps=guard.max_replay_steps if guard is not None else 20.0,
+            has_step=bool(facts.readings),
+            update_applied=bool(facts.readings) and not all(r.dropped for r in facts.readings),
+        )
+        findings = investigate(trainer, pl_module, findings, request, ledger.replays)
+    return classify(findings)
 
 
 def precision_of(trainer: pl.Trainer) -> str:
@@ -79,23 +62,23 @@ def is_half(precision: str) -> bool:
     return precision.startswith(("16", "bf16"))
 
 
-def event_step(trainer: pl.Trainer, facts: EventFacts) -> int:
-    return facts.readings[0].step if facts.readings else int(trainer.global_step)
-
-
-def gather_findings(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModule, facts: EventFacts) -> Findings:
+def gather_findings(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, facts: EventFacts, registry: Registry, ledger: FitLedger
+) -> Findings:
     """Every rank's cheap evidence, made rank-consistent with one all-gather (every rank calls this)."""
     optimizers = list(trainer.optimizers)
-    local_batch = read_batch(engine.batch)
+    local_batch = read_batch(facts.batch)
     local_state = None if facts.state_ok else read_state(pl_module, optimizers, nonfinite_names(pl_module, optimizers))
     # Each rank's clock too: a budget decided from one rank's step time could send the ranks different ways.
-    local = (local_batch, local_state, float(engine.step_seconds))
-    gathered: list[Any] = _distributed.all_gather_objects(trainer, local)
+    local = (local_batch, local_state, float(ledger.step_seconds))
+    gathered = cast(
+        list[tuple[BatchFindings, StateFindings | None, float]], _distributed.all_gather_objects(trainer, local)
+    )
     batches: tuple[BatchFindings, ...] = tuple(b for b, _, _ in gathered)
     state = _merge_states([s for _, s, _ in gathered if s is not None], facts.state_names)
     clocks = [t for _, _, t in gathered if math.isfinite(t) and t > 0]
-    step = event_step(trainer, facts)
-    history = list(engine.history)
+    step = facts.step
+    history = list(ledger.history)
     scale = next((r.scale for r in facts.readings if r.scale is not None), None)
     precision = precision_of(trainer)
     return Findings(
@@ -106,24 +89,24 @@ def gather_findings(engine: Engine, trainer: pl.Trainer, pl_module: pl.Lightning
         last_step_finite=bool(history) and history[-1][0] == step - 1,
         batch=batches,
         history=read_history(history),
-        resumed_from=engine.resumed_from,
-        finite_steps=engine.finite_steps,
-        batch_idx=engine.batch_idx,
+        resumed_from=ledger.resumed_from,
+        finite_steps=ledger.finite_steps,
+        batch_idx=facts.batch_idx,
         scale=scale,
         scaler_overflow=facts.scaler_overflow,
         half_precision=is_half(precision),
         precision=precision,
         step_seconds=max(clocks) if clocks else math.nan,
-        divergence=divergence_of(engine, facts),
+        divergence=_divergence(facts, registry),
     )
 
 
-def divergence_of(engine: Engine, facts: EventFacts) -> Divergence | None:
+def _divergence(facts: EventFacts, registry: Registry) -> Divergence | None:
     """What the restorer saw when it reported a ``diverging`` event (rank-consistent: judged from the engine's reduced
     history). ``None`` for any other event, or a restorer that does not say."""
-    if facts.signal is not Signal.DIVERGING or engine.restorer is None:
+    if facts.signal is not Signal.DIVERGING or registry.restorer is None:
         return None
-    return engine.restorer.divergence
+    return registry.restorer.divergence
 
 
 def _merge_states(parts: list[StateFindings], names: Sequence[str]) -> StateFindings:

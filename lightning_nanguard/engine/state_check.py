@@ -10,7 +10,6 @@ one rank only).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,63 +18,12 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_nanguard import _distributed
-from lightning_nanguard.signals.sharded import is_sharded, local_tensor, original_name
+from lightning_nanguard import _distributed, _lightning_compat
+from lightning_nanguard.signals.model_tensors import intended_infinities, model_tensors, nonfinite_names
+from lightning_nanguard.signals.sharded import is_sharded, local_tensor
 from lightning_nanguard.signals.tensors import all_finite
 
-__all__ = [
-    "StateVerdict",
-    "intended_infinities",
-    "model_finite",
-    "nonfinite_names",
-    "record_intended_infinities",
-    "state_before_update",
-    "state_verdict",
-    "watched_buffers",
-]
-
-# Buffers that hold infinities (and no NaN) when training starts: an attention mask of -inf registered as a buffer is
-# a constant, not damage. They are checked for NaN only (a NaN is never intended); every other tensor for NaN and inf.
-_INTENDED: weakref.WeakKeyDictionary[nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
-
-
-def record_intended_infinities(module: nn.Module) -> list[str]:
-    """At the start of training: remember the buffers that hold +-inf but no NaN (a host read per such buffer's
-    check, once per fit). Returns their names."""
-    names = []
-    for name, buf in module.named_buffers():
-        t = local_tensor(buf)
-        if t.is_complex():
-            t = torch.view_as_real(t)
-        if t.is_floating_point() and t.numel() and bool(torch.isinf(t).any()) and not bool(torch.isnan(t).any()):
-            names.append(name)
-    _INTENDED[module] = frozenset(names)
-    return names
-
-
-def intended_infinities(module: nn.Module) -> frozenset[str]:
-    return _INTENDED.get(module, frozenset())
-
-
-def watched_buffers(module: nn.Module) -> list[Tensor]:
-    """The floating-point buffers checked for NaN and inf at every step (local tensors; not the intended ones)."""
-    skip = intended_infinities(module)
-    out = []
-    for name, buf in module.named_buffers():
-        t = local_tensor(buf)
-        if t.is_complex():
-            t = torch.view_as_real(t)
-        if name not in skip and t.is_floating_point() and t.numel():
-            out.append(t)
-    return out
-
-
-def _model_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
-    """Parameters then buffers by name, as this rank's local tensors (the local shard of a ``DTensor``), without the
-    buffers whose infinities are intended (``record_intended_infinities``)."""
-    skip = intended_infinities(module)
-    named = [*module.named_parameters(), *((n, b) for n, b in module.named_buffers() if n not in skip)]
-    return [(n, local_tensor(t)) for n, t in named]
+__all__ = ["StateVerdict", "model_finite", "state_before_update", "state_verdict"]
 
 
 def _intended_have_nan(module: nn.Module) -> Tensor | None:
@@ -114,7 +62,7 @@ def state_verdict(trainer: pl.Trainer, module: nn.Module, optimizers: Sequence[O
     float64; their maximum and minimum over ranks differ exactly where some rank's copy differs in those (a change
     that keeps both norms, a permutation of elements or a sign flip, is not seen).
     """
-    tensors = [t for _, t in _model_tensors(module)]
+    tensors = [t for _, t in model_tensors(module)]
     for opt in optimizers:
         for state in opt.state.values():
             tensors.extend(local_tensor(v) for v in state.values() if isinstance(v, Tensor))
@@ -148,9 +96,9 @@ def model_finite(trainer: pl.Trainer, module: nn.Module, optimizers: Sequence[Op
 
 def _foreach_norm_64(tensors: list[Tensor], ord: int) -> list[Tensor]:
     try:
-        return list(torch._foreach_norm(tensors, ord, dtype=torch.float64))
+        return list(_lightning_compat.foreach_norm(tensors, ord, dtype=torch.float64))
     except (TypeError, RuntimeError):  # no float64 on this backend (MPS), or an older torch
-        return [n.double() for n in torch._foreach_norm(tensors, ord)]
+        return [n.double() for n in _lightning_compat.foreach_norm(tensors, ord)]
 
 
 def _replicated_parameters(module: nn.Module) -> list[tuple[str, Tensor]]:
@@ -159,7 +107,7 @@ def _replicated_parameters(module: nn.Module) -> list[tuple[str, Tensor]]:
     named = list(module.named_parameters())
     if any(is_sharded(p) for _, p in named):
         return []
-    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()) or ())
+    ignored = _lightning_compat.ddp_ignored_names(module)
     return [(n, p.detach()) for n, p in named if n not in ignored and p.numel() and p.is_floating_point()]
 
 
@@ -176,31 +124,6 @@ def _norms(tensors: list[Tensor], ord: int) -> list[Tensor]:
         out.extend(_foreach_norm_64(tensors[start:end], ord))
         start = end
     return out
-
-
-def nonfinite_names(module: nn.Module, optimizers: Sequence[Optimizer] = (), limit: int = 20) -> list[str]:
-    """This rank's non-finite parameters, buffers and optimizer-state tensors, by name (incident path only)."""
-    out: list[str] = []
-    for name, t in _model_tensors(module):
-        if _bad(t):
-            out.append(original_name(name))  # FSDP1: without its `_fsdp_wrapped_module.`
-    skip = intended_infinities(module)
-    out.extend(n for n, b in module.named_buffers() if n in skip and bool(torch.isnan(local_tensor(b)).any()))
-    names = {id(p): original_name(n) for n, p in module.named_parameters()}
-    for i, opt in enumerate(optimizers):
-        for p, state in opt.state.items():
-            for k, v in state.items():
-                if isinstance(v, Tensor) and _bad(local_tensor(v)):
-                    out.append(f"optimizer{i}.{names.get(id(p), '?')}.{k}")
-    return out[:limit] + ([f"... {len(out) - limit} more"] if len(out) > limit else [])
-
-
-def _bad(t: Tensor) -> bool:
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    if not t.is_floating_point() or t.numel() == 0:
-        return False
-    return not bool(torch.isfinite(t).all())
 
 
 def state_before_update(trainer: pl.Trainer, pl_module: pl.LightningModule) -> tuple[bool, list[str]]:

@@ -1,10 +1,10 @@
-"""Forensics: on an incident (never on a healthy step), find what caused it and where.
+"""Forensics: on an incident (never on a healthy step), replay the batch to find what caused it and where.
 
-``investigate`` gathers the cheap evidence (``signals.batch``, ``signals.state``, ``signals.history``), replays the
-batch with hooks and in float32 when that evidence does not settle it (``replay``), and asks the pure policy
-(``policies.diagnosis.classify``) for the verdict. See docs/FORENSICS.md.
+The engine gathers the cheap evidence (``signals.batch``, ``signals.state``, ``signals.history``); when that does not
+settle the cause (``policies.diagnosis.needs_replay``), ``investigate`` replays the batch with hooks and in float32
+(``replay``) and adds what it found to the findings the pure policy classifies. See docs/FORENSICS.md.
 """
 
-from lightning_nanguard.forensics.investigation import investigate
+from lightning_nanguard.forensics.investigation import ReplayBook, ReplayRequest, investigate
 
-__all__ = ["investigate"]
+__all__ = ["ReplayBook", "ReplayRequest", "investigate"]

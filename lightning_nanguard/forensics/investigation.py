@@ -1,84 +1,101 @@
-"""One event's forensics: the cheap evidence, then (when it does not settle the cause) a replay, then the verdict.
+"""One event's replay, when the cheap evidence does not settle its cause: the findings completed, or a note why not.
 
-Every rank runs this with the same rank-consistent facts and makes the same collectives in the same order: one
-all-gather of the cheap evidence, then, only if the gathered evidence calls for a replay, one all-gather of each
-replay pass. Whether to replay, and whether to add the float32 pass, is decided from gathered values only, so no rank
-can wait on a collective another rank skipped.
+Every rank runs this with the same rank-consistent findings and makes the same collectives in the same order: one
+all-gather of each replay pass (and one of the batch's targets when the replay's output size says a label may not
+fit). Whether to replay, and whether to add the float32 pass, is decided from gathered values only, so no rank can
+wait on a collective another rank skipped.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import lightning.pytorch as pl
 
 from lightning_nanguard import _distributed, _lightning_compat
-from lightning_nanguard.contract import Diagnosis
-from lightning_nanguard.engine.diagnose import event_step, gather_findings
 from lightning_nanguard.forensics.replay import run_pass
-from lightning_nanguard.policies.diagnosis import (
-    Findings,
-    PassResult,
-    ReplayFindings,
-    classify,
-    needs_replay,
-    replay_steps,
-    signature,
-)
+from lightning_nanguard.policies.diagnosis import replay_steps, signature
+from lightning_nanguard.policies.findings import Findings, PassResult, ReplayFindings
 from lightning_nanguard.signals.batch import BatchFindings, read_batch
 
-if TYPE_CHECKING:
-    from lightning_nanguard.engine.diagnose import EventFacts
-    from lightning_nanguard.engine.engine import Engine
-
-__all__ = ["investigate"]
+__all__ = ["ReplayBook", "ReplayRequest", "investigate"]
 
 
-def investigate(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModule, facts: EventFacts) -> Diagnosis:
-    """The diagnosis of one event, honouring ``GradNormMonitor(forensics=..., max_replay_steps=...)``."""
-    findings = gather_findings(engine, trainer, pl_module, facts)
-    if not needs_replay(findings):
-        return classify(findings)
-    guard = engine.guard
-    mode = guard.forensics if guard is not None else "first"
-    if mode == "off":
-        return classify(dataclasses.replace(findings, note="forensics='off': cheap evidence only"))
-    why_not = _why_not(engine, trainer, pl_module, findings, facts)
+@dataclass
+class ReplayBook:
+    """Forensics over one fit: the replay time spent, and the replays kept per evidence signature
+    (``forensics="first"``). Rank-consistent: both only ever change by gathered values."""
+
+    spent_ms: float = 0.0
+    kept: dict[tuple[object, ...], tuple[int, tuple[ReplayFindings, ...]]] = field(default_factory=dict)
+
+    def forget(self) -> None:
+        """The model or the optimizer changed (a rollback, a promotion, an eps backoff): a kept replay no longer
+        describes them."""
+        self.kept.clear()
+
+
+@dataclass(frozen=True)
+class ReplayRequest:
+    """The event to replay and the rules for it (``GradNormMonitor(forensics=..., max_replay_steps=...)``).
+
+    Attributes:
+        batch: the event's batch, as the training step received it.
+        batch_idx: its index in the epoch.
+        step: the event's step.
+        mode: ``"first"``, ``"every"`` or ``"off"``.
+        max_replay_steps: replays stop once they cost this many training steps' worth of time in this fit.
+        has_step: a training step is at hand (not an event found outside a step).
+        update_applied: some update of the step was not dropped (the replay then runs on post-update weights).
+    """
+
+    batch: object
+    batch_idx: int
+    step: int
+    mode: str = "first"
+    max_replay_steps: float = 20.0
+    has_step: bool = True
+    update_applied: bool = False
+
+
+def investigate(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, findings: Findings, request: ReplayRequest, book: ReplayBook
+) -> Findings:
+    """``findings`` with a replay of the event's batch (run now, or the one kept for the same evidence), or with a
+    note saying why there is none."""
+    if request.mode == "off":
+        return dataclasses.replace(findings, note="forensics='off': cheap evidence only")
+    why_not = _why_not(trainer, pl_module, findings, request, book)
     if why_not:
-        return classify(dataclasses.replace(findings, note=f"replay skipped ({why_not}): cheap evidence only"))
+        return dataclasses.replace(findings, note=f"replay skipped ({why_not}): cheap evidence only")
     key = signature(findings)
-    cached = engine.diagnoses.get(key) if mode == "first" else None
-    if cached is not None:
-        step, replays = cached
-        findings = _check_targets(engine, trainer, findings, replays)
-        return classify(
-            dataclasses.replace(findings, replay=replays, note=f"reused the replay of step {step} (forensics='first')")
+    kept = book.kept.get(key) if request.mode == "first" else None
+    if kept is not None:
+        step, replays = kept
+        findings = _check_targets(trainer, findings, replays, request.batch)
+        return dataclasses.replace(
+            findings, replay=replays, note=f"reused the replay of step {step} (forensics='first')"
         )
-    replays, ms = _replay(engine, trainer, pl_module, findings)
-    findings = _check_targets(engine, trainer, findings, replays)
+    replays, ms = _replay(trainer, pl_module, findings, request, book)
+    findings = _check_targets(trainer, findings, replays, request.batch)
     ms = round(ms, 3)  # the slowest rank's time, the same number on every rank
-    engine.replay_ms += ms
+    book.spent_ms += ms
     if any(r.hooked is not None and r.hooked.reproduced for r in replays):
         # Only a reproduced fault establishes a cause worth reusing: "did not reproduce" says nothing of the next one.
-        engine.diagnoses[key] = (event_step(trainer, facts), replays)
-    undone = ""
-    if facts.readings and not all(r.dropped for r in facts.readings):
-        undone = "the update was applied: replayed on the post-update weights"
-    return classify(
-        dataclasses.replace(
-            findings,
-            replay=replays,
-            replayed_now=True,
-            replay_ms=ms,
-            replay_steps=replay_steps(ms, findings.step_seconds),
-            note=undone,
-        )
+        book.kept[key] = (request.step, replays)
+    return dataclasses.replace(
+        findings,
+        replay=replays,
+        replayed_now=True,
+        replay_ms=ms,
+        replay_steps=replay_steps(ms, findings.step_seconds),
+        note="the update was applied: replayed on the post-update weights" if request.update_applied else "",
     )
 
 
-def _check_targets(engine: Engine, trainer: pl.Trainer, f: Findings, replays: tuple[ReplayFindings, ...]) -> Findings:
+def _check_targets(trainer: pl.Trainer, f: Findings, replays: tuple[ReplayFindings, ...], batch: object) -> Findings:
     """Check the class targets against the output size the replay saw (one all-gather, only when the gathered target
     ranges say some label may not fit: a decision every rank makes alike)."""
     size = next((r.hooked.out_size for r in replays if r.hooked is not None and r.hooked.out_size), None)
@@ -91,54 +108,53 @@ def _check_targets(engine: Engine, trainer: pl.Trainer, f: Findings, replays: tu
     )
     if not suspect:
         return f
-    gathered: list[BatchFindings] = _distributed.all_gather_objects(trainer, read_batch(engine.batch, size))  # type: ignore[assignment]
+    gathered: list[BatchFindings] = _distributed.all_gather_objects(trainer, read_batch(batch, size))  # type: ignore[assignment]
     return dataclasses.replace(f, batch=tuple(gathered))
 
 
-def _budget_ms(engine: Engine, f: Findings) -> float:
-    """Replay time allowed in this fit (inf while the step time is unknown). Rank-consistent: the gathered step time
-    and ``engine.replay_ms``, which only ever grows by gathered amounts."""
-    limit = engine.guard.max_replay_steps if engine.guard is not None else 20.0
+def _budget_ms(f: Findings, request: ReplayRequest) -> float:
+    """Replay time allowed in this fit (inf while the step time is unknown). Rank-consistent: the gathered step
+    time."""
     if not math.isfinite(f.step_seconds) or f.step_seconds <= 0:
         return math.inf
-    return limit * f.step_seconds * 1000.0
+    return request.max_replay_steps * f.step_seconds * 1000.0
 
 
-def _why_not(engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModule, f: Findings, facts: EventFacts) -> str:
+def _why_not(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, f: Findings, request: ReplayRequest, book: ReplayBook
+) -> str:
     """Why this event cannot be replayed ("" when it can). Rank-consistent inputs only."""
     accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
     if accumulate > 1:
         return f"gradient accumulation: accumulate_grad_batches={accumulate}, only the last micro-batch is at hand"
     if not pl_module.automatic_optimization:
         return "manual optimization: training_step steps the optimizers itself"
-    if not facts.readings:
+    if not request.has_step:
         return "no training step at hand"
     if not f.batch or not all(b.replayable for b in f.batch):
         return "the batch cannot be replayed"
-    if engine.replay_ms >= _budget_ms(engine, f):
-        limit = engine.guard.max_replay_steps if engine.guard is not None else 20.0
-        return f"the replay budget is spent: {engine.replay_ms:.0f} ms, max_replay_steps={limit:g}"
+    if book.spent_ms >= _budget_ms(f, request):
+        return f"the replay budget is spent: {book.spent_ms:.0f} ms, max_replay_steps={request.max_replay_steps:g}"
     return ""
 
 
 def _replay(
-    engine: Engine, trainer: pl.Trainer, pl_module: pl.LightningModule, f: Findings
+    trainer: pl.Trainer, pl_module: pl.LightningModule, f: Findings, request: ReplayRequest, book: ReplayBook
 ) -> tuple[tuple[ReplayFindings, ...], float]:
     """The hooked pass on every rank, then the float32 pass on every rank where a half-precision run reproduced."""
     scale = f.scale if _lightning_compat.get_scaler(trainer) is not None else None
-    hooked = run_pass(trainer, pl_module, engine.batch, engine.batch_idx, float32=False, scale=scale)
+    hooked = run_pass(trainer, pl_module, request.batch, request.batch_idx, float32=False, scale=scale)
     first: list[PassResult] = _distributed.all_gather_objects(trainer, hooked)  # type: ignore[assignment]
     ms = max(p.ms for p in first)
     fp32: list[PassResult | None] = [None] * len(first)
     # The float32 pass costs about what the first did: run it only when that still fits the budget.
-    if f.half_precision and any(p.reproduced for p in first) and engine.replay_ms + 2 * ms <= _budget_ms(engine, f):
-        mine = run_pass(trainer, pl_module, engine.batch, engine.batch_idx, float32=True)
+    if f.half_precision and any(p.reproduced for p in first) and book.spent_ms + 2 * ms <= _budget_ms(f, request):
+        mine = run_pass(trainer, pl_module, request.batch, request.batch_idx, float32=True)
         gathered: list[PassResult] = _distributed.all_gather_objects(trainer, mine)  # type: ignore[assignment]
         fp32 = list(gathered)
         ms += max(p.ms for p in gathered)
-    replays = tuple(_findings(h, x) for h, x in zip(first, fp32, strict=True))
+    replays = tuple(
+        ReplayFindings(hooked=h, fp32=x, ms=h.ms + (x.ms if x is not None else 0.0))
+        for h, x in zip(first, fp32, strict=True)
+    )
     return replays, ms
-
-
-def _findings(hooked: PassResult, fp32: PassResult | None) -> ReplayFindings:
-    return ReplayFindings(hooked=hooked, fp32=fp32, ms=hooked.ms + (fp32.ms if fp32 is not None else 0.0))

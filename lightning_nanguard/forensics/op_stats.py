@@ -29,9 +29,8 @@ def _library_dirs() -> tuple[str, ...]:
     import lightning
     import lightning_fabric
 
-    import lightning_nanguard
-
-    dirs = [os.path.dirname(m.__file__ or "") for m in (torch, lightning, lightning_fabric, lightning_nanguard)]
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # lightning_nanguard/
+    dirs = [os.path.dirname(m.__file__ or "") for m in (torch, lightning, lightning_fabric)] + [package]
     dirs += [sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
     return tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
 

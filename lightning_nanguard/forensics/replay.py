@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_nanguard.forensics.origin import OriginTracer
-from lightning_nanguard.policies.diagnosis import PassResult
+from lightning_nanguard.policies.findings import PassResult
 from lightning_nanguard.policies.origin import Origin
 
 __all__ = ["TracedPass", "preserved_state", "run_pass", "trace_pass"]

@@ -9,7 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["TRIGGERS", "BackoffPolicy", "ScaleChange", "parse_triggers"]
+from lightning_nanguard.exceptions import NanGuardConfigError
+
+__all__ = ["TRIGGERS", "BackoffPolicy", "ScaleChange", "check_triggers", "parse_triggers"]
 
 # The event kinds that may lower the learning rate, by name in ``OptimizerBackoff(triggers=...)``.
 TRIGGERS = ("rollback", "skip", "loss_scale_collapse")
@@ -24,6 +26,16 @@ def parse_triggers(on: str) -> frozenset[str]:
     if unknown:
         raise ValueError(f"unknown trigger(s) {unknown}; choose from {list(TRIGGERS)}")
     return names
+
+
+def check_triggers(owner: str, triggers: object) -> frozenset[str]:
+    """``parse_triggers`` for a constructor argument: ``NanGuardConfigError`` naming the argument and the rule."""
+    if not isinstance(triggers, str):
+        raise NanGuardConfigError(f"{owner}(triggers={triggers!r}): must be a comma-separated string of trigger names.")
+    try:
+        return parse_triggers(triggers)
+    except ValueError as err:
+        raise NanGuardConfigError(f"{owner}(triggers={triggers!r}): {err}.") from None
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CollapsePolicy"]
+__all__ = ["CollapseFacts", "CollapsePolicy"]
+
+
+@dataclass(frozen=True)
+class CollapseFacts:
+    """A loss-scale collapse, as the watchdog saw it: why, the values behind it, the budget left."""
+
+    reason: str
+    values: dict[str, object]
+    budget_left: int
 
 
 @dataclass
@@ -62,6 +71,17 @@ class CollapsePolicy:
         self.collapses += 1
         return True
 
+    def collapse(self, scale: float, floor: float, history: list[list[float]]) -> CollapseFacts:
+        """The collapse ``observe`` just found, for its incident (``scale``: the step's; ``floor``: the floor it was
+        judged against; ``history``: the scale's recent changes); the streaks then start afresh."""
+        facts = CollapseFacts(
+            self.reason.replace("at its floor", f"at its floor min_scale={floor:g}"),
+            {**self.readings(), "loss_scale": scale, "min_scale": floor, "scale_history": history},
+            self.budget_left,
+        )
+        self.reset_streaks()
+        return facts
+
     def reset_streaks(self) -> None:
         """Start counting afresh: after a collapse was acted on, or after a rollback restored the state."""
         self.streak = 0
@@ -76,7 +96,11 @@ class CollapsePolicy:
         """Collapses the budget still covers, the current one included (``0``: it is one too many: stop)."""
         return 1 if self.max_collapses is None else self.max_collapses - (self.collapses - 1)
 
-    def readings(self) -> dict[str, Any]:
+    def collapses_left(self) -> int | None:
+        """Further collapses the budget allows (``None``: unlimited)."""
+        return None if self.max_collapses is None else max(0, self.max_collapses - self.collapses)
+
+    def readings(self) -> dict[str, object]:
         """The counters behind a collapse, for its incident record."""
         return {
             "overflow_streak": self.streak,
@@ -87,7 +111,7 @@ class CollapsePolicy:
             "collapse_reason": self.reason,
         }
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """The counters, as primitives (``weights_only``-safe)."""
         return {
             "overflow_steps": self.overflow_steps,

@@ -30,19 +30,23 @@ How far each action goes is its own policy's: ``rollback`` restores the newest s
 (``policies.rollback.SnapshotJudge``), and a ``backoff`` planned with it goes one notch deeper for each snapshot it
 passed over (``policies.backoff.BackoffPolicy.back_off``).
 
-An action is planned only if the callback that performs it is installed (``Installed``), so switching a callback off
-removes exactly its remedy. Nothing here touches torch or Lightning: facts in, a ``Plan`` out.
+What a cause calls for is read from its declaration (``policies.causes``: the remedy family, whether the data is at
+fault, the reason); the ladder above is what those declarations amount to. An action is planned only if the callback
+that performs it is installed (``Installed``), so switching a callback off removes exactly its remedy. Nothing here
+touches torch or Lightning: facts in, a ``Plan`` out.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lightning_nanguard.contract import Action, Cause, Plan, Signal
+from lightning_nanguard.contract import Action, Cause, Plan, Signal, StopReason
+from lightning_nanguard.policies.causes import CAUSES, Remedy
 
-__all__ = ["Installed", "RemedyFacts", "plan_remedy"]
+__all__ = ["Installed", "RemedyFacts", "plan_after_step", "plan_remedy"]
 
 _SPIKES = (Signal.LOSS_SPIKE, Signal.GRAD_NORM_SPIKE, Signal.LOSS_AND_GRAD_NORM_SPIKE)
+_COLLAPSE_BUDGET = "the loss-scale collapse budget (LossScaleWatchdog max_collapses) ran out"
 
 
 @dataclass(frozen=True)
@@ -62,8 +66,8 @@ class RemedyFacts:
     """Everything the policy needs about one event, as plain values."""
 
     signal: Signal
-    cause: Cause
-    installed: Installed
+    cause: Cause = Cause.UNKNOWN
+    installed: Installed = field(default_factory=Installed)
     state_damaged: bool = False
     caused_by_data: bool = False  # the diagnosis names batch rows that caused a non-data cause (a poisoned buffer)
     has_update: bool = True  # a step's update is at stake (False: a snapshot check or the end-of-fit check)
@@ -104,77 +108,114 @@ def plan_remedy(f: RemedyFacts) -> Plan:
             return Plan((Action.WARN,), 'GradNormMonitor(on_nonfinite="warn") lets the update through')
         drop = Action.NONE
     acts: list[Action] = [] if drop is Action.NONE else [drop]
-    reason = _CAUSE_REASONS.get(f.cause, "")
-    cause = f.cause
-    if (cause.data_caused or f.caused_by_data) and ins.quarantine:
+    cause = CAUSES[f.cause]
+    reason = cause.reason
+    if (cause.data_at_fault or f.caused_by_data) and ins.quarantine:
         acts.append(Action.QUARANTINE)  # the data that did it is skipped when it comes back
-    if cause.data_caused:
-        pass
-    elif cause is Cause.OPTIMIZER_NUMERICS:
-        if ins.eps_backoff:
-            acts.append(Action.EPS_BACKOFF)
-    elif cause is Cause.HALF_PRECISION_OVERFLOW:
-        if (
-            ins.promote
-            and f.module
-            and not f.true_half
-            and f.promote_after is not None
-            and f.module_overflows >= f.promote_after
-        ):
-            return _with_restore(f, [*acts, Action.PROMOTE], reason, promote=f.module)
-    elif cause is Cause.GRADIENT_EXPLOSION and ins.rollback:
+    if cause.remedy is Remedy.RAISE_EPS and ins.eps_backoff:
+        acts.append(Action.EPS_BACKOFF)
+    elif cause.remedy is Remedy.PROMOTE_WHEN_RECURRING and _promote_due(f):
+        return _with_restore(f, [*acts, Action.PROMOTE], reason, promote=f.module)
+    elif cause.remedy is Remedy.ROLLBACK_AND_BACKOFF and ins.rollback:
         acts.append(Action.ROLLBACK)
         if ins.backoff and "rollback" in f.backoff_triggers:
             acts.append(Action.BACKOFF)
-    elif cause is Cause.CORRUPT_STATE:
-        pass  # the restore below
     # Escalation: the same trouble keeps coming back.
     if f.max_consecutive_skips is not None and f.skip_streak > f.max_consecutive_skips:
-        if ins.rollback and f.can_restore:
-            acts.extend(a for a in (Action.ROLLBACK,) if a not in acts)
-            if ins.backoff and "skip" in f.backoff_triggers and Action.BACKOFF not in acts:
-                acts.append(Action.BACKOFF)
-            reason = (
-                f"{f.skip_streak} dropped updates in a row, more than max_consecutive_skips={f.max_consecutive_skips}"
-            )
-        else:
-            return _stop(
-                acts,
-                f"{f.skip_streak} dropped updates in a row, more than max_consecutive_skips={f.max_consecutive_skips}",
-            )
+        too_many = (
+            f"{f.skip_streak} dropped updates in a row, more than max_consecutive_skips={f.max_consecutive_skips}"
+        )
+        if not (ins.rollback and f.can_restore):
+            return _stop(acts, StopReason.SKIP_BUDGET, too_many)
+        if Action.ROLLBACK not in acts:
+            acts.append(Action.ROLLBACK)
+        if ins.backoff and "skip" in f.backoff_triggers and Action.BACKOFF not in acts:
+            acts.append(Action.BACKOFF)
+        reason = too_many
     elif (
         ins.backoff
         and "skip" in f.backoff_triggers
-        and not cause.data_caused
+        and not cause.data_at_fault
         and f.recent_skips >= f.skips_before_backoff
         and Action.BACKOFF not in acts
     ):
         acts.append(Action.BACKOFF)
     if f.on_nonfinite == "stop" and ins.drop:
-        return _stop(acts, 'GradNormMonitor(on_nonfinite="stop") stops at the first non-finite step')
+        return _stop(
+            acts,
+            StopReason.STOP_ON_NONFINITE,
+            'GradNormMonitor(on_nonfinite="stop") stops at the first non-finite step',
+        )
     return _with_restore(f, acts, reason)
+
+
+def plan_after_step(f: RemedyFacts) -> Plan:
+    """An event seen only after someone else applied or dropped the update (DeepSpeed's ``engine.step()``): nothing
+    can be dropped, undone or restored, so it is counted (the loss scaler's own skip), warned about, or ends
+    training. One action, the one taken."""
+    if f.signal is Signal.LOSS_SCALE_COLLAPSE:
+        if f.collapse_budget_left <= 0:
+            return Plan((Action.STOP,), _COLLAPSE_BUDGET, stop=StopReason.COLLAPSE_BUDGET)
+        if f.on_collapse == "warn":
+            return Plan((Action.WARN,), 'LossScaleWatchdog(on_collapse="warn") keeps training')
+        if f.on_collapse == "stop":
+            return Plan((Action.STOP,), 'LossScaleWatchdog(on_collapse="stop")', stop=StopReason.STOP_ON_COLLAPSE)
+        return Plan((Action.STOP,), "no rollback can restore a good state", stop=StopReason.COLLAPSE_UNRESTORABLE)
+    if f.max_consecutive_skips is not None and f.skip_streak > f.max_consecutive_skips:
+        too_many = (
+            f"{f.skip_streak} dropped updates in a row, more than max_consecutive_skips={f.max_consecutive_skips}"
+        )
+        return Plan((Action.STOP,), too_many, stop=StopReason.SKIP_BUDGET)
+    return Plan((Action.SCALER_SKIP,), "the loss scaler dropped the update itself")
+
+
+def _promote_due(f: RemedyFacts) -> bool:
+    """The module overflowed ``promote_after`` times, and it can run in float32 (autocast to switch off)."""
+    return (
+        f.installed.promote
+        and bool(f.module)
+        and not f.true_half
+        and f.promote_after is not None
+        and f.module_overflows >= f.promote_after
+    )
 
 
 def _with_restore(f: RemedyFacts, acts: list[Action], reason: str, promote: str = "") -> Plan:
     """Add the restore a damaged state needs; stop when nothing can restore it; stop when the budget ran out."""
-    if f.state_damaged or f.cause is Cause.CORRUPT_STATE:
+    remedy = CAUSES[f.cause].remedy
+    if f.state_damaged or remedy is Remedy.RESTORE:
         if not f.installed.rollback:
-            return _stop(acts, "the state is non-finite and AutoRollback is not installed to restore it", promote)
+            return _stop(
+                acts,
+                StopReason.NOTHING_RESTORES,
+                "the state is non-finite and AutoRollback is not installed to restore it",
+                promote,
+            )
         if not f.can_restore:
-            return _stop(acts, "the state is non-finite and no verified snapshot or checkpoint exists yet", promote)
+            return _stop(
+                acts,
+                StopReason.NOTHING_VERIFIED,
+                "the state is non-finite and no verified snapshot or checkpoint exists yet",
+                promote,
+            )
         if Action.ROLLBACK not in acts:
             acts.append(Action.ROLLBACK)
     if Action.ROLLBACK in acts and not f.can_restore:
         acts.remove(Action.ROLLBACK)
-        if Action.BACKOFF in acts or f.cause is Cause.GRADIENT_EXPLOSION:
+        if Action.BACKOFF in acts or remedy is Remedy.ROLLBACK_AND_BACKOFF:
             reason = (reason + "; " if reason else "") + "no verified snapshot or checkpoint to restore yet"
     if Action.ROLLBACK in acts and f.rollback_budget_left <= 0:
-        return _stop(acts, "the rollback budget (AutoRollback max_rollbacks per rollback_window) ran out", promote)
+        return _stop(
+            acts,
+            StopReason.ROLLBACK_BUDGET,
+            "the rollback budget (AutoRollback max_rollbacks per rollback_window) ran out",
+            promote,
+        )
     return Plan(tuple(acts), reason, promote_module=promote)
 
 
-def _stop(acts: list[Action], reason: str, promote: str = "") -> Plan:
-    return Plan((*acts, Action.STOP), reason, stop=True, promote_module=promote)
+def _stop(acts: list[Action], why: StopReason, reason: str, promote: str = "") -> Plan:
+    return Plan((*acts, Action.STOP), reason, stop=why, promote_module=promote)
 
 
 def _collapse(f: RemedyFacts) -> Plan:
@@ -183,22 +224,21 @@ def _collapse(f: RemedyFacts) -> Plan:
         mode = "rollback" if f.installed.rollback else "stop"
     if mode == "warn":
         if f.collapse_budget_left <= 0:
-            return _stop(
-                [Action.SCALER_SKIP], "the loss-scale collapse budget (LossScaleWatchdog max_collapses) ran out"
-            )
+            return _stop([Action.SCALER_SKIP], StopReason.COLLAPSE_BUDGET, _COLLAPSE_BUDGET)
         return Plan((Action.SCALER_SKIP, Action.WARN), 'LossScaleWatchdog(on_collapse="warn") keeps training')
-    if mode == "stop" or not f.installed.rollback:
-        why = (
-            'LossScaleWatchdog(on_collapse="stop")'
-            if mode == "stop"
-            else "no AutoRollback is installed to restore a good state"
+    if mode == "stop":
+        return _stop([Action.SCALER_SKIP], StopReason.STOP_ON_COLLAPSE, 'LossScaleWatchdog(on_collapse="stop")')
+    if not f.installed.rollback:
+        return _stop(
+            [Action.SCALER_SKIP],
+            StopReason.COLLAPSE_UNRESTORABLE,
+            "no AutoRollback is installed to restore a good state",
         )
-        return _stop([Action.SCALER_SKIP], why)
     acts = [Action.SCALER_SKIP, Action.ROLLBACK]
     if f.installed.backoff and "loss_scale_collapse" in f.backoff_triggers:
         acts.append(Action.BACKOFF)
     if f.collapse_budget_left <= 0:
-        return _stop(acts, "the loss-scale collapse budget (LossScaleWatchdog max_collapses) ran out")
+        return _stop(acts, StopReason.COLLAPSE_BUDGET, _COLLAPSE_BUDGET)
     return _with_restore(f, acts, "the loss scale collapsed: the loss is exploding")
 
 
@@ -211,7 +251,9 @@ def _spike(f: RemedyFacts) -> Plan:
         if f.installed.backoff and "rollback" in f.backoff_triggers:
             acts.append(Action.BACKOFF)
     if f.max_consecutive_skips is not None and f.skip_streak > f.max_consecutive_skips:
-        return _stop(acts, f"{f.skip_streak} dropped updates in a row, more than max_consecutive_skips")
+        return _stop(
+            acts, StopReason.SKIP_BUDGET, f"{f.skip_streak} dropped updates in a row, more than max_consecutive_skips"
+        )
     return _with_restore(f, acts, "a loss/gradient-norm spike")
 
 
@@ -227,16 +269,3 @@ def _diverging(f: RemedyFacts) -> Plan:
     if f.installed.backoff and "rollback" in f.backoff_triggers:
         acts.append(Action.BACKOFF)
     return _with_restore(f, acts, "training is diverging: the newest snapshot was taken mid-divergence")
-
-
-_CAUSE_REASONS = {
-    Cause.INPUT_DATA: "the batch's inputs are bad; the model and optimizer are not at fault",
-    Cause.TARGETS: "the batch's targets are bad; the model and optimizer are not at fault",
-    Cause.TRANSIENT: "the fault did not reproduce",
-    Cause.CORRUPT_STATE: "the parameters, buffers or optimizer state are non-finite",
-    Cause.OPTIMIZER_NUMERICS: "finite gradients produced a non-finite update",
-    Cause.HALF_PRECISION_OVERFLOW: "a module overflows in half precision",
-    Cause.GRADIENT_EXPLOSION: "training is diverging",
-    Cause.LOSS_FUNCTION: "the loss function produced a non-finite value from finite outputs",
-    Cause.UNKNOWN: "",
-}

@@ -25,6 +25,9 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.optim.swa_utils import SWALR
+
+from lightning_nanguard import _lightning_compat
 
 __all__ = [
     "EPS_SCALE_KEY",
@@ -52,7 +55,7 @@ _SCHEDULER_LISTS = ("base_lrs", "max_lrs", "min_lrs", "_last_lr")
 _SCHEDULER_SCALARS = ("eta_min",)
 
 
-def _mul(value: Any, factor: float) -> Any:
+def _mul(value: object, factor: float) -> object:
     if isinstance(value, Tensor):
         return value.mul_(factor)  # in place: a tensor lr may be captured by a fused/capturable optimizer
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -60,7 +63,7 @@ def _mul(value: Any, factor: float) -> Any:
     return value
 
 
-def iter_schedulers(schedulers: Iterable[Any]) -> Iterator[Any]:
+def iter_schedulers(schedulers: Iterable[object]) -> Iterator[object]:
     """Every scheduler object, composites (``_schedulers``) expanded depth first, each object once."""
     seen: set[int] = set()
     stack = list(schedulers)[::-1]
@@ -70,10 +73,10 @@ def iter_schedulers(schedulers: Iterable[Any]) -> Iterator[Any]:
             continue
         seen.add(id(s))
         yield s
-        stack.extend(list(getattr(s, "_schedulers", []) or [])[::-1])
+        stack.extend(_lightning_compat.inner_schedulers(s)[::-1])
 
 
-def schedulers_of(optimizer: Optimizer, schedulers: Iterable[Any]) -> list[Any]:
+def schedulers_of(optimizer: Optimizer, schedulers: Iterable[object]) -> list[object]:
     """The schedulers (and their composite children) that drive ``optimizer``."""
     return [s for s in iter_schedulers(schedulers) if getattr(s, "optimizer", None) is optimizer]
 
@@ -85,8 +88,8 @@ def _scale_groups(optimizer: Optimizer, factor: float) -> None:
                 group[name] = _mul(group[name], factor)
 
 
-def _scale_scheduler(scheduler: Any, factor: float) -> None:
-    if _is_swalr(scheduler):
+def _scale_scheduler(scheduler: object, factor: float) -> None:
+    if isinstance(scheduler, SWALR):
         # SWALR (StochasticWeightAveraging's scheduler) keeps its target rate in the param groups as ``swa_lr``,
         # written when it is built: it belongs to the scheduler, so it is scaled by the scheduler's own record.
         for group in scheduler.optimizer.param_groups:
@@ -102,13 +105,7 @@ def _scale_scheduler(scheduler: Any, factor: float) -> None:
             setattr(scheduler, name, _mul(value, factor))
 
 
-def _is_swalr(scheduler: Any) -> bool:
-    from torch.optim.swa_utils import SWALR
-
-    return isinstance(scheduler, SWALR)
-
-
-def scale_schedule(optimizer: Optimizer, schedulers: Sequence[Any], factor: float) -> None:
+def scale_schedule(optimizer: Optimizer, schedulers: Sequence[object], factor: float) -> None:
     """Multiply ``optimizer``'s learning rates and every anchor of its schedulers by ``factor``, in place.
 
     Call it after the scheduler stepped for the current step (Lightning: ``on_train_batch_end``). From then on the
@@ -125,7 +122,7 @@ def scale_schedule(optimizer: Optimizer, schedulers: Sequence[Any], factor: floa
         group[LR_SCALE_KEY] = float(group.get(LR_SCALE_KEY, 1.0)) * factor
     for s in schedulers_of(optimizer, schedulers):
         _scale_scheduler(s, factor)
-        s.nanguard_lr_scale = float(getattr(s, LR_SCALE_KEY, 1.0)) * factor
+        setattr(s, LR_SCALE_KEY, float(getattr(s, LR_SCALE_KEY, 1.0)) * factor)
 
 
 def lr_scale_of(optimizer: Optimizer) -> float:
@@ -139,7 +136,7 @@ def _close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-9, abs_tol=0.0)
 
 
-def stamp_lr_scale(optimizer: Optimizer, schedulers: Sequence[Any]) -> None:
+def stamp_lr_scale(optimizer: Optimizer, schedulers: Sequence[object]) -> None:
     """Give every param group and scheduler of ``optimizer`` an explicit scale record (1.0 where it has none).
 
     ``LRScheduler.load_state_dict`` is ``__dict__.update``: it cannot remove an attribute the saved state lacks. So a
@@ -150,10 +147,10 @@ def stamp_lr_scale(optimizer: Optimizer, schedulers: Sequence[Any]) -> None:
         group.setdefault(LR_SCALE_KEY, 1.0)
     for s in schedulers_of(optimizer, schedulers):
         if not hasattr(s, LR_SCALE_KEY):
-            s.nanguard_lr_scale = 1.0
+            setattr(s, LR_SCALE_KEY, 1.0)
 
 
-def sync_lr_scale(optimizer: Optimizer, schedulers: Sequence[Any], scale: float) -> bool:
+def sync_lr_scale(optimizer: Optimizer, schedulers: Sequence[object], scale: float) -> bool:
     """Bring every param group and scheduler of ``optimizer`` to the learning-rate ``scale``, each by its own record.
 
     Idempotent: objects already at ``scale`` are untouched, so calling it after every restore (or every step)
@@ -173,7 +170,7 @@ def sync_lr_scale(optimizer: Optimizer, schedulers: Sequence[Any], scale: float)
         have = float(getattr(s, LR_SCALE_KEY, 1.0))
         if not _close(have, scale):
             _scale_scheduler(s, scale / have)
-            s.nanguard_lr_scale = float(scale)
+            setattr(s, LR_SCALE_KEY, float(scale))
             changed = True
     return changed
 

@@ -6,10 +6,15 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, TypeVar
+
+from lightning_nanguard.contract import Action, Cause, Signal
 
 __all__ = ["Incident", "IncidentLog"]
+
+E = TypeVar("E", bound=Enum)
 
 
 @dataclass(frozen=True)
@@ -21,40 +26,62 @@ class Incident:
         epoch: ``trainer.current_epoch``.
         batch_idx: batch index within the epoch (``-1`` when not tied to a batch).
         ranks: the ranks whose local reading was bad (``[0]`` on one device).
-        trigger: what was seen, a ``Signal`` value (``"nonfinite_grads"``, ``"loss_scale_collapse"``, ...) or, for
-            events outside a training step, what was checked (``"nonfinite_checkpoint"``, ``"eps_underflow"``).
-        action: the main thing done, an ``Action`` value (``"skip"``, ``"rollback"``, ...): the last of ``actions``
-            that changed state, so one record reads "rollback" when a skip and a rollback were both taken.
+        trigger: what was seen, a ``Signal`` (``nonfinite_grads``, ``loss_scale_collapse``, ...) or, for events
+            outside a training step, the code of what was checked (``"nonfinite_checkpoint"``, ``"eps_underflow"``).
+        action: the main thing done (``skip``, ``rollback``, ...): the most consequential of ``actions``, so one
+            record reads "rollback" when a skip and a rollback were both taken.
         source: the callbacks whose remedies acted, e.g. ``"GradNormMonitor, AutoRollback"``.
         values: the readings behind the decision (finite floats, ``"nan"``/``"inf"`` strings otherwise).
         budget_left: how many more such actions the budget allows (``-1`` when unbounded).
         message: what happened, where, why, what was done and what to try.
         actions: every action taken for this event, in order.
-        cause: the diagnosed ``Cause`` value (``""`` for events that are not about a training step).
+        cause: the diagnosed ``Cause`` (``None`` for events with no diagnosis, written ``""``).
         where: the location the diagnosis names (module, tensors, batch rows, checkpoint).
         diagnosis: the full diagnosis as plain values (``Diagnosis.to_dict()``), ``{}`` when none.
+
+    The enum fields accept their plain values too (a record read back from ``incidents.jsonl``); a value this version
+    does not know (a log written by another version) is kept as its string. ``to_dict`` writes the plain values.
     """
 
     step: int
     epoch: int
     batch_idx: int
     ranks: list[int]
-    trigger: str
-    action: str
+    trigger: Signal | str
+    action: Action
     source: str
-    values: dict[str, Any] = field(default_factory=dict)
+    values: dict[str, object] = field(default_factory=dict)
     budget_left: int = -1
     message: str = ""
-    actions: list[str] = field(default_factory=list)
-    cause: str = ""
+    actions: list[Action] = field(default_factory=list)
+    cause: Cause | None = None
     where: str = ""
-    diagnosis: dict[str, Any] = field(default_factory=dict)
+    diagnosis: dict[str, object] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["values"] = {k: _json_safe(v) for k, v in self.values.items()}
-        data["diagnosis"] = _json_safe(self.diagnosis)
-        return data
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen
+        set_(self, "trigger", _member(Signal, self.trigger))
+        set_(self, "action", _member(Action, self.action))
+        set_(self, "actions", [_member(Action, a) for a in self.actions])
+        set_(self, "cause", _member(Cause, self.cause) if self.cause else None)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "batch_idx": self.batch_idx,
+            "ranks": list(self.ranks),
+            "trigger": str(self.trigger),
+            "action": str(self.action),
+            "source": self.source,
+            "values": {k: _json_safe(v) for k, v in self.values.items()},
+            "budget_left": self.budget_left,
+            "message": self.message,
+            "actions": [str(a) for a in self.actions],
+            "cause": "" if self.cause is None else str(self.cause),
+            "where": self.where,
+            "diagnosis": _json_safe(self.diagnosis),
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Incident:
@@ -88,7 +115,7 @@ class IncidentLog:
         """Number of incidents per main action."""
         out: dict[str, int] = {}
         for r in self.records:
-            out[r.action] = out.get(r.action, 0) + 1
+            out[str(r.action)] = out.get(str(r.action), 0) + 1
         return out
 
     def touch(self) -> None:
@@ -128,7 +155,17 @@ class IncidentLog:
         return records, notes
 
 
-def _json_safe(value: Any) -> Any:
+def _member(kind: type[E], value: object) -> object:
+    """``value`` as a member of ``kind`` when it is one (or names one); else unchanged."""
+    if isinstance(value, kind):
+        return value
+    try:
+        return kind(value)
+    except ValueError:
+        return value
+
+
+def _json_safe(value: object) -> object:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, (list, tuple)):

@@ -5,9 +5,8 @@ check)."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
-from lightning_nanguard.contract import Action, Diagnosis, Plan, Signal
+from lightning_nanguard.contract import Action, Diagnosis, Plan, Signal, StopReason
 
 __all__ = [
     "actions_phrase",
@@ -30,8 +29,6 @@ _SIGNAL_TEXT = {
     Signal.LOSS_AND_GRAD_NORM_SPIKE: "a loss and gradient-norm spike",
     Signal.DIVERGING: "a diverging run (loss and gradient norm far above the last sound snapshot's)",
     Signal.LOSS_SCALE_COLLAPSE: "a loss-scale collapse (the fp16 GradScaler keeps overflowing)",
-    Signal.SKIP_STREAK: "too many dropped updates in a row",
-    Signal.ROLLBACK_BUDGET_EXHAUSTED: "the rollback budget ran out",
 }
 
 _ACTION_TEXT = {
@@ -151,28 +148,20 @@ def divergence_error(names: Sequence[str], tried: str, hint: str) -> str:
     )
 
 
+_COLLAPSE_TIP = "lower the learning rate or train in bf16-mixed; add AutoRollback and OptimizerBackoff"
+# What to try beyond the diagnosis' hint, by why training stopped.
+_STOP_TIPS = {
+    StopReason.NOTHING_RESTORES: "add AutoRollback() so a damaged state is restored instead of stopping",
+    StopReason.ROLLBACK_BUDGET: "lower the learning rate, clip gradients, or raise AutoRollback(max_rollbacks=...)",
+    StopReason.SKIP_BUDGET: "check the data at these steps, or raise GradNormMonitor(max_consecutive_skips=...)",
+    StopReason.COLLAPSE_BUDGET: _COLLAPSE_TIP,
+    StopReason.STOP_ON_COLLAPSE: _COLLAPSE_TIP,
+}
+
+
 def _what_to_try(diagnosis: Diagnosis, plan: Plan) -> str:
     tips = [diagnosis.hint] if diagnosis.hint else []
-    if "AutoRollback is not installed" in plan.reason:
-        tips.append("add AutoRollback() so a damaged state is restored instead of stopping")
-    if "rollback budget" in plan.reason:
-        tips.append("lower the learning rate, clip gradients, or raise AutoRollback(max_rollbacks=...)")
-    if "max_consecutive_skips" in plan.reason:
-        tips.append("check the data at these steps, or raise GradNormMonitor(max_consecutive_skips=...)")
-    if "collapse budget" in plan.reason or "on_collapse" in plan.reason:
-        tips.append("lower the learning rate or train in bf16-mixed; add AutoRollback and OptimizerBackoff")
+    tip = _STOP_TIPS.get(plan.stop) if plan.stop is not None else None
+    if tip:
+        tips.append(tip)
     return "; ".join(tips) or "check the data and the model at this step"
-
-
-def values_of(readings: Sequence[Any]) -> dict[str, Any]:
-    """The readings behind an event as plain floats (grad norm, loss, loss scale)."""
-    out: dict[str, Any] = {}
-    for r in readings[:1]:
-        if r.has_grads:
-            out["grad_norm"] = r.grad_norm
-        if r.loss is not None:
-            out["loss"] = r.loss
-        if r.scale is not None:
-            out["loss_scale"] = r.scale
-        out.update(r.zscores or {})
-    return out

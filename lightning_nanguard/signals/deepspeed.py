@@ -10,7 +10,8 @@ group, updates its loss scaler, and drops the update when it overflowed; otherwi
 is already identical on every rank: the overflow flag and the norm are DeepSpeed's reduced values, and the loss
 scaler runs the same update on every rank.
 
-Pure adapters and texts, no Trainer: the callbacks (``callbacks/_deepspeed.py``) call them once per step.
+Pure adapters and texts, no Trainer: the engine's DeepSpeed watches (``engine/deepspeed_sensing.py``) call them once
+per step, and the incident path writes an event's message with the ``*_message`` functions, given the plan.
 """
 
 from __future__ import annotations
@@ -19,14 +20,19 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from lightning_nanguard.contract import Action, Plan, StopReason
+
 __all__ = [
     "MIN_SCALE_EXIT",
     "DeepSpeedScaler",
     "StepOutcome",
     "collapse_advice",
+    "collapse_message",
+    "exit_message",
     "find_scaler",
     "is_min_scale_exit",
     "min_scale_exit_explanation",
+    "overflow_message",
     "read_step",
 ]
 
@@ -195,3 +201,56 @@ def min_scale_exit_explanation(*, scale: float | None, min_scale: float | None) 
         "it raises. " + collapse_advice(weights_finite=None) + " LossScaleWatchdog with floor_patience or "
         "max_overflow_streak set takes this decision over from DeepSpeed (an incident, and a stop that says why)."
     )
+
+
+def collapse_message(
+    plan: Plan,
+    *,
+    step: int,
+    reason: str,
+    skipped_total: int,
+    weights_finite: bool | None,
+    on_collapse: str,
+    collapses: int,
+    max_collapses: int | None,
+) -> str:
+    """A collapse of DeepSpeed's fp16 loss scale that LossScaleWatchdog took over, and what ``plan`` does about it."""
+    if Action.WARN in plan.actions:
+        then = "Kept training (on_collapse='warn'); DeepSpeed keeps skipping the overflowing updates."
+    elif plan.stop is StopReason.COLLAPSE_BUDGET:
+        then = f"Training stops: this is collapse {collapses}, over max_collapses={max_collapses}."
+    else:
+        then = (
+            f"Training stops (on_collapse={on_collapse!r}; a rollback is not available under DeepSpeed, whose "
+            "optimizer state AutoRollback cannot restore)."
+        )
+    return (
+        f"nanguard: DeepSpeed's fp16 loss scale collapsed at step {step}: {reason}; DeepSpeed dropped each of "
+        f"those updates itself (skipped_steps={skipped_total}). Without the watchdog DeepSpeed would "
+        "have ended the run with 'Current loss scale already at minimum - cannot decrease scale anymore. "
+        f"Exiting run.' {collapse_advice(weights_finite=weights_finite)} {then}"
+    )
+
+
+def overflow_message(
+    plan: Plan, *, step: int, skipped_total: int, forced_check: bool, streak: int, max_skips: int | None
+) -> str:
+    """An update DeepSpeed dropped for inf/NaN gradients, and, where ``plan`` stops, why."""
+    message = (
+        f"nanguard: step {step}: DeepSpeed found inf/NaN gradients and dropped the update itself (its overflow "
+        f"check, all-reduced over the ranks; DeepSpeed's skipped_steps={skipped_total}); nanguard counted it."
+    )
+    if forced_check:
+        message += " (DeepSpeed checks bf16 gradients because GradNormMonitor set its check_grad_overflow.)"
+    if plan.stop is not None:
+        message += (
+            f" That is {streak} dropped updates in a row (max_consecutive_skips={max_skips}): training stops. Under "
+            "fp16 add LossScaleWatchdog, which judges overflow streaks against the loss scale; lower the learning "
+            "rate or use precision='bf16-mixed'."
+        )
+    return message
+
+
+def exit_message(plan: Plan, *, scale: float | None, min_scale: float | None) -> str:
+    """DeepSpeed's own exit at its minimum loss scale, explained (it ended the run: ``plan`` records that)."""
+    return "nanguard: " + min_scale_exit_explanation(scale=scale, min_scale=min_scale)

@@ -23,6 +23,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_nanguard import _lightning_compat
+from lightning_nanguard.exceptions import UnsupportedSetupError
+
 __all__ = ["SHARE_ATTR", "install", "is_fsdp1", "mark_parameters", "refusal", "refusal_use_orig_params"]
 
 SHARE_ATTR = "_nanguard_share"  # set on an original parameter: its weight in the SUM (``sharded.share_of``)
@@ -44,7 +47,7 @@ _NOT_SUPPORTED = {
 _TESTED_PRECISIONS = ("32-true", "32", "bf16-mixed")
 
 
-def is_fsdp1(strategy: Any) -> bool:
+def is_fsdp1(strategy: object) -> bool:
     """``strategy`` is Lightning's ``FSDPStrategy`` (or a subclass): read from the class names, no import."""
     return any(cls.__name__ == "FSDPStrategy" for cls in type(strategy).__mro__)
 
@@ -67,7 +70,7 @@ def refusal(trainer: Any, owner: str) -> str | None:
             f"FSDPStrategy under precision={precision!r} is not tested (tested: '32-true' and 'bf16-mixed', whose "
             "sharded gradients are float32). Use precision='bf16-mixed' or '32-true'"
         )
-    if owner == "CheckpointGuard" and getattr(strategy, "_state_dict_type", "full") != "sharded":
+    if owner == "CheckpointGuard" and _lightning_compat.fsdp1_state_dict_type(strategy) != "sharded":
         return (
             "FSDPStrategy(state_dict_type='full') (its default) gathers the whole state to rank 0 and loads it "
             "itself, and nanguard has not run that path: torch's FSDP1 full state dict (Lightning asks for "
@@ -101,17 +104,15 @@ def mark_parameters(model: Any, world_size: int) -> int:
     for unit in model.modules():
         if not isinstance(unit, FullyShardedDataParallel):
             continue
-        handle = getattr(unit, "_handle", None)
+        handle = _lightning_compat.fsdp1_handle(unit)
         if handle is None:  # a unit that manages no parameter of its own (the root of a fully wrapped model)
             continue
-        if not getattr(handle, "_use_orig_params", True):  # wrapped by hand with use_orig_params=False
-            from lightning_nanguard.exceptions import UnsupportedSetupError
-
+        if not _lightning_compat.fsdp1_uses_orig_params(handle):  # wrapped by hand with use_orig_params=False
             raise UnsupportedSetupError(f"nanguard does not support {refusal_use_orig_params()}.")
         flat = handle.flat_param
         shard_group = handle.process_group.size() if handle.uses_sharded_strategy else 1
         share = min(1.0, shard_group / world)
-        for p in [*(getattr(flat, "_params", None) or ()), *(getattr(flat, "_shared_params", None) or ())]:
+        for p in _lightning_compat.fsdp1_original_params(flat):
             setattr(p, SHARE_ATTR, share)
             marked += 1
     return marked
@@ -133,6 +134,6 @@ class _MarkAfterSetup:
 def install(strategy: Any) -> None:
     """Mark the original parameters every time ``strategy`` sets the model up (it wraps it in FSDP there, after
     the callbacks' ``setup`` and before ``on_fit_start``). Once per strategy instance."""
-    if isinstance(strategy.__dict__.get("setup"), _MarkAfterSetup):
+    if isinstance(_lightning_compat.instance_attribute(strategy, "setup"), _MarkAfterSetup):
         return
     strategy.setup = _MarkAfterSetup(strategy.setup, strategy)

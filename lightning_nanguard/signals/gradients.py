@@ -3,7 +3,7 @@
 The per-tensor 2-norms come from a single ``torch._foreach_norm`` per (device, dtype) group, accumulated in float32
 so that a large but finite fp16/bf16 gradient does not overflow to inf and read as non-finite. A 2-norm propagates
 NaN and inf, so a tensor holding either has a non-finite norm: finiteness and the total norm fall out of the same
-pass (PERFORMANCE.md, variant e/g: 1.3-1.7x one read of the gradients).
+pass (docs/PERFORMANCE.md has what that costs against one plain read of the gradients).
 
 Sharded parameters (``DTensor``: FSDP2, tensor parallelism) are read through their local shards, never as
 ``DTensor``s (``signals/sharded.py``); ``weighted_squares`` gives each tensor's local squared norm weighted by its
@@ -21,6 +21,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor, nn
 
+from lightning_nanguard import _lightning_compat
 from lightning_nanguard.signals.sharded import is_sharded, local_grads, original_name, share_of
 
 __all__ = [
@@ -31,8 +32,10 @@ __all__ = [
     "inline_applies",
     "layer_norms",
     "layer_of",
+    "loss_sum",
     "norms_with",
     "weighted_squares",
+    "wrapper_prefixes",
 ]
 
 
@@ -155,6 +158,35 @@ class ParamIndex:
         return n == self.count and (n == 0 or first is self.params[0])
 
 
+def wrapper_prefixes(module: nn.Module) -> tuple[str, ...]:
+    """The chain of single-child wrappers that hold every parameter (``self.model = nn.Sequential(...)``)."""
+    prefix, current = "", module
+    out: list[str] = []
+    total = sum(1 for _ in module.parameters())
+    while True:
+        children = [(n, c) for n, c in current.named_children() if any(True for _ in c.parameters())]
+        if len(children) != 1 or sum(1 for _ in children[0][1].parameters()) != total:
+            return tuple(out)
+        name, current = children[0]
+        prefix = f"{prefix}{name}"
+        out.append(prefix)
+        prefix += "."
+
+
+def loss_sum(losses: list[Tensor]) -> Tensor | None:
+    """The step's (micro-batch) losses summed, as ``on_before_backward`` passed them (not detached there: a detach is
+    a device op; the reading runs under the optimizer's ``no_grad``, so nothing is recorded; detached here where a
+    custom optimizer left grad mode on)."""
+    if not losses:
+        return None
+    if torch.is_grad_enabled():
+        losses = [loss.detach() for loss in losses]
+    if len(losses) == 1:
+        loss = losses[0]
+        return loss if loss.dim() == 0 else loss.reshape(())
+    return torch.stack([loss.reshape(()).float() for loss in losses]).sum()
+
+
 def _prefix(name: str, wrappers: Sequence[str]) -> str:
     for w in wrappers:
         if name.startswith(w + "."):
@@ -187,7 +219,7 @@ def grad_norms(index: ParamIndex, scale: Tensor | None = None) -> GradNorms | No
     grads = [p.grad for p in index.params]
     if index.sharded:  # local shards only: a DTensor op could start a collective on this rank alone
         grads = local_grads(index.params, grads)
-    # `is not None` per item: `None in grads` would call Tensor.__eq__ on every gradient (~16 us each).
+    # `is not None` per item: `None in grads` would call Tensor.__eq__ on every gradient.
     if index.uniform and all(g is not None for g in grads):
         if not grads:
             return None
@@ -234,7 +266,7 @@ def _grouped_norms(index: ParamIndex, grads: list[Tensor | None], present: list[
         g = grads[i]
         assert g is not None
         if g.is_sparse:
-            g = g.coalesce()._values()
+            g = _lightning_compat.sparse_values(g)
         dense[i] = g
         by_key[(g.device, g.dtype)].append(i)
     out: dict[int, Tensor] = {}
@@ -284,8 +316,10 @@ def weighted_squares(index: ParamIndex, norms: GradNorms | None, device: torch.d
 def _foreach_norm_fp32(tensors: list[Tensor]) -> Iterable[Tensor]:
     """Per-tensor 2-norms of one (device, dtype) group, accumulated in float32."""
     if tensors[0].dtype in (torch.float32, torch.float64):
-        return torch._foreach_norm(tensors, 2)  # already accumulates in float32; dtype= would cost a conversion
+        return _lightning_compat.foreach_norm(
+            tensors, 2
+        )  # already accumulates in float32; dtype= would cost a conversion
     try:
-        return torch._foreach_norm(tensors, 2, dtype=torch.float32)
+        return _lightning_compat.foreach_norm(tensors, 2, dtype=torch.float32)
     except (TypeError, RuntimeError):  # older torch without dtype=; correct but may overflow for huge fp16 grads
-        return [n.float() for n in torch._foreach_norm(tensors, 2)]
+        return [n.float() for n in _lightning_compat.foreach_norm(tensors, 2)]

@@ -32,7 +32,6 @@ __all__ = [
     "is_sharded",
     "local_grads",
     "local_tensor",
-    "local_tensors",
     "original_name",
     "share_of",
 ]
@@ -46,7 +45,7 @@ except ImportError:  # pragma: no cover - depends on the torch build
     pass
 
 
-def is_sharded(t: Any) -> bool:
+def is_sharded(t: object) -> bool:
     """``t`` is a ``DTensor`` (a parameter, gradient or optimizer state tensor of a sharded model), or an FSDP1
     original parameter (a view of this rank's piece of a flat shard, marked at setup)."""
     return (_DTensor is not None and isinstance(t, _DTensor)) or getattr(t, _SHARE_ATTR, None) is not None
@@ -58,11 +57,6 @@ def local_tensor(t: Tensor) -> Tensor:
         with torch.no_grad():  # no autograd node: the plain local tensor, a view of the DTensor's own storage
             return t.to_local()
     return t
-
-
-def local_tensors(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """``local_tensor`` of each."""
-    return [local_tensor(t) for t in tensors]
 
 
 def local_grads(params: Sequence[Tensor], grads: Sequence[Tensor | None]) -> list[Tensor | None]:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_nanguard.engine.state_check import nonfinite_names
+from lightning_nanguard.signals.model_tensors import nonfinite_names
 
 __all__ = ["StateFindings", "eps_underflows", "read_state", "trial_adam_update"]
 

@@ -372,7 +372,7 @@ def test_the_floor_costs_no_device_op_where_the_update_cannot_leave_the_range(
 ) -> None:
     from types import SimpleNamespace
 
-    from lightning_nanguard.engine.sensing import Reading
+    from lightning_nanguard.engine.reading import Reading
 
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))

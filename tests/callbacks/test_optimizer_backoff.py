@@ -345,7 +345,7 @@ def test_state_round_trip_weights_only(tmp_path: Any) -> None:
     cb = OptimizerBackoff()
     cb._policy.back_off("unknown")
     cb._policy.back_off("gradient_explosion")
-    cb._eps_scale = 10.0
+    cb._scales.eps_scale = 10.0
     path = tmp_path / "state.pt"
     torch.save(cb.state_dict(), path)
     other = OptimizerBackoff()

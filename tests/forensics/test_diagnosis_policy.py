@@ -7,15 +7,8 @@ import json
 import pytest
 
 from lightning_nanguard.contract import Cause, EvidenceKind, Signal
-from lightning_nanguard.policies.diagnosis import (
-    Findings,
-    PassResult,
-    ReplayFindings,
-    classify,
-    needs_replay,
-    replay_steps,
-    signature,
-)
+from lightning_nanguard.policies.diagnosis import classify, needs_replay, replay_steps, signature
+from lightning_nanguard.policies.findings import Findings, PassResult, ReplayFindings
 from lightning_nanguard.signals.batch import BatchFindings
 from lightning_nanguard.signals.history import HistoryFindings, read_history
 from lightning_nanguard.signals.state import StateFindings

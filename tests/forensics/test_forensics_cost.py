@@ -39,7 +39,7 @@ class _StepTime(pl.Callback):
         self.seconds = seconds
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        get_engine(trainer).step_seconds = self.seconds
+        get_engine(trainer).ledger.step_seconds = self.seconds
 
 
 def test_replays_stop_at_max_replay_steps_and_each_is_costed(tmp_path: Any) -> None:
@@ -59,4 +59,4 @@ def test_replays_stop_at_max_replay_steps_and_each_is_costed(tmp_path: Any) -> N
     assert first["replay_steps"] == pytest.approx(first["replay_ms"] / 1.0)
     assert not second["replayed"]
     assert "replay budget is spent" in second["note"]
-    assert get_engine(trainer).replay_ms == pytest.approx(first["replay_ms"], rel=1e-3)
+    assert get_engine(trainer).ledger.replays.spent_ms == pytest.approx(first["replay_ms"], rel=1e-3)

@@ -158,13 +158,14 @@ def test_gradient_accumulation_falls_back_to_cheap_evidence(tmp_path: Any) -> No
 
 
 def test_healthy_fit_never_replays(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_nanguard.engine.diagnose as diagnose
     import lightning_nanguard.forensics.investigation as inv
 
     def boom(*a: Any, **k: Any) -> None:
         raise AssertionError("a healthy step was replayed")
 
     monkeypatch.setattr(inv, "run_pass", boom)
-    monkeypatch.setattr(inv, "gather_findings", boom)
+    monkeypatch.setattr(diagnose, "gather_findings", boom)
     assert _fit(tmp_path, RegressionNet(), max_steps=6) == []
 
 

@@ -39,7 +39,7 @@ FINDINGS: list[Finding] = [
             "The gradient fault lands after DDP's all-reduce on one rank. Whenever a member drives the engine "
             "(GradNormMonitor, AutoRollback, OptimizerBackoff, LossScaleWatchdog) every rank's GradScaler drops the "
             "step together: the sensor's reduced verdict, or, when no member senses steps (OptimizerBackoff alone), "
-            "one all-reduce of the scalers' `found_inf` (`_lightning_compat.agree_scaler_skip`). FP32Evaluation and "
+            "one all-reduce of the scalers' `found_inf` (`engine/scaler_agreement.agree_scaler_skip`). FP32Evaluation and "
             "CheckpointGuard join without driving (no per-step hook), so with only them installed a rank-local fault "
             "splits the scalers as in plain Lightning; the end-of-fit check compares the ranks' parameters and "
             "raises `RankDivergenceError` (a documented error, not a violation). A row here would be a divergence "

@@ -60,11 +60,11 @@ class Dump(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         engine = get_engine(trainer)
-        assert engine.quarantine is not None
+        assert engine.registry.quarantine is not None
         torch.save(
             {n: p.detach().clone() for n, p in pl_module.named_parameters()}, f"{self.out}/p{trainer.global_rank}.pt"
         )
-        state = {"quarantine": engine.quarantine.state_dict(), "incidents": len(engine.sink.records)}
+        state = {"quarantine": engine.registry.quarantine.state_dict(), "incidents": len(engine.sink.records)}
         state["skipped"] = engine.skipped_steps
         with open(f"{self.out}/q{trainer.global_rank}.json", "w", encoding="utf-8") as f:
             json.dump(state, f)

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import AutoRollback, GradNormMonitor, LossScaleWatchdog, OptimizerBackoff
 from lightning_nanguard.engine import get_engine
-from lightning_nanguard.engine.sensing import current_grad_norm
+from lightning_nanguard.engine.sharded_sensing import current_grad_norm
 from lightning_nanguard.signals.gradients import layer_norms
 from lightning_nanguard.testing import FaultInjector
 

@@ -12,7 +12,8 @@ import torch
 from lightning_nanguard import AutoRollback, OptimizerBackoff
 from lightning_nanguard.contract import Action, Cause, Divergence, EvidenceKind, Signal, StepHealth
 from lightning_nanguard.engine import get_engine
-from lightning_nanguard.policies.diagnosis import Findings, classify, needs_replay
+from lightning_nanguard.policies.diagnosis import classify, needs_replay
+from lightning_nanguard.policies.findings import Findings
 from lightning_nanguard.policies.remedy import Installed, RemedyFacts, plan_remedy
 from lightning_nanguard.policies.snapshot_health import DIVERGED_FACTOR, SnapshotJudge, diverging_now
 from lightning_nanguard.signals.batch import BatchFindings

@@ -56,3 +56,23 @@ def test_cli_report(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
 def test_check_float_messages(kwargs: dict[str, Any], value: Any, message: str) -> None:
     with pytest.raises(NanGuardConfigError, match=message):
         check_float("X", "f", value, **kwargs)
+
+
+def test_an_incident_holds_typed_values_and_writes_the_plain_ones() -> None:
+    from lightning_nanguard.contract import Action, Cause, Signal
+
+    inc = Incident(3, 0, 3, [0], "nonfinite_loss", "skip", "GradNormMonitor", actions=["skip", "quarantine"])
+    assert inc.trigger is Signal.NONFINITE_LOSS
+    assert inc.action is Action.SKIP
+    assert inc.actions == [Action.SKIP, Action.QUARANTINE]
+    assert inc.cause is None
+    typed = Incident(**{**inc.__dict__, "cause": "input_data"})
+    assert typed.cause is Cause.INPUT_DATA
+    assert f"{typed.cause} -> {', '.join(typed.actions)}" == "input_data -> skip, quarantine"
+    record = typed.to_dict()
+    assert (record["trigger"], record["action"], record["cause"]) == ("nonfinite_loss", "skip", "input_data")
+    assert type(record["action"]) is str
+    assert inc.to_dict()["cause"] == ""
+    # A log written by another version: a value this one does not know stays a plain string.
+    foreign = Incident.from_dict({**record, "trigger": "nonfinite_checkpoint", "cause": "bad_input"})
+    assert (foreign.trigger, foreign.cause) == ("nonfinite_checkpoint", "bad_input")

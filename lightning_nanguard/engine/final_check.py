@@ -1,0 +1,143 @@
+"""The end-of-fit check: a fit that returns normally has finite parameters and buffers, identical on every rank
+(DDP); otherwise the newest verified state is restored, or the fit raises."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+
+from lightning_nanguard import _distributed
+from lightning_nanguard.contract import (
+    Action,
+    Cause,
+    Diagnosis,
+    Evidence,
+    EvidenceKind,
+    RestoreSource,
+    Signal,
+    StateRestored,
+)
+from lightning_nanguard.engine.accounting import FitLedger
+from lightning_nanguard.engine.act import restored_text
+from lightning_nanguard.engine.bus import EventBus
+from lightning_nanguard.engine.capabilities import Restored, Restorer
+from lightning_nanguard.engine.sink import IncidentSink
+from lightning_nanguard.engine.state_check import model_finite, state_verdict
+from lightning_nanguard.exceptions import NonFiniteTrainingError, RankDivergenceError
+from lightning_nanguard.reporting import messages
+from lightning_nanguard.reporting.incidents import Incident
+from lightning_nanguard.signals.model_tensors import nonfinite_names
+
+__all__ = ["divergence_diagnosis", "final_check"]
+
+_NOTHING_VERIFIED = (
+    "AutoRollback had no verified snapshot or checkpoint to restore: snapshot more often (every_n_steps)"
+)
+
+
+def final_check(
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    restorer: Restorer | None,
+    ledger: FitLedger,
+    sink: IncidentSink,
+    bus: EventBus,
+    tried: str,
+) -> None:
+    """Check the state at the end of fit (a collective: every rank reaches ``on_train_end``); restore or raise.
+
+    ``tried``: what the run has tried so far, for the error's message."""
+    verdict = state_verdict(trainer, pl_module)
+    if verdict.sound:
+        ledger.final_state = "finite (checked at the end of fit)"
+        return
+    if verdict.finite:  # under DDP, finite parameters whose copies differ across the ranks
+        names = list(verdict.diverged)
+        signal, diagnosis = Signal.RANK_DIVERGENCE, divergence_diagnosis(verdict.diverged)
+        problem = f"the ranks' parameters differ at the end of fit ({', '.join(names[:5])})"
+        promise, error = "every rank returns the same model", messages.divergence_error
+        restored_state = "finite and identical on every rank"
+        because = f"the ranks' copies of {', '.join(names[:3])} differed"
+        unrestored = f"finite, but the ranks' copies of {', '.join(names[:3])} DIFFER"
+        add = "add AutoRollback() so the last state verified identical on every rank is restored"
+    else:
+        gathered = _distributed.all_gather_objects(trainer, nonfinite_names(pl_module))
+        names = sorted({n for part in gathered for n in part})  # type: ignore[attr-defined]
+        signal = Signal.NONFINITE_STATE
+        diagnosis = Diagnosis(
+            Cause.CORRUPT_STATE, where=", ".join(names[:3]), state_tensors=tuple(names), state_damaged=True
+        )
+        problem = f"non-finite parameters or buffers at the end of fit ({', '.join(names[:5])})"
+        promise, error = "the model fit() returns is finite", messages.final_state_error
+        restored_state = "finite"
+        because = f"the last update(s) left {', '.join(names[:3])} non-finite"
+        unrestored = f"NON-FINITE ({', '.join(names[:3])})"
+        add = "add AutoRollback() so the last verified state is restored"
+    restored = _restore_at_end(
+        trainer, pl_module, signal, diagnosis, restorer, sink, bus, problem=problem, promise=promise
+    )
+    if restored is not None:
+        ledger.final_state = (
+            f"{restored_state}: restored from step {restored.step} ({restored.source}) at the end of fit, because "
+            f"{because}"
+        )
+        return
+    ledger.final_state = unrestored
+    hint = _NOTHING_VERIFIED if restorer is not None else add
+    if ledger.pending_error is None:
+        kind = RankDivergenceError if signal is Signal.RANK_DIVERGENCE else NonFiniteTrainingError
+        ledger.pending_error = kind(error(names, tried, hint))
+
+
+def _restore_at_end(
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    signal: Signal,
+    diagnosis: Diagnosis,
+    restorer: Restorer | None,
+    sink: IncidentSink,
+    bus: EventBus,
+    *,
+    problem: str,
+    promise: str,
+) -> Restored | None:
+    """Restore the newest verified state and record the incident (``problem``: what was found; ``promise``: what the
+    restore guarantees). ``None`` when nothing verified could be restored."""
+    if restorer is None or not restorer.can_restore(trainer, trainer.global_step):
+        return None
+    restored = restorer.restore(trainer, pl_module, trainer.global_step)
+    if restored is None or not model_finite(trainer, pl_module):
+        return None
+    incident = Incident(
+        step=trainer.global_step,
+        epoch=int(trainer.current_epoch),
+        batch_idx=-1,
+        ranks=list(range(trainer.world_size)),
+        trigger=signal,
+        action=Action.ROLLBACK,
+        source=restorer.owner,
+        values={"restored_from_step": restored.step, "rollback_source": restored.source},
+        message=f"{problem}: {restored_text(restored)}, so {promise}. The last updates were lost.",
+        actions=[Action.ROLLBACK],
+        cause=Cause.CORRUPT_STATE,
+        where=diagnosis.where,
+        diagnosis=diagnosis.to_dict(),
+    )
+    sink.record(trainer, incident)
+    bus.emit(trainer, StateRestored(restored.step, RestoreSource(restored.source)))
+    return restored
+
+
+def divergence_diagnosis(names: tuple[str, ...]) -> Diagnosis:
+    """The diagnosis of a rank divergence: the state is damaged (the ranks no longer train one model)."""
+    listed = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
+    return Diagnosis(
+        Cause.CORRUPT_STATE,
+        where=f"{', '.join(names[:3])}: the ranks' copies differ",
+        evidence=(Evidence(EvidenceKind.RANKS_DIVERGED, f"differ across ranks: {listed}", {"tensors": names}),),
+        hint=(
+            "something changed one rank's copy only (a rank-local write, a fault after the gradient all-reduce); "
+            "DDP never re-broadcasts parameters, so the ranks would train different models from here on"
+        ),
+        state_tensors=names,
+        state_damaged=True,
+    )

@@ -1,0 +1,184 @@
+"""Every cause, declared once: what it means for the remedy, the state and the data, and the evidence that decides it.
+
+A cause's facets are read by the code that needs one, never re-derived: the remedy policy (``policies.remedy``:
+the remedy family, the reason, quarantine, the backoff and overflow counts), the diagnosis (``policies.diagnosis``:
+the evidence rules in ``EVIDENCE`` order, the hint) and AutoRollback's quiet period (``trusts_state``).
+
+Adding a cause (ARCHITECTURE.md, "Add a cause"): its ``contract.Cause`` member, its ``CauseSpec`` in ``CAUSES``, its
+evidence rule (a function in ``policies/rules/``) placed in ``EVIDENCE``, and its row in docs/FORENSICS.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+from lightning_nanguard.contract import Cause, Diagnosis
+from lightning_nanguard.policies.findings import Findings
+from lightning_nanguard.policies.rules import history, replay, state, step
+
+__all__ = ["CAUSES", "EVIDENCE", "CauseSpec", "Remedy", "Rule", "Stage", "spec", "trusts_state"]
+
+
+class Remedy(Enum):
+    """The remedy family the policy applies to a cause (beyond dropping the update; ``policies.remedy``)."""
+
+    SKIP = "skip"  # nothing more (quarantine follows ``data_at_fault``)
+    RAISE_EPS = "raise_eps"  # raise the optimizer's eps
+    PROMOTE_WHEN_RECURRING = "promote_when_recurring"  # the module runs in float32 once it recurs promote_after times
+    ROLLBACK_AND_BACKOFF = "rollback_and_backoff"  # restore a sound state and lower the learning rate
+    RESTORE = "restore"  # restore a sound state (the state itself is the fault)
+
+
+@dataclass(frozen=True)
+class CauseSpec:
+    """One cause's facets.
+
+    Attributes:
+        cause: the cause.
+        reason: why the remedy fits, in one phrase (a ``Plan``'s reason).
+        hint: what to try, for people (a ``Diagnosis``'s hint, unless its rule wrote a more specific one).
+        remedy: the remedy family.
+        data_at_fault: the batch is to blame: quarantine it.
+        state_trusted: the model and optimizer state are trusted at once afterwards (no quiet period before the next
+            snapshot: the data, or a one-off, was to blame).
+        counts_toward_backoff: a dropped update of this cause counts toward OptimizerBackoff's
+            ``skips_before_backoff`` (a bad sample, or a damaged state that a rollback answers, does not).
+        routine_under_scaler: an update of this cause the GradScaler dropped itself is its routine: it does not count
+            toward the backoff (a run of them is LossScaleWatchdog's collapse, which backs off).
+        counts_module_overflow: the module the diagnosis names counts one overflow toward ``promote_after``.
+    """
+
+    cause: Cause
+    reason: str
+    hint: str
+    remedy: Remedy = Remedy.SKIP
+    data_at_fault: bool = False
+    state_trusted: bool = False
+    counts_toward_backoff: bool = True
+    routine_under_scaler: bool = False
+    counts_module_overflow: bool = False
+
+
+CAUSES: dict[Cause, CauseSpec] = {
+    s.cause: s
+    for s in (
+        CauseSpec(
+            Cause.INPUT_DATA,
+            "the batch's inputs are bad; the model and optimizer are not at fault",
+            "check the data pipeline for these samples (NaN/inf or unnormalised values in the inputs)",
+            data_at_fault=True,
+            state_trusted=True,
+            counts_toward_backoff=False,
+        ),
+        CauseSpec(
+            Cause.TARGETS,
+            "the batch's targets are bad; the model and optimizer are not at fault",
+            "the labels do not fit the model's output: check num_classes against the dataset's labels",
+            data_at_fault=True,
+            state_trusted=True,
+            counts_toward_backoff=False,
+        ),
+        CauseSpec(
+            Cause.HALF_PRECISION_OVERFLOW,
+            "a module overflows in half precision",
+            "the module overflows float16 but is finite in float32: run it in float32 (FP32Evaluation(promote_after="
+            "...) under *-mixed), use bf16, or normalise its input",
+            remedy=Remedy.PROMOTE_WHEN_RECURRING,
+            routine_under_scaler=True,
+            counts_module_overflow=True,
+        ),
+        CauseSpec(
+            Cause.LOSS_FUNCTION,
+            "the loss function produced a non-finite value from finite outputs",
+            "every module output is finite but the loss is not: guard the loss (clamp before log, eps in divisions, "
+            "log_softmax instead of log(softmax))",
+        ),
+        CauseSpec(
+            Cause.GRADIENT_EXPLOSION,
+            "training is diverging",
+            "lower the learning rate, clip gradients, warm up longer, or use a bigger batch",
+            remedy=Remedy.ROLLBACK_AND_BACKOFF,
+        ),
+        CauseSpec(
+            Cause.OPTIMIZER_NUMERICS,
+            "finite gradients produced a non-finite update",
+            "the optimizer's update is non-finite from finite gradients: raise Adam eps to one representable in the "
+            "parameter dtype (1e-4 for float16, OptimizerBackoff does it) or keep float32 master weights (*-mixed)",
+            remedy=Remedy.RAISE_EPS,
+        ),
+        CauseSpec(
+            Cause.CORRUPT_STATE,
+            "the parameters, buffers or optimizer state are non-finite",
+            "restore an earlier state (AutoRollback does it in memory); check what wrote the non-finite values",
+            remedy=Remedy.RESTORE,
+            counts_toward_backoff=False,
+        ),
+        CauseSpec(
+            Cause.TRANSIENT,
+            "the fault did not reproduce",
+            "the same batch on the same weights was finite: a one-off (hardware, race, injected fault)",
+            state_trusted=True,
+        ),
+        CauseSpec(
+            Cause.UNKNOWN,
+            "",
+            "check the data and the model at this step (forensics='every' replays each incident)",
+        ),
+    )
+}
+
+
+def spec(cause: Cause) -> CauseSpec:
+    return CAUSES[cause]
+
+
+def trusts_state(cause: Cause | str | None) -> bool:
+    """After an incident of ``cause`` the model and optimizer state are trusted at once (``CauseSpec.state_trusted``);
+    not after an incident with no diagnosed cause."""
+    return bool(cause) and CAUSES[Cause(cause)].state_trusted
+
+
+class Stage(Enum):
+    """When an evidence rule can be tried."""
+
+    CHEAP = "cheap"  # on the cheap evidence: the state, the signal, the batch, the GradScaler, the history
+    REPLAY = "replay"  # on a replay of the batch (only where one ran without raising; else skipped)
+    LAST = "last"  # after both: what is left to say
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One way a cause is decided: ``decide`` returns the diagnosis, or ``None`` when its evidence is not there."""
+
+    cause: Cause
+    stage: Stage
+    decide: Callable[[Findings], Diagnosis | None]
+
+
+# The evidence rules in the order they are tried, first match wins (docs/FORENSICS.md has the table): the state
+# first (a damaged state decides the remedy whatever else the event shows), then the step's own evidence, cheapest
+# first; a replay only when none of those decided (``policies.diagnosis.needs_replay``).
+EVIDENCE: tuple[Rule, ...] = (
+    Rule(Cause.CORRUPT_STATE, Stage.CHEAP, state.loaded_from_checkpoint),
+    Rule(Cause.OPTIMIZER_NUMERICS, Stage.CHEAP, state.optimizer_update),
+    Rule(Cause.CORRUPT_STATE, Stage.CHEAP, state.corrupt_state),
+    Rule(Cause.GRADIENT_EXPLOSION, Stage.CHEAP, step.spike_or_collapse),
+    Rule(Cause.GRADIENT_EXPLOSION, Stage.CHEAP, step.diverging),
+    Rule(Cause.INPUT_DATA, Stage.CHEAP, step.nonfinite_inputs),
+    Rule(Cause.TARGETS, Stage.CHEAP, step.nonfinite_targets),
+    Rule(Cause.TARGETS, Stage.CHEAP, step.targets_out_of_range),
+    Rule(Cause.INPUT_DATA, Stage.CHEAP, step.outsized_inputs),
+    Rule(Cause.GRADIENT_EXPLOSION, Stage.CHEAP, step.scaler_overflow_climbing),
+    Rule(Cause.HALF_PRECISION_OVERFLOW, Stage.CHEAP, step.scaler_overflow),
+    Rule(Cause.GRADIENT_EXPLOSION, Stage.REPLAY, replay.finite_but_huge),
+    Rule(Cause.TRANSIENT, Stage.REPLAY, replay.not_reproduced),
+    Rule(Cause.GRADIENT_EXPLOSION, Stage.REPLAY, replay.loss_of_huge_outputs),
+    Rule(Cause.LOSS_FUNCTION, Stage.REPLAY, replay.loss_of_finite_outputs),
+    Rule(Cause.HALF_PRECISION_OVERFLOW, Stage.REPLAY, replay.half_precision_module),
+    Rule(Cause.GRADIENT_EXPLOSION, Stage.REPLAY, replay.nonfinite_in_float32),
+    Rule(Cause.UNKNOWN, Stage.REPLAY, replay.no_float32_pass),
+    Rule(Cause.GRADIENT_EXPLOSION, Stage.LAST, history.rising_history),
+    Rule(Cause.UNKNOWN, Stage.LAST, history.nothing_decided),
+)

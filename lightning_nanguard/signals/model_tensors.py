@@ -1,0 +1,91 @@
+"""The tensors of the training state by name: which are checked for finiteness, and which are non-finite.
+
+Buffers that hold infinities (and no NaN) when training starts, such as an attention mask of -inf registered as a
+buffer, are constants, not damage: they are checked for NaN only (a NaN is never intended), every other tensor for
+NaN and inf. Sharded tensors (``DTensor``) are read through this rank's local shard.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_nanguard.signals.sharded import local_tensor, original_name
+
+__all__ = [
+    "intended_infinities",
+    "model_tensors",
+    "nonfinite_names",
+    "record_intended_infinities",
+    "watched_buffers",
+]
+
+# The buffers of each module whose infinities are intended, recorded at the start of training.
+_INTENDED: weakref.WeakKeyDictionary[nn.Module, frozenset[str]] = weakref.WeakKeyDictionary()
+
+
+def _real(t: Tensor) -> Tensor:
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def record_intended_infinities(module: nn.Module) -> list[str]:
+    """At the start of training: remember the buffers that hold +-inf but no NaN (a host read per such buffer's
+    check, once per fit). Returns their names."""
+    names = []
+    for name, buf in module.named_buffers():
+        t = _real(local_tensor(buf))
+        if t.is_floating_point() and t.numel() and bool(torch.isinf(t).any()) and not bool(torch.isnan(t).any()):
+            names.append(name)
+    _INTENDED[module] = frozenset(names)
+    return names
+
+
+def intended_infinities(module: nn.Module) -> frozenset[str]:
+    return _INTENDED.get(module, frozenset())
+
+
+def watched_buffers(module: nn.Module) -> list[Tensor]:
+    """The floating-point buffers checked for NaN and inf at every step (local tensors; not the intended ones)."""
+    skip = intended_infinities(module)
+    out = []
+    for name, buf in module.named_buffers():
+        t = _real(local_tensor(buf))
+        if name not in skip and t.is_floating_point() and t.numel():
+            out.append(t)
+    return out
+
+
+def model_tensors(module: nn.Module) -> list[tuple[str, Tensor]]:
+    """Parameters then buffers by name, as this rank's local tensors (the local shard of a ``DTensor``), without the
+    buffers whose infinities are intended (``record_intended_infinities``)."""
+    skip = intended_infinities(module)
+    named = [*module.named_parameters(), *((n, b) for n, b in module.named_buffers() if n not in skip)]
+    return [(n, local_tensor(t)) for n, t in named]
+
+
+def _bad(t: Tensor) -> bool:
+    t = _real(t)
+    if not t.is_floating_point() or t.numel() == 0:
+        return False
+    return not bool(torch.isfinite(t).all())
+
+
+def nonfinite_names(module: nn.Module, optimizers: Sequence[Optimizer] = (), limit: int = 20) -> list[str]:
+    """This rank's non-finite parameters, buffers and optimizer-state tensors, by name (incident path only)."""
+    out: list[str] = []
+    for name, t in model_tensors(module):
+        if _bad(t):
+            out.append(original_name(name))  # FSDP1: without its `_fsdp_wrapped_module.`
+    skip = intended_infinities(module)
+    out.extend(n for n, b in module.named_buffers() if n in skip and bool(torch.isnan(local_tensor(b)).any()))
+    names = {id(p): original_name(n) for n, p in module.named_parameters()}
+    for i, opt in enumerate(optimizers):
+        for p, state in opt.state.items():
+            for k, v in state.items():
+                if isinstance(v, Tensor) and _bad(local_tensor(v)):
+                    out.append(f"optimizer{i}.{names.get(id(p), '?')}.{k}")
+    return out[:limit] + ([f"... {len(out) - limit} more"] if len(out) > limit else [])
