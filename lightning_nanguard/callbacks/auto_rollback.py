@@ -61,10 +61,8 @@ class AutoRollback(NanGuardCallback):
             before the current one, weights-only) or ``"disk"`` (verified checkpoints only).
         checkpoint_dir: where verified checkpoints are found and the final one is written when no ModelCheckpoint
             is configured.
-        max_snapshot_bytes: the most host memory the snapshots may take on each rank, all slots together (``None``:
-            no limit). Under DDP each rank keeps 1/world of a snapshot's parameters and optimizer state. Fewer slots
-            are kept (with a warning) when not all fit; ``NanGuardConfigError`` at train start when not even one
-            does (docs/SCALE.md).
+        max_snapshot_bytes: host memory per rank for all slots (``None``: no limit; under DDP a rank keeps 1/world
+            of each): fewer slots, with a warning, when not all fit; an error at train start if none does.
 
     Logged keys:
         ``nanguard/rollbacks``                 cumulative rollbacks, every logged step
@@ -75,12 +73,10 @@ class AutoRollback(NanGuardCallback):
         NanGuardConfigError: at construction, for an argument outside its rule.
         UnsupportedSetupError: at train start, with ``source="disk"`` and no checkpoint directory.
         RecoveryBudgetExhausted: at the end of training, when the rollback budget ran out.
-        NonFiniteTrainingError: at the end of training, when the state was damaged and nothing verified could
-            restore it.
+        NonFiniteTrainingError: at the end of training, when the state was damaged and nothing could restore it.
 
     Example::
 
-        >>> from lightning.pytorch import Trainer
         >>> trainer = Trainer(callbacks=[AutoRollback(every_n_steps=50, max_rollbacks=5, skip_batches=100)])
     """
 
@@ -240,10 +236,8 @@ class AutoRollback(NanGuardCallback):
             self.book.distrust(event.step)
 
     def _metrics(self, trainer: pl.Trainer) -> dict[str, float]:
-        out = {keys.ROLLBACKS: float(self.rollbacks)}
-        if self.skip_batches:
-            out[keys.ROLLBACK_SKIPPED_BATCHES] = float(self.skipped_batches)
-        return out
+        skipped = {keys.ROLLBACK_SKIPPED_BATCHES: float(self.skipped_batches)} if self.skip_batches else {}
+        return {keys.ROLLBACKS: float(self.rollbacks), **skipped}
 
     # ------------------------------------------------------------------ state (counters only, no snapshots)
     @override
