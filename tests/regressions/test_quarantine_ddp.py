@@ -20,7 +20,7 @@ from lightning_nanguard import GradNormMonitor
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.recovery.quarantine import fingerprint
 from tests.helpers import TinyModel, make_trainer
-from tests.regressions.test_b_rank_consistent import ddp_spawn
+from tests.regressions.test_rank_consistent import ddp_spawn
 
 BATCH, PER_RANK = 8, 4
 

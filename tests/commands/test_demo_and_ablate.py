@@ -51,7 +51,7 @@ def test_ablate_entry_finished_means_finite_weights_and_skips_count_without_grad
     # The shipped LightningCLI example has a NaN row: unguarded it exits 0 with NaN weights (not finished, and the
     # table says why); AutoRollback alone skips the bad steps, counted though no GradNormMonitor logs a counter.
     pytest.importorskip("jsonargparse")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     yamls = [os.path.join(root, "examples", "ablation", f"{n}.yaml") for n in ("none", "only_auto_rollback")]
     entry = os.path.join(root, "examples", "cli", "train.py")
     base = tmp_path / "base.yaml"
