@@ -12,9 +12,11 @@ from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._common import make_incident
 from lightning_nanguard.contract import Action, Cause
 from lightning_nanguard.engine import Engine, get_engine
+from lightning_nanguard.engine.state_check import intended_infinities, record_intended_infinities
 from lightning_nanguard.exceptions import NanGuardConfigError
 from lightning_nanguard.recovery.checkpoint_events import CheckpointEvent, describe, incident_values
 from lightning_nanguard.recovery.checkpoint_io import install_verifying_io, remove_killed_saves
+from lightning_nanguard.recovery.lineage import Lineage
 
 __all__ = ["CheckpointGuard"]
 
@@ -110,15 +112,18 @@ class CheckpointGuard(NanGuardCallback):
         # Every stage, not only fit: validate/test/predict(ckpt_path=...) load through the wrapper too.
         self._unmute_hooks()
         self._check_environment(trainer)
-        install_verifying_io(
+        io = install_verifying_io(
             trainer,
             require_sidecar=self.require_sidecar,
             fallback=self.fallback,
             tag_last_good=self.tag_last_good,
             listener=self._on_event,
         )
+        io.intended, io.live_module = self._intended, self._live_module  # bound methods: the Trainer still pickles
         self._trainer = trainer
         self._fit = stage == "fit"
+        if self._fit:  # a new run: its own id; the resume (if any) extends the lineage of the file it loads
+            io.lineage, io.track_lineage = Lineage.fresh(), True
         self._pending = []
         if self._fit:
             # A member, never the driver: checkpoints are not training steps, and a guard alone must not make the
@@ -135,6 +140,8 @@ class CheckpointGuard(NanGuardCallback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
+        if get_engine(trainer).driver is None:  # no driver recorded them: the saves and the end of fit need them
+            record_intended_infinities(pl_module)
         self._flush(trainer)  # global_step is restored now, so a fallback incident names the step resumed at
         remove_killed_saves(trainer)
 
@@ -184,6 +191,16 @@ class CheckpointGuard(NanGuardCallback):
         self.refused_saves = int(state_dict.get("refused_saves", 0))
         self.last_saved = str(state_dict.get("last_saved", "")) or None
 
+    # ------------------------------------------------------------------ what the wrapper asks
+    def _intended(self) -> frozenset[str]:
+        """The buffers whose infinities are intended (recorded at train start), for the save check and the record."""
+        module = self._live_module()
+        return intended_infinities(module) if module is not None else frozenset()
+
+    def _live_module(self) -> pl.LightningModule | None:
+        trainer = self._trainer
+        return trainer.lightning_module if trainer is not None else None
+
     # ------------------------------------------------------------------ events from the wrapper
     def _on_event(self, event: CheckpointEvent) -> None:
         # File saves happen on global rank 0 only (a distributed save reports on every rank alike): what is done here
@@ -214,15 +231,16 @@ class CheckpointGuard(NanGuardCallback):
             rank_zero_warn(message)
         if trainer is None or not self._fit:
             return  # outside fit there is no incident log; the warning above or the raised error says it all
+        saving = event.kind == "refused_save"
         incident = make_incident(
             trainer,
-            trigger="nonfinite_checkpoint" if event.kind == "refused_save" else "checkpoint_verification_failed",
+            trigger="nonfinite_checkpoint" if saving else "checkpoint_verification_failed",
             action=Action.FALLBACK if event.kind == "fallback" else Action.REFUSE,
             source=type(self).__name__,
             values=incident_values(event),
             message=message,
             # A refused save: the state is non-finite; a failed verification: the file is corrupt (or non-finite).
-            cause=Cause.CORRUPT_STATE.value,
+            cause=(Cause.CORRUPT_STATE if saving else Cause.CORRUPT_CHECKPOINT).value,
             where=", ".join(event.tensors[:3]) if event.tensors else event.path,
         )
         get_engine(trainer).sink.record(trainer, incident)
