@@ -62,8 +62,9 @@ def _pid_alive(pid: int) -> bool:
 def remove_stale_tmp_files(directory: str, *, in_use: set[str] | frozenset[str] = frozenset()) -> list[str]:
     """Remove the temporary files that killed saves left in ``directory``; returns the removed paths.
 
-    Only our own names are touched (``.<name>.ckpt.<pid>[@<host>].tmp``, ``<name>.ckpt.sha256.tmp``; also a
-    distributed checkpoint's temporary directory ``.<name>.ckpt.<pid>@<host>.tmp/``), and only when not in use:
+    Only our own names are touched (``.nanguard-<hash>.<pid>@<host>.tmp``, the older ``.<name>.ckpt.<pid>[@<host>].tmp``,
+    ``<name>.ckpt.checksum.tmp`` and ``<name>.ckpt.sha256.tmp``; also a distributed checkpoint's temporary directory
+    of the same names), and only when not in use:
     written by this process but not being written now, or by a process of this host that no longer runs, or
     (another host's, or a sidecar's) last modified more than ``STALE_TMP_SECONDS`` ago.
     """

@@ -5,8 +5,11 @@ Each of these was a difference in Lightning's own test suite run with the preset
 from __future__ import annotations
 
 import io
+import os
 import pathlib
 import pickle
+import subprocess
+import sys
 from typing import Any
 from unittest import mock
 
@@ -21,6 +24,8 @@ from lightning_nanguard import CheckpointGuard, GradNormMonitor, default_callbac
 from lightning_nanguard.checkpoint_sidecar import LEGACY_SIDECAR_SUFFIX, SIDECAR_SUFFIX
 from lightning_nanguard.checkpoints import LAST_GOOD_NAME
 from tests.helpers import TinyModel, make_trainer
+
+_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
 
 pytestmark = pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")
 
@@ -151,3 +156,15 @@ def test_a_trainer_with_checkpoint_guard_still_pickles(tmp_path: pathlib.Path) -
     trainer = make_trainer(tmp_path, callbacks=[CheckpointGuard()], max_steps=2)
     trainer.fit(TinyModel())
     pickle.dumps(trainer)  # the wrapper's hooks into the guard are bound methods, never closures
+
+
+def test_importing_nanguard_leaves_lightnings_rank_zero_logger_where_it_was() -> None:
+    # Importing the standalone lightning_fabric package re-points lightning_utilities' rank-zero logger to
+    # "lightning_fabric...": Lightning's own log messages then miss a caplog set on "lightning.pytorch...".
+    code = (
+        "import sys, lightning.pytorch, lightning_nanguard, lightning_nanguard.forensics.op_stats\n"
+        "from lightning_utilities.core import rank_zero\n"
+        "assert 'lightning_fabric' not in sys.modules, 'lightning_fabric imported'\n"
+        "assert rank_zero.log.name == 'lightning.pytorch.utilities.rank_zero', rank_zero.log.name\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": _ROOT})

@@ -113,6 +113,8 @@ def test_stale_tmp_cleanup_touches_only_our_files_not_in_use(tmp_path: pathlib.P
         f".b.ckpt.{2**22 + 12345}@{host}.tmp": True,  # a writer of this host that is gone
         f".c.ckpt.{2**22 + 12345}.tmp": True,  # an older nanguard's name
         "c.ckpt.sha256.tmp": False,  # a sidecar being written: only by age
+        f".nanguard-0123456789abcdef.{me}@{host}.tmp": True,  # the current name, this process, not being written
+        f".nanguard-0123456789abcdef.{2**22 + 7}@elsewhere.tmp": False,  # another host's: left alone while recent
         ".d.ckpt.tmp": False,  # not ours
         "notes.tmp": False,
         f".e.ckpt.{me}@{host}-x.tmp": False,
