@@ -17,6 +17,7 @@ from lightning_nanguard.exceptions import NanGuardConfigError
 from lightning_nanguard.recovery.checkpoint_events import CheckpointEvent, describe, incident_values
 from lightning_nanguard.recovery.checkpoint_io import install_verifying_io, remove_killed_saves
 from lightning_nanguard.recovery.lineage import Lineage
+from lightning_nanguard.recovery.verifying_io import VerifyingCheckpointIO
 
 __all__ = ["CheckpointGuard"]
 
@@ -139,6 +140,8 @@ class CheckpointGuard(NanGuardCallback):
         super().on_train_start(trainer, pl_module)
         if get_engine(trainer).driver is None:  # no driver recorded them: the saves and the end of fit need them
             record_intended_infinities(pl_module)
+        if isinstance(io := trainer.strategy.checkpoint_io, VerifyingCheckpointIO):
+            io.track_lineage = False  # the resume (if any) is done: a later load (validate, test) is not one
         self._flush(trainer)  # global_step is restored now, so a fallback incident names the step resumed at
         remove_killed_saves(trainer)
 

@@ -79,7 +79,14 @@ def incident_values(event: CheckpointEvent) -> dict[str, Any]:
 
 
 def load_error(
-    path: str, reason: str, later: Sequence[str] = (), *, require_sidecar: bool, fallback: bool, bound: str = ""
+    path: str,
+    reason: str,
+    later: Sequence[str] = (),
+    *,
+    require_sidecar: bool,
+    fallback: bool,
+    bound: str = "",
+    step: int | None = None,
 ) -> str:
     """The message of a refused load: the file, the reason, and what to try (the verified alternative).
 
@@ -91,6 +98,7 @@ def load_error(
         require_sidecar: the guard's setting (what counts as verified).
         fallback: the guard's setting (whether it already fell back).
         bound: what a fallback may take (``"at or before step N"``), for the sentence about ``later``.
+        step: the requested file's step, where known: the alternative named is of that step or earlier.
     """
     directory = os.path.dirname(os.path.abspath(path))
     tries: list[str] = []
@@ -101,10 +109,12 @@ def load_error(
             f"ones ({shown}) were not used, as a fallback never moves past the step you asked for: pass one as "
             "ckpt_path if you mean to resume from it"
         )
-    good = last_good_checkpoint(directory, require_sidecar=require_sidecar) if is_local_path(path) else None
+    local = is_local_path(path)
+    good = last_good_checkpoint(directory, require_sidecar=require_sidecar, at_or_before_step=step) if local else None
     if not later and good is not None and os.path.abspath(good) != os.path.abspath(path):
         auto = "" if fallback else " (or pass CheckpointGuard(fallback=True) to do so automatically)"
-        tries.append(f"resume from the newest verified checkpoint of that directory, {good}{auto}")
+        which = f" at or before step {step}" if step is not None else ""
+        tries.append(f"resume from the newest verified checkpoint of that directory{which}, {good}{auto}")
     elif fallback and not later:
         tries.append(f"no other checkpoint in {directory} verifies either, so there is nothing to fall back to")
     if "no checksum sidecar" in reason:

@@ -308,6 +308,7 @@ class VerifyingCheckpointIO(CheckpointIO):
             require_sidecar=self.require_sidecar,
             fallback=self.fallback,
             bound=bound.describe() if bound is not None else "",
+            step=bound.step if bound is not None else None,
         )
 
     def _load_remote(self, path: str, load: Callable[[str], Any]) -> Any:
