@@ -91,6 +91,7 @@ class Cause(_Value):
     GRADIENT_EXPLOSION = "gradient_explosion"  # divergence: loss/grad norm rising, non-finite in float32 too
     OPTIMIZER_NUMERICS = "optimizer_numerics"  # finite gradients, non-finite update (e.g. Adam eps underflow)
     CORRUPT_STATE = "corrupt_state"  # parameters, buffers or optimizer state already non-finite
+    CORRUPT_CHECKPOINT = "corrupt_checkpoint"  # a checkpoint to resume from failed verification (CheckpointGuard)
     TRANSIENT = "transient"  # the replay did not reproduce it
     UNKNOWN = "unknown"
 

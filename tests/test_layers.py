@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("_lightning_compat", "precision"),  # every reach into Lightning's and torch's internals; the precision, typed
     ("signals",),  # pure tensor reductions and evidence readers
     ("policies",),  # pure decisions: facts in, verdicts out
-    ("checkpoint_manifest", "checkpoints"),  # verifying a checkpoint file or directory
+    ("checkpoint_manifest", "checkpoint_sidecar", "checkpoint_infinities", "checkpoints"),  # verifying checkpoints
     ("recovery", "forensics"),  # the mechanisms that act; the replay that investigates
     ("reporting",),  # keys, sentences, records, summary
     ("engine",),  # the per-Trainer engine

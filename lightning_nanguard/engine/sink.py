@@ -11,6 +11,7 @@ import os
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_nanguard._files import is_local_path
 from lightning_nanguard.reporting import emit
 from lightning_nanguard.reporting.dashboard import write_layout
 from lightning_nanguard.reporting.incidents import Incident, IncidentLog
@@ -35,13 +36,15 @@ class IncidentSink:
         return self.log.records
 
     def start(self, trainer: pl.Trainer) -> None:
-        """New fit: a fresh log. Files are written only where a logger writes (never into the working directory)."""
+        """New fit: a fresh log. Files are written only where a logger writes on the local filesystem (never into the
+        working directory)."""
         self.log = IncidentLog()
         self.log_dir = None
         if not trainer.loggers:
             return
         log_dir = trainer.log_dir  # a broadcast: every rank calls it here
-        if trainer.is_global_zero and log_dir is not None:
+        # Local directories only: a remote one (s3://, memory://) would be created as a local folder of that name.
+        if trainer.is_global_zero and log_dir is not None and is_local_path(log_dir):
             self.log_dir = log_dir
             self.log.path = os.path.join(log_dir, INCIDENTS_FILE)
             self.log.touch()

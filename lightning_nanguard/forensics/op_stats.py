@@ -26,11 +26,15 @@ ROWS_LISTED = 32
 
 
 def _library_dirs() -> tuple[str, ...]:
+    import importlib.util
+
     import lightning
-    import lightning_fabric
 
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # lightning_nanguard/
-    dirs = [os.path.dirname(m.__file__ or "") for m in (torch, lightning, lightning_fabric)] + [package]
+    dirs = [os.path.dirname(m.__file__ or "") for m in (torch, lightning)] + [package]
+    # Located, never imported: importing the standalone lightning_fabric re-points Lightning's rank-zero logger.
+    fabric = importlib.util.find_spec("lightning_fabric")
+    dirs += list(fabric.submodule_search_locations or []) if fabric is not None else []
     dirs += [sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
     return tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
 

@@ -48,6 +48,8 @@ class CauseSpec:
         routine_under_scaler: an update of this cause the GradScaler dropped itself is its routine: it does not count
             toward the backoff (a run of them is LossScaleWatchdog's collapse, which backs off).
         counts_module_overflow: the module the diagnosis names counts one overflow toward ``promote_after``.
+        diagnosed: decided by the evidence rules of ``EVIDENCE``; ``False`` for a cause the callback that saw it
+            names directly (CheckpointGuard's verification of a checkpoint to resume from).
     """
 
     cause: Cause
@@ -59,6 +61,7 @@ class CauseSpec:
     counts_toward_backoff: bool = True
     routine_under_scaler: bool = False
     counts_module_overflow: bool = False
+    diagnosed: bool = True
 
 
 CAUSES: dict[Cause, CauseSpec] = {
@@ -114,6 +117,15 @@ CAUSES: dict[Cause, CauseSpec] = {
             "restore an earlier state (AutoRollback does it in memory); check what wrote the non-finite values",
             remedy=Remedy.RESTORE,
             counts_toward_backoff=False,
+        ),
+        CauseSpec(
+            Cause.CORRUPT_CHECKPOINT,
+            "the checkpoint to resume from failed verification",
+            "resume from an earlier verified checkpoint (CheckpointGuard(fallback=True) does it); check the storage "
+            "the file was written to and how the run that wrote it ended",
+            remedy=Remedy.RESTORE,
+            counts_toward_backoff=False,
+            diagnosed=False,
         ),
         CauseSpec(
             Cause.TRANSIENT,
