@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
 from lightning_nanguard import _lightning_compat
@@ -14,6 +13,7 @@ from lightning_nanguard.contract import Action, Cause
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.exceptions import UnsupportedSetupError
 from lightning_nanguard.policies.preflight import Finding, GroupInfo, OptimizerInfo, preflight_findings
+from lightning_nanguard.reporting import notices
 
 __all__ = ["describe_optimizers", "run_preflight"]
 
@@ -83,7 +83,7 @@ def run_preflight(trainer: pl.Trainer, on_hazard: OnHazard, safe_eps: float, sou
             ),
         )
         # A note (true half precision is a legitimate choice) goes to the log; a hazard is a warning.
-        report = rank_zero_info if f.code in _NOTES else rank_zero_warn
+        report = notices.note if f.code in _NOTES else notices.warn
         report(f"{source} preflight: {message}")
     return findings
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 import os
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_nanguard.reporting import emit
+from lightning_nanguard.reporting import emit, notices
 from lightning_nanguard.reporting.dashboard import write_layout
 from lightning_nanguard.reporting.incidents import Incident, IncidentLog
 from lightning_nanguard.reporting.keys import key
@@ -66,7 +65,7 @@ class IncidentSink:
             final_state=final_state,
             notes=notes,
         )
-        rank_zero_info(text)
+        notices.note(text)
         if self.log_dir is not None and trainer.is_global_zero:
             path = os.path.join(self.log_dir, SUMMARY_FILE)
             os.makedirs(os.path.dirname(path), exist_ok=True)
