@@ -14,9 +14,8 @@ from lightning_nanguard.callbacks._base import mute_idle_hooks, unmute_hooks
 from lightning_nanguard.callbacks._common import (
     check_strategy_supported,
     fp32_evaluation_sharded_refusal,
-    make_incident,
+    rerun_incident,
 )
-from lightning_nanguard.contract import Action, Cause
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.exceptions import UnsupportedSetupError
 from lightning_nanguard.precision import FULL_PRECISION, classify_precision
@@ -24,8 +23,6 @@ from lightning_nanguard.recovery.eval_precision import (
     Fp32Eval,
     autocast_device,
     group_reruns,
-    rerun_message,
-    rerun_where,
 )
 from lightning_nanguard.recovery.promote import promote, promote_submodule
 from lightning_nanguard.reporting import keys, notices
@@ -162,7 +159,7 @@ class FP32Evaluation(Callback):
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._eval.begin(trainer.precision_plugin, pl_module, "validation_step", self._warn_once)
+        self._begin(trainer, pl_module, "validation_step")
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -176,7 +173,7 @@ class FP32Evaluation(Callback):
 
     @override
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._eval.begin(trainer.precision_plugin, pl_module, "test_step", self._warn_once)
+        self._begin(trainer, pl_module, "test_step")
 
     @override
     def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -213,6 +210,10 @@ class FP32Evaluation(Callback):
         self.promoted = [str(p) for p in state_dict.get("promoted", [])]
 
     # ------------------------------------------------------------------ evaluation
+    def _begin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step_name: str) -> None:
+        get_engine(trainer).began = True  # an evaluation ran: the summary is due at its end
+        self._eval.begin(trainer.precision_plugin, pl_module, step_name, self._warn_once)
+
     def _epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.mode != "on_nonfinite" or self._eval.kind == "none":
             return
@@ -222,27 +223,7 @@ class FP32Evaluation(Callback):
         half = self._precision.dtype_name
         sink = get_engine(trainer).sink
         for group in groups:  # one incident per outcome and epoch, with the count and the batches
-            sink.record(
-                trainer,
-                make_incident(
-                    trainer,
-                    trigger="nonfinite_eval_output",
-                    action=Action.RERUN,
-                    source=type(self).__name__,
-                    ranks=list(group.ranks),
-                    values={
-                        "stage": group.stage,
-                        "count": len(group.batches),
-                        "eval_batches": list(group.batches),
-                        "fp32_finite": group.fp32_finite,
-                    },
-                    message=rerun_message(group, half),
-                    batch_idx=-1,
-                    step=_lightning_compat.log_step(trainer),  # the step the evaluation's metrics are plotted at
-                    cause=(Cause.HALF_PRECISION_OVERFLOW if group.fp32_finite else Cause.UNKNOWN).value,
-                    where=rerun_where(group),
-                ),
-            )
+            sink.record(trainer, rerun_incident(trainer, group, half, type(self).__name__))
         count = sum(len(group.batches) for group in groups)
         self.fp32_reruns += count
         if trainer.sanity_checking:

@@ -55,7 +55,14 @@ class IncidentSink:
         emit.log_text(trainer, key("incidents"), incident_markdown(incident))
 
     def summary(
-        self, trainer: pl.Trainer, callbacks: list[str], *, monitored: bool, final_state: str, notes: list[str]
+        self,
+        trainer: pl.Trainer,
+        callbacks: list[str],
+        *,
+        monitored: bool,
+        final_state: str,
+        notes: list[str],
+        steps: int | None = None,
     ) -> str:
         text = format_summary(
             self.records,
@@ -64,6 +71,7 @@ class IncidentSink:
             monitored=monitored,
             final_state=final_state,
             notes=notes,
+            steps=steps,
         )
         notices.note(text)
         if self.log_dir is not None and trainer.is_global_zero:
