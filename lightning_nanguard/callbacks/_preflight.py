@@ -22,8 +22,9 @@ OnHazard = Literal["fix", "warn", "raise", "off"]
 _NOTES = frozenset({"half_master"})
 
 
-# What each preflight finding is, as a cause class (a hazard found before step 1, not an event).
-_CAUSES = {"eps_underflow": Cause.OPTIMIZER_NUMERICS.value, "half_master": Cause.HALF_PRECISION_OVERFLOW.value}
+# The cause a hazard would become if it struck (found before step 1, not an event). A note has none: nothing went
+# wrong, and "no float32 master copy" is not an overflow.
+_CAUSES = {"eps_underflow": Cause.OPTIMIZER_NUMERICS.value}
 
 
 def describe_optimizers(trainer: pl.Trainer) -> list[OptimizerInfo]:
