@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
-from lightning_nanguard import OptimizerBackoff
+from lightning_nanguard import GradNormMonitor, NonFiniteTrainingError, OptimizerBackoff
 from lightning_nanguard.engine import get_engine
+from lightning_nanguard.testing import FaultInjector
 from tests.helpers import TinyModel, make_trainer
 
 
@@ -28,3 +29,19 @@ def test_true_half_precision_note_names_no_cause(tmp_path: Any, caplog: pytest.L
     summary = _summary(caplog)
     assert "incidents: 1 (half_master=1)" in summary
     assert "half_precision_overflow" not in summary
+
+
+def test_final_state_line_counts_the_names_it_leaves_out(tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    # on_nonfinite="warn" lets a NaN update through: all four tensors end non-finite, and nothing can restore them.
+    callbacks = [GradNormMonitor(on_nonfinite="warn", forensics="off"), FaultInjector("loss", steps=[4])]
+    trainer = make_trainer(tmp_path, callbacks=callbacks, max_steps=6)
+    with (
+        caplog.at_level(logging.INFO),
+        pytest.warns(UserWarning, match="let the update through"),
+        pytest.raises(NonFiniteTrainingError) as raised,
+    ):
+        trainer.fit(TinyModel())
+    line = next(x for x in _summary(caplog).splitlines() if x.startswith("final parameters and buffers"))
+    assert line == "final parameters and buffers: NON-FINITE (body.0.bias, body.0.weight, head.bias and 1 more)"
+    # What was tried is said as it was: the run only warned (not "nothing yet").
+    assert "Tried in this run: only warned, 2 time(s)." in str(raised.value)  # at step 4, then step 5
