@@ -38,6 +38,7 @@ from lightning_nanguard.exceptions import (
 from lightning_nanguard.policies.remedy import plan_after_step, plan_remedy
 from lightning_nanguard.reporting import messages
 from lightning_nanguard.reporting.incidents import Incident
+from lightning_nanguard.signals.model_tensors import nonfinite_names
 
 __all__ = ["STOP_ERRORS", "EventHandled", "IncidentPath", "stop_error"]
 
@@ -252,7 +253,7 @@ class IncidentPath:
 
 
 def _bad_ranks(trainer: pl.Trainer, event: PendingEvent) -> list[int]:
-    """The ranks whose own reading was non-finite (an all-gather; every rank is here)."""
+    """The ranks whose own reading (for a state check: own state) was non-finite (an all-gather; every rank is here)."""
     if trainer.world_size <= 1:
         return [0]
     local = [
@@ -262,6 +263,9 @@ def _bad_ranks(trainer: pl.Trainer, event: PendingEvent) -> list[int]:
     # rank sees another rank's NaN gradient; a gradient that went bad after the reduction is this rank's own.
     loss_bad = any(len(vec) > at and not math.isfinite(vec[at]) for at, vec in local)
     any_bad = any(not all(math.isfinite(v) for v in vec) for _, vec in local)
+    if not event.readings and event.signal is Signal.NONFINITE_STATE:
+        # A state check (no step reading): the ranks whose own parameters or buffers are non-finite.
+        any_bad = bool(nonfinite_names(trainer.lightning_module, limit=1))
     gathered = [cast(tuple[bool, bool], g) for g in _distributed.all_gather_objects(trainer, (loss_bad, any_bad))]
     ranks = [i for i, g in enumerate(gathered) if g[0]] or [i for i, g in enumerate(gathered) if g[1]]
     return ranks or list(range(trainer.world_size))
