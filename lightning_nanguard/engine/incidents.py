@@ -173,7 +173,7 @@ class IncidentPath:
                 ranks=list(facts.ranks),
                 trigger=event.signal,
                 action=_primary(plan.actions),
-                source=self._sources(plan.actions),
+                source=self._sources(plan.actions, plan.stop),
                 values=values,
                 budget_left=self._budget_left(step),
                 message=message,
@@ -221,10 +221,24 @@ class IncidentPath:
         scale = getattr(self.registry.backoff, "lr_scale", None)
         return messages.tried_phrase(counts, float(scale) if isinstance(scale, (int, float)) else None)
 
-    def _sources(self, actions: tuple[Action, ...]) -> str:
-        """Whose remedies acted, each once, in the order of the actions."""
+    def _sources(self, actions: tuple[Action, ...], stop: StopReason | None = None) -> str:
+        """Whose remedies acted, each once, in the order of the actions (a stop: the callback whose rule or budget
+        ended training; ``"nanguard"`` only where no callback's remedy acted)."""
         r = self.registry
         guard = r.guard.owner if r.guard is not None else ""
+        restorer = getattr(r.restorer, "owner", "")
+        stopper = (
+            {
+                StopReason.ROLLBACK_BUDGET: restorer,
+                StopReason.NOTHING_VERIFIED: restorer,
+                StopReason.RESTORE_FAILED: restorer,
+                StopReason.COLLAPSE_BUDGET: getattr(r.scale_watch, "owner", ""),
+                StopReason.STOP_ON_COLLAPSE: getattr(r.scale_watch, "owner", ""),
+                StopReason.COLLAPSE_UNRESTORABLE: getattr(r.scale_watch, "owner", ""),
+            }.get(stop, guard)
+            if stop is not None
+            else ""
+        )
         owners: Mapping[Action, str] = {
             Action.SKIP: guard or getattr(r.restorer, "owner", ""),
             Action.SCALER_SKIP: "GradScaler",
@@ -234,7 +248,7 @@ class IncidentPath:
             Action.EPS_BACKOFF: getattr(r.backoff, "owner", ""),
             Action.PROMOTE: getattr(r.promoter, "owner", ""),
             Action.WARN: guard or "nanguard",
-            Action.STOP: "nanguard",
+            Action.STOP: stopper or guard or restorer,
         }
         found: list[str] = []
         for a in actions:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from lightning_nanguard import GradNormMonitor, NonFiniteTrainingError, OptimizerBackoff
+from lightning_nanguard import AutoRollback, GradNormMonitor, NonFiniteTrainingError, OptimizerBackoff
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.testing import FaultInjector
 from tests.helpers import TinyModel, make_trainer
@@ -45,3 +45,26 @@ def test_final_state_line_counts_the_names_it_leaves_out(tmp_path: Any, caplog: 
     assert line == "final parameters and buffers: NON-FINITE (body.0.bias, body.0.weight, head.bias and 1 more)"
     # What was tried is said as it was: the run only warned (not "nothing yet").
     assert "Tried in this run: only warned, 2 time(s)." in str(raised.value)  # at step 4, then step 5
+
+
+@pytest.mark.parametrize(
+    ("faults", "callbacks", "source"),
+    [
+        # Skip, then stop: nothing restores a damaged state.
+        (FaultInjector("param", steps=[3]), lambda: [GradNormMonitor()], "GradNormMonitor"),
+        # Found by the snapshot check: rolled back; the second damage spends AutoRollback's budget, which ends
+        # training (restored first).
+        (
+            FaultInjector("param", steps=[3, 5]),
+            lambda: [GradNormMonitor(), AutoRollback(max_rollbacks=1, every_n_steps=1, quiet_steps=0)],
+            "AutoRollback",
+        ),
+    ],
+)
+def test_an_incident_names_the_callbacks_that_acted(tmp_path: Any, faults: Any, callbacks: Any, source: str) -> None:
+    trainer = make_trainer(tmp_path, callbacks=[faults, *callbacks()], max_steps=8)
+    with pytest.raises(NonFiniteTrainingError):
+        trainer.fit(TinyModel())
+    last = get_engine(trainer).sink.records[-1]
+    assert "stop" in last.actions
+    assert last.source == source  # not "..., nanguard"
