@@ -68,3 +68,33 @@ def test_an_incident_names_the_callbacks_that_acted(tmp_path: Any, faults: Any, 
     last = get_engine(trainer).sink.records[-1]
     assert "stop" in last.actions
     assert last.source == source  # not "..., nanguard"
+
+
+class ManualModel(TinyModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        opt = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        opt.zero_grad()  # type: ignore[union-attr]
+        self.manual_backward(loss)
+        opt.step()  # type: ignore[union-attr]
+        return loss
+
+
+def test_manual_optimization_says_why_a_nan_is_not_replayed(tmp_path: Any) -> None:
+    # Automatic optimization replays the batch (finite again: transient); under manual optimization training_step
+    # steps the optimizer itself, so there is no replay, and the incident says so instead of suggesting one.
+    causes = {}
+    for model in (TinyModel(), ManualModel()):
+        trainer = make_trainer(tmp_path, callbacks=[GradNormMonitor(), FaultInjector("loss", steps=[3])])
+        trainer.fit(model)
+        (incident,) = get_engine(trainer).sink.records
+        causes[model.automatic_optimization] = (str(incident.cause), incident.message)
+    assert causes[True][0] == "transient"
+    cause, message = causes[False]
+    assert cause == "unknown"
+    assert "manual optimization: training_step steps the optimizers itself" in message
+    assert "forensics='every'" not in message  # it would not replay either
