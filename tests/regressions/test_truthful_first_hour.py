@@ -6,6 +6,8 @@ import logging
 from typing import Any
 
 import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import AutoRollback, GradNormMonitor, NonFiniteTrainingError, OptimizerBackoff
 from lightning_nanguard.engine import get_engine
@@ -98,3 +100,22 @@ def test_manual_optimization_says_why_a_nan_is_not_replayed(tmp_path: Any) -> No
     assert cause == "unknown"
     assert "manual optimization: training_step steps the optimizers itself" in message
     assert "forensics='every'" not in message  # it would not replay either
+
+
+class BadRecordModel(TinyModel):
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(self.n, 8, generator=g)
+        x[11, 3] = float("nan")  # one broken record, in batch 1
+        y = x[:, :1] * 0.5 - x[:, 1:2] * 0.25
+        return DataLoader(TensorDataset(x, torch.nan_to_num(y)), batch_size=self.batch_size)
+
+
+def test_a_data_cause_is_caused_by_data(tmp_path: Any) -> None:
+    # The record read `cause: input_data` next to `caused_by_data: false`.
+    trainer = make_trainer(tmp_path, callbacks=[GradNormMonitor()], max_steps=4)
+    trainer.fit(BadRecordModel())
+    (incident,) = get_engine(trainer).sink.records
+    record = incident.to_dict()
+    assert record["cause"] == "input_data"
+    assert record["diagnosis"]["caused_by_data"] is True  # type: ignore[index]
