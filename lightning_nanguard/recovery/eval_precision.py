@@ -366,5 +366,6 @@ def rerun_message(group: RerunGroup, half: str) -> str:
         )
     return (
         f"{them} overflowed in {half} and {'were' if n > 1 else 'was'} re-run in float32, where "
-        f"{'they are' if n > 1 else 'it is'} finite: the float32 results replace the {half} ones."
+        f"{'they are' if n > 1 else 'it is'} finite: the float32 results replace the {half} ones. If this happens "
+        "every epoch, mode='always' saves the double work."
     )
