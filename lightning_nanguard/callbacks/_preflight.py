@@ -7,13 +7,12 @@ from typing import Literal
 import lightning.pytorch as pl
 from torch.optim import Optimizer
 
-from lightning_nanguard import _lightning_compat
+from lightning_nanguard import _lightning_compat, _notices
 from lightning_nanguard.callbacks._common import make_incident
 from lightning_nanguard.contract import Action, Cause
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.exceptions import UnsupportedSetupError
 from lightning_nanguard.policies.preflight import Finding, GroupInfo, OptimizerInfo, preflight_findings
-from lightning_nanguard.reporting import notices
 
 __all__ = ["describe_optimizers", "run_preflight"]
 
@@ -84,7 +83,7 @@ def run_preflight(trainer: pl.Trainer, on_hazard: OnHazard, safe_eps: float, sou
             ),
         )
         # A note (true half precision is a legitimate choice) goes to the log; a hazard is a warning.
-        report = notices.note if f.code in _NOTES else notices.warn
+        report = _notices.note if f.code in _NOTES else _notices.warn
         report(f"{source} preflight: {message}")
     return findings
 

@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_nanguard import _distributed, _lightning_compat
+from lightning_nanguard import _distributed, _lightning_compat, _notices
 from lightning_nanguard._validation import check_choice, check_int
 from lightning_nanguard.callbacks._base import mute_idle_hooks, unmute_hooks
 from lightning_nanguard.callbacks._common import (
@@ -25,7 +25,7 @@ from lightning_nanguard.recovery.eval_precision import (
     group_reruns,
 )
 from lightning_nanguard.recovery.promote import promote, promote_submodule
-from lightning_nanguard.reporting import keys, notices
+from lightning_nanguard.reporting import keys
 
 __all__ = ["FP32Evaluation"]
 
@@ -135,7 +135,7 @@ class FP32Evaluation(Callback):
                 self._warn_once(message + "; remove the callback or train in half precision.")
             elif not self._warned:  # "on_nonfinite" (the preset's) is a natural no-op in full precision
                 self._warned = True
-                notices.note(message + ".")
+                _notices.note(message + ".")
         engine = get_engine(trainer)
         engine.join(trainer, self, fit=False)
         if stage == "fit" and self.promote_after is not None:
@@ -234,4 +234,4 @@ class FP32Evaluation(Callback):
     def _warn_once(self, message: str) -> None:
         if not self._warned:
             self._warned = True
-            notices.warn(message)
+            _notices.warn(message)

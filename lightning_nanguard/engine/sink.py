@@ -10,7 +10,8 @@ import os
 
 import lightning.pytorch as pl
 
-from lightning_nanguard.reporting import emit, notices
+from lightning_nanguard import _notices
+from lightning_nanguard.reporting import emit
 from lightning_nanguard.reporting.dashboard import write_layout
 from lightning_nanguard.reporting.incidents import Incident, IncidentLog
 from lightning_nanguard.reporting.keys import key
@@ -73,7 +74,7 @@ class IncidentSink:
             notes=notes,
             steps=steps,
         )
-        notices.note(text)
+        _notices.note(text)
         if self.log_dir is not None and trainer.is_global_zero:
             path = os.path.join(self.log_dir, SUMMARY_FILE)
             os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -13,27 +13,29 @@ Both start with who says it (``FP32Evaluation ...``, ``OptimizerBackoff prefligh
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import os
 import warnings
 
-import lightning
-import lightning_utilities
-import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
 from lightning_nanguard.exceptions import NanGuardWarning
 
 __all__ = ["note", "warn"]
 
-# Frames in these packages are the machinery between the user's call and the notice.
-_INTERNAL = (
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # lightning_nanguard
-    *(
-        os.path.dirname(os.path.abspath(module.__file__ or "")) + os.sep
-        for module in (lightning, lightning_utilities, torch)
-    ),
-)
+
+def _package_dirs() -> tuple[str, ...]:
+    """Where nanguard and the packages between the user's call and a notice live (found, not imported)."""
+    dirs = [os.path.dirname(os.path.abspath(__file__))]
+    for name in ("lightning", "lightning_fabric", "pytorch_lightning", "lightning_utilities", "torch", "deepspeed"):
+        spec = importlib.util.find_spec(name)
+        if spec is not None:
+            dirs.extend(os.path.abspath(d) for d in spec.submodule_search_locations or [])
+    return tuple(d + os.sep for d in dirs)
+
+
+_INTERNAL = _package_dirs()
 
 
 def warn(message: str) -> None:
