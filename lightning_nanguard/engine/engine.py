@@ -18,9 +18,8 @@ from collections import deque
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_nanguard import _lightning_compat
+from lightning_nanguard import _lightning_compat, _notices
 from lightning_nanguard.engine.accounting import FitLedger
 from lightning_nanguard.engine.bus import EventBus
 from lightning_nanguard.engine.capabilities import Backoff, GuardSettings, MetricSource, Promoter, Restorer, ScaleWatch
@@ -155,7 +154,7 @@ class Engine(StepFlow):
             self.sensor.layer_depth = 1
         intended = record_intended_infinities(pl_module)
         if intended:
-            rank_zero_info(
+            _notices.note(
                 f"nanguard: buffer(s) {', '.join(intended[:5])}{' ...' if len(intended) > 5 else ''} hold infinities "
                 "(and no NaN) at the start of training, e.g. an attention mask of -inf: treated as intended, checked "
                 "for NaN only."

@@ -14,9 +14,8 @@ from collections.abc import Mapping
 from typing import cast
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_nanguard import _distributed
+from lightning_nanguard import _distributed, _notices
 from lightning_nanguard.contract import Action, Plan, Signal, StopReason
 from lightning_nanguard.engine.accounting import FitLedger
 from lightning_nanguard.engine.act import carry_out
@@ -211,7 +210,7 @@ class IncidentPath:
         if plan.stop is not None:
             self.ledger.request_stop(trainer, stop_error(plan.stop, cast(Signal, incident.trigger))(incident.message))
         if warn or Action.WARN in plan.actions:
-            rank_zero_warn(incident.message)
+            _notices.warn(incident.message)
         self.sink.record(trainer, incident)
         self.bus.emit(trainer, EventHandled(incident.step, incident))
 
