@@ -146,8 +146,9 @@ class Diagnosis:
         state_damaged: parameters, buffers or optimizer state are non-finite now (a rollback is needed).
         replayed: a replay ran; ``replay_ms`` its cost and ``replay_steps`` that cost as a multiple of one step.
         note: anything a reader must know (e.g. "replay skipped: gradient accumulation").
-        caused_by_data: the batch rows in ``rows`` caused a cause that is not itself a data cause (a forward on them
-            wrote non-finite BatchNorm statistics: ``corrupt_state``): quarantine them as well as restoring.
+        caused_by_data: the batch rows in ``rows`` caused the event: a data cause (``input_data``, ``targets``), or a
+            cause that is not itself one but their forward produced it (non-finite BatchNorm statistics:
+            ``corrupt_state``, then quarantined as well as restored). Never false next to a data cause.
     """
 
     cause: Cause

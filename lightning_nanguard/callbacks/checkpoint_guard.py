@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_nanguard import _notices
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._common import make_incident
 from lightning_nanguard.contract import Action, Cause
@@ -212,9 +212,9 @@ class CheckpointGuard(NanGuardCallback):
             self.refused_saves += 1
             self._report(event)
         elif event.kind == "unverified":
-            rank_zero_warn(f"CheckpointGuard: {event.path}: {event.reason}.")
+            _notices.warn(f"CheckpointGuard: {event.path}: {event.reason}.")
         elif event.kind == "fallback":
-            rank_zero_warn(describe(event))
+            _notices.warn(describe(event))
             self._pending.append(event)  # recorded at train start, when the resumed step is known
         elif event.kind == "refused_load":
             self._report(event)
@@ -228,7 +228,7 @@ class CheckpointGuard(NanGuardCallback):
         trainer = self._trainer
         message = describe(event, trainer.global_step if trainer is not None else None)
         if event.kind == "refused_save":
-            rank_zero_warn(message)
+            _notices.warn(message)
         if trainer is None or not self._fit:
             return  # outside fit there is no incident log; the warning above or the raised error says it all
         saving = event.kind == "refused_save"

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_nanguard import _notices
 from lightning_nanguard._validation import check_choice, check_float, check_int, check_path
 from lightning_nanguard.callbacks import _deepspeed
 from lightning_nanguard.callbacks._base import NanGuardCallback
@@ -153,7 +153,7 @@ class GradNormMonitor(NanGuardCallback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.on_spike == "rollback" and self.spike_zscore is not None and get_engine(trainer).restorer is None:
-            rank_zero_warn(
+            _notices.warn(
                 f"{type(self).__name__}(on_spike='rollback') hands a spike to AutoRollback, which is not installed: "
                 "a spike is only skipped. Add AutoRollback(), or use on_spike='skip'."
             )

@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_nanguard import _notices
 from lightning_nanguard._files import is_local_path
 from lightning_nanguard.reporting import emit
 from lightning_nanguard.reporting.dashboard import write_layout
@@ -59,7 +59,14 @@ class IncidentSink:
         emit.log_text(trainer, key("incidents"), incident_markdown(incident))
 
     def summary(
-        self, trainer: pl.Trainer, callbacks: list[str], *, monitored: bool, final_state: str, notes: list[str]
+        self,
+        trainer: pl.Trainer,
+        callbacks: list[str],
+        *,
+        monitored: bool,
+        final_state: str,
+        notes: list[str],
+        steps: int | None = None,
     ) -> str:
         text = format_summary(
             self.records,
@@ -68,8 +75,9 @@ class IncidentSink:
             monitored=monitored,
             final_state=final_state,
             notes=notes,
+            steps=steps,
         )
-        rank_zero_info(text)
+        _notices.note(text)
         if self.log_dir is not None and trainer.is_global_zero:
             path = os.path.join(self.log_dir, SUMMARY_FILE)
             os.makedirs(os.path.dirname(path), exist_ok=True)

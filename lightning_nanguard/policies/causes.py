@@ -136,7 +136,7 @@ CAUSES: dict[Cause, CauseSpec] = {
         CauseSpec(
             Cause.UNKNOWN,
             "",
-            "check the data and the model at this step (forensics='every' replays each incident)",
+            "check the data and the model at this step",
         ),
     )
 }

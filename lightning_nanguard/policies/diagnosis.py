@@ -66,7 +66,7 @@ def classify(f: Findings) -> Diagnosis:
         replay_ms=f.replay_ms,
         replay_steps=f.replay_steps,
         note="; ".join(x for x in (d.note, f.note) if x),
-        caused_by_data=d.caused_by_data,
+        caused_by_data=d.caused_by_data or CAUSES[d.cause].data_at_fault,  # never "input_data, not by data"
         rank_rows=_rank_rows(f, d.rows),
     )
 

@@ -40,4 +40,7 @@ def test_the_state_is_trusted_again_only_where_the_data_or_a_one_off_was_to_blam
 
 def test_the_data_is_at_fault_only_for_data_causes_and_the_state_is_restored_for_corrupt_state() -> None:
     assert {c for c, s in CAUSES.items() if s.data_at_fault} == {Cause.INPUT_DATA, Cause.TARGETS}
-    assert {c for c, s in CAUSES.items() if s.remedy is Remedy.RESTORE} == {Cause.CORRUPT_STATE, Cause.CORRUPT_CHECKPOINT}
+    assert {c for c, s in CAUSES.items() if s.remedy is Remedy.RESTORE} == {
+        Cause.CORRUPT_STATE,
+        Cause.CORRUPT_CHECKPOINT,
+    }
