@@ -28,7 +28,8 @@ class IncidentSink:
 
     def __init__(self) -> None:
         self.log = IncidentLog()
-        self.log_dir: str | None = None
+        self.log_dir: str | None = None  # rank 0's only (the files it writes)
+        self.run_dir: str | None = None  # the same on every rank
 
     @property
     def records(self) -> list[Incident]:
@@ -37,10 +38,11 @@ class IncidentSink:
     def start(self, trainer: pl.Trainer) -> None:
         """New fit: a fresh log. Files are written only where a logger writes (never into the working directory)."""
         self.log = IncidentLog()
-        self.log_dir = None
+        self.log_dir = self.run_dir = None
         if not trainer.loggers:
             return
         log_dir = trainer.log_dir  # a broadcast: every rank calls it here
+        self.run_dir = log_dir  # every rank's: incident bundles go there, whichever rank writes one
         if trainer.is_global_zero and log_dir is not None:
             self.log_dir = log_dir
             self.log.path = os.path.join(log_dir, INCIDENTS_FILE)

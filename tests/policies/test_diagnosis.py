@@ -70,7 +70,7 @@ def test_nonfinite_rows_name_the_rank_under_ddp() -> None:
     d = classify(Findings(BAD, ranks=(1,), batch=batch, batch_idx=3))
     assert d.cause is Cause.INPUT_DATA
     assert (d.ranks, d.rows, d.where) == ((1,), (2, 5), "rank 1 batch 3 rows [2, 5]")
-    assert not needs_replay(Findings(BAD, batch=batch))
+    assert needs_replay(Findings(BAD, batch=batch))  # the origin first: where the NaN went, and from which field
 
 
 def test_labels_outside_the_head_are_targets() -> None:
@@ -99,8 +99,11 @@ def test_replay_verdicts() -> None:
     base = Findings(BAD, batch=(BatchFindings(),), batch_idx=4, half_precision=True, precision="16-mixed")
     assert needs_replay(base)
 
-    def cause(*replays: ReplayFindings, half: bool = True) -> tuple[Cause, str]:
-        d = classify(Findings(**{**base.__dict__, "replay": replays, "half_precision": half}))
+    rising = read_history([(i, 2.0**i, 1.0) for i in range(6)])
+
+    def cause(*replays: ReplayFindings, half: bool = True, growing: bool = True) -> tuple[Cause, str]:
+        history = rising if growing else HistoryFindings()
+        d = classify(Findings(**{**base.__dict__, "replay": replays, "half_precision": half, "history": history}))
         return d.cause, d.where
 
     assert cause(_replay(FINITE)) == (Cause.TRANSIENT, "batch 4 (not reproduced)")
@@ -112,6 +115,14 @@ def test_replay_verdicts() -> None:
         "blocks.2.attn (non-finite in float32 too)",
     )
     assert cause(_replay(OVERFLOW), half=False) == (Cause.GRADIENT_EXPLOSION, "blocks.2.attn (non-finite in 16-mixed)")
+    # An explosion needs evidence of growth: with a flat history and no huge value, non-finite in float32 is unknown.
+    assert cause(_replay(OVERFLOW, OVERFLOW), growing=False) == (
+        Cause.UNKNOWN,
+        "blocks.2.attn (non-finite in float32 too)",
+    )
+    assert cause(_replay(OVERFLOW), half=False, growing=False)[0] is Cause.UNKNOWN
+    huge = PassResult(**{**OVERFLOW.__dict__, "max_abs_output": 1e30})
+    assert cause(_replay(huge), half=False, growing=False)[0] is Cause.GRADIENT_EXPLOSION
     assert cause(_replay(OVERFLOW))[0] is Cause.UNKNOWN  # half precision, no float32 pass: the module only
     # Two ranks, the fault on rank 1 only: named, and the verdict is the same whoever computes it.
     assert cause(_replay(FINITE, FINITE), _replay(OVERFLOW, FINITE)) == (
