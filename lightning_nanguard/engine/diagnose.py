@@ -84,18 +84,21 @@ def write_incident_bundle(
         if log_dir is None:
             mine = ("", "no log dir")
         else:
-            written = write_bundle(
-                log_dir,
-                trainer,
-                pl_module,
-                facts.batch,
-                facts.batch_idx,
-                traced,
-                budget_mb=budget,
-                diagnosis=diagnosis.to_dict(),
-                step=facts.step,
-            )
-            mine = (written.path or "", written.reason)
+            try:
+                written = write_bundle(
+                    log_dir,
+                    trainer,
+                    pl_module,
+                    facts.batch,
+                    facts.batch_idx,
+                    traced,
+                    budget_mb=budget,
+                    diagnosis=diagnosis.to_dict(),
+                    step=facts.step,
+                )
+                mine = (written.path or "", written.reason)
+            except Exception as exc:  # a bundle must never take training down, nor leave the other ranks waiting
+                mine = ("", f"writing it failed: {type(exc).__name__}: {exc}".splitlines()[0][:200])
     outcome = cast(tuple[str, str], _distributed.all_gather_objects(trainer, mine)[book.bundle_rank])
     path, reason = outcome
     if not path:

@@ -170,3 +170,14 @@ def test_no_bundle_when_off_or_over_budget(tmp_path: Path) -> None:
     assert not (tmp_path / "tiny" / "csv" / "version_0" / "nanguard" / "bundles").exists()
     off = _step_incidents(_fit(tmp_path / "off", m.NormNoEps(), forensics="off"))
     assert {(r.bundle, r.cause) for r in off} == {("", "unknown")}  # no replay, no origin: cheap evidence only
+
+
+def test_a_bundle_that_fails_to_write_leaves_training_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_nanguard.engine.diagnose as diagnose
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("no room on this device")
+
+    monkeypatch.setattr(diagnose, "write_bundle", fail)
+    [incident] = _step_incidents(_fit(tmp_path, m.NormNoEps()))
+    assert (incident.cause, incident.bundle) == ("division_by_zero", "")
