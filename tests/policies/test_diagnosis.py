@@ -288,3 +288,12 @@ def test_the_growth_an_explosion_needs_and_the_history_it_names() -> None:
     assert d.cause is Cause.UNKNOWN  # non-finite in 32-true, a flat grad norm of 12-13: no explosion
     assert "no sign of growth" in d.note
     assert d.evidence[-1].kind is EvidenceKind.HISTORY  # not history_rising
+
+
+def test_a_history_is_rising_from_its_level_not_from_one_small_early_value() -> None:
+    warm_up = read_history([(0, 2.0, None), (1, 12.1, None), (2, 12.0, None), (3, 12.3, None), (4, 12.6, None)])
+    assert not warm_up.grad_norm_rising  # a first small norm, then flat at 12-13
+    dip = read_history([(i, 1.0, 0.02) for i in range(5)] + [(5, 1.0, 0.002), (6, 1.0, 0.004), (7, 1.0, 0.006)])
+    assert not dip.loss_rising  # a dip that comes back up below its level
+    climb = read_history([(i, 1.0, None) for i in range(4)] + [(4, 2.0, None), (5, 5.0, None), (6, 20.0, None)])
+    assert climb.grad_norm_rising
