@@ -21,7 +21,7 @@ from lightning_nanguard.engine.accounting import FitLedger
 from lightning_nanguard.engine.act import carry_out
 from lightning_nanguard.engine.bus import EventBus
 from lightning_nanguard.engine.decide import remedy_facts
-from lightning_nanguard.engine.diagnose import diagnose
+from lightning_nanguard.engine.diagnose import diagnose, trigger_note, write_incident_bundle
 from lightning_nanguard.engine.events import AfterStep, EventFacts, PendingEvent
 from lightning_nanguard.engine.final_check import divergence_diagnosis
 from lightning_nanguard.engine.reading import Reading
@@ -134,8 +134,11 @@ class IncidentPath:
             diagnosis = divergence_diagnosis(state_verdict(trainer, pl_module).diverged)
         else:
             diagnosis = diagnose(trainer, pl_module, facts, registry, ledger)
+        # Forensics: the incident bundle, before any action changes the weights or the random state.
+        bundle = write_incident_bundle(trainer, pl_module, facts, diagnosis, registry, ledger, self.sink.run_dir)
         plan = plan_remedy(remedy_facts(trainer, facts, diagnosis, registry, ledger))
         out = carry_out(trainer, pl_module, plan, diagnosis, facts, registry, ledger, self.bus)
+        trigger_note(out.details, diagnosis)  # forensics: a formula bug's trigger, quarantined, is said to be one
         restore_failed = Action.ROLLBACK in plan.actions and not out.restored and plan.stop is None
         if restore_failed and (not facts.state_ok or diagnosis.state_damaged):
             plan = Plan(
@@ -180,6 +183,7 @@ class IncidentPath:
                 cause=diagnosis.cause,
                 where=diagnosis.where,
                 diagnosis=diagnosis.to_dict(),
+                bundle=bundle,
             ),
             plan,
         )

@@ -29,7 +29,8 @@ class IncidentSink:
 
     def __init__(self) -> None:
         self.log = IncidentLog()
-        self.log_dir: str | None = None
+        self.log_dir: str | None = None  # rank 0's only (the files it writes)
+        self.run_dir: str | None = None  # the same on every rank
 
     @property
     def records(self) -> list[Incident]:
@@ -39,10 +40,11 @@ class IncidentSink:
         """New fit: a fresh log. Files are written only where a logger writes on the local filesystem (never into the
         working directory)."""
         self.log = IncidentLog()
-        self.log_dir = None
+        self.log_dir = self.run_dir = None
         if not trainer.loggers:
             return
         log_dir = trainer.log_dir  # a broadcast: every rank calls it here
+        self.run_dir = log_dir  # every rank's: incident bundles go there, whichever rank writes one
         # Local directories only: a remote one (s3://, memory://) would be created as a local folder of that name.
         if trainer.is_global_zero and log_dir is not None and is_local_path(log_dir):
             self.log_dir = log_dir

@@ -20,9 +20,7 @@ from torch import Tensor
 
 from lightning_nanguard.policies.origin import SourceFrame, Stat
 
-__all__ = ["ROWS_LISTED", "frame_from_stack", "frame_from_traceback", "module_from_stack", "op_stats", "rows_of"]
-
-ROWS_LISTED = 32
+__all__ = ["frame_from_stack", "frame_from_traceback", "module_from_stack", "op_stats", "rows_of"]
 
 
 def _library_dirs() -> tuple[str, ...]:
@@ -85,11 +83,12 @@ def frame_from_traceback(entries: Iterable[str]) -> SourceFrame | None:
 
 
 def rows_of(mask: Tensor, batch_size: int | None) -> tuple[int, ...]:
-    """The leading-dim indices where ``mask`` holds, when that dim is the batch's (else none)."""
+    """The leading-dim indices where ``mask`` holds, when that dim is the batch's (else none). Every one: the
+    quarantine of a formula bug's triggering records reads them."""
     if batch_size is None or mask.dim() == 0 or mask.shape[0] != batch_size:
         return ()
     hit = mask.reshape(mask.shape[0], -1).any(dim=1)
-    return tuple(int(i) for i in hit.nonzero().flatten()[:ROWS_LISTED].tolist())
+    return tuple(int(i) for i in hit.nonzero().flatten().tolist())
 
 
 def _num(x: Tensor) -> float:
