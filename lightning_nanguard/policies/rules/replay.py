@@ -214,17 +214,7 @@ def nonfinite_in_float32(f: Findings) -> Diagnosis | None:
     again = _nonfinite_again(f, first) if first is not None else ""
     if first is None or not again or not _growth(f, first):
         return None
-    return Diagnosis(
-        Cause.GRADIENT_EXPLOSION,
-        where=f"{first.module}{first.on} ({again})",
-        evidence=(
-            first.evidence,
-            Evidence(EvidenceKind.REPLAY_FP32_NONFINITE, f"the same batch is {again}"),
-            history_evidence(f),
-        ),
-        ranks=first.ranks,
-        module=first.module,
-    )
+    return _nonfinite_again_diagnosis(f, first, again, Cause.GRADIENT_EXPLOSION, "")
 
 
 def nonfinite_without_growth(f: Findings) -> Diagnosis | None:
@@ -234,8 +224,14 @@ def nonfinite_without_growth(f: Findings) -> Diagnosis | None:
     again = _nonfinite_again(f, first) if first is not None else ""
     if first is None or not again:
         return None
+    note = "no sign of growth (the gradient norm and the loss were not rising, no value reached 1e15): not an explosion"
+    return _nonfinite_again_diagnosis(f, first, again, Cause.UNKNOWN, note)
+
+
+def _nonfinite_again_diagnosis(f: Findings, first: _First, again: str, cause: Cause, note: str) -> Diagnosis:
+    """The diagnosis of a replay non-finite again (``again`` says in what), in the first module ``first`` names."""
     return Diagnosis(
-        Cause.UNKNOWN,
+        cause,
         where=f"{first.module}{first.on} ({again})",
         evidence=(
             first.evidence,
@@ -244,8 +240,7 @@ def nonfinite_without_growth(f: Findings) -> Diagnosis | None:
         ),
         ranks=first.ranks,
         module=first.module,
-        note="no sign of growth (the gradient norm and the loss were not rising, no value reached 1e15): not an "
-        "explosion",
+        note=note,
     )
 
 
