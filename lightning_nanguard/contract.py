@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
+import torch
+
 __all__ = [
     "Action",
     "Cause",
@@ -287,3 +289,7 @@ class PassedOverSnapshots:
 
     restored_from: int
     passed_over: tuple[int, ...]
+
+
+# Plain data: a record or a callback's state holding these values loads with ``torch.load(weights_only=True)``.
+torch.serialization.add_safe_globals([Action, Signal, Cause, EvidenceKind, StopReason, RestoreSource])

@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import Callback
 
 import lightning_nanguard
 from lightning_nanguard.engine import get_engine
+from lightning_nanguard.testing import FaultInjector
 from tests.helpers import TinyModel, make_trainer
 
 CALLBACKS = [
@@ -57,3 +58,19 @@ def test_cli_yaml_can_configure_every_callback() -> None:
     instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
     built = instantiate(cfg).callbacks
     assert [type(cb) for cb in built] == CALLBACKS
+
+
+def test_incident_records_load_weights_only(tmp_path: Any) -> None:
+    # Users save what nanguard hands them (an incident's action and cause) next to tensors and load it back with
+    # torch.load(weights_only=True), as they do every checkpoint.
+    trainer = make_trainer(
+        tmp_path,
+        callbacks=[FaultInjector("loss", steps=[2]), *lightning_nanguard.default_callbacks()],
+    )
+    trainer.fit(TinyModel())
+    records = get_engine(trainer).sink.records
+    assert records
+    torch.save([(r.step, r.action, r.cause) for r in records], tmp_path / "incidents.pt")
+    loaded = torch.load(tmp_path / "incidents.pt", weights_only=True)
+    assert loaded == [(r.step, r.action, r.cause) for r in records]
+    assert loaded[0][1] is records[0].action
