@@ -153,6 +153,8 @@ class AutoRollback(NanGuardCallback):
     @override
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
         self._engine = engine
+        # Each fit its own budget (a callback reused by another Trainer); a resume's load_state_dict comes after.
+        self.policy = RollbackPolicy(self.max_rollbacks, self.rollback_window, self.recurrence_steps, self.skip_batches)
         self.book.reset()
         self.divergence = None
         engine.set_restorer(self)

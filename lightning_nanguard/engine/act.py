@@ -42,14 +42,20 @@ def carry_out(
     out = Outcome()
     acts = set(plan.actions)
     if Action.WARN in acts:
-        _warned(out, facts.signal, registry)
+        if acts & {Action.SKIP, Action.SCALER_SKIP} and facts.signal is not Signal.LOSS_SCALE_COLLAPSE:
+            # A warning beside a drop is the dropped-updates budget's (``policies.remedy``): the run goes on.
+            out.details[Action.WARN] = "kept training past the dropped-updates budget (on_dropped_budget='warn')"
+        else:
+            _warned(out, facts.signal, registry)
     if Action.QUARANTINE in acts and registry.quarantine is not None:
         rank = trainer.global_rank
         rows, take = diagnosis.rows, not diagnosis.ranks or rank in diagnosis.ranks
         if diagnosis.rank_rows and rank < len(diagnosis.rank_rows):
             rows = diagnosis.rank_rows[rank]  # this rank's own rows: row 3 of another rank is another sample
             take = bool(rows)
-        out.details[Action.QUARANTINE] = registry.quarantine.add(trainer, facts.batch, rows, facts.step, take=take)
+        out.details[Action.QUARANTINE] = registry.quarantine.add(
+            trainer, facts.batch, rows, facts.step, take=take, samples=facts.samples
+        )
     restorer = registry.restorer
     if Action.ROLLBACK in acts and restorer is not None:
         restored = restorer.restore(trainer, pl_module, facts.step)

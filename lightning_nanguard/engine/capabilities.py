@@ -18,7 +18,9 @@ from lightning_nanguard.policies.loss_scale import CollapseFacts
 from lightning_nanguard.recovery.backoff_scales import BackoffResult
 
 __all__ = [
+    "DEFAULT_DROPPED_WINDOW",
     "DEFAULT_MAX_CONSECUTIVE_SKIPS",
+    "DEFAULT_MAX_DROPPED_FRACTION",
     "Backoff",
     "GuardSettings",
     "MetricSource",
@@ -30,6 +32,8 @@ __all__ = [
 
 
 DEFAULT_MAX_CONSECUTIVE_SKIPS = 20
+DEFAULT_MAX_DROPPED_FRACTION = 0.05
+DEFAULT_DROPPED_WINDOW = 1000
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,9 @@ class GuardSettings:
     quarantine: bool = True
     forensics: str = "first"  # "first" | "every" | "off"
     max_replay_steps: float = 20.0
+    max_dropped_fraction: float | None = DEFAULT_MAX_DROPPED_FRACTION
+    dropped_window: int = DEFAULT_DROPPED_WINDOW
+    on_dropped_budget: str = "stop"  # "stop" | "warn"
 
 
 @dataclass(frozen=True)

@@ -15,16 +15,18 @@ from typing import cast
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
 
 from lightning_nanguard import _distributed
 from lightning_nanguard.contract import Action, Plan, Signal, StopReason
 from lightning_nanguard.engine.accounting import FitLedger
 from lightning_nanguard.engine.act import carry_out
 from lightning_nanguard.engine.bus import EventBus
-from lightning_nanguard.engine.decide import remedy_facts
+from lightning_nanguard.engine.decide import note_plan, remedy_facts
 from lightning_nanguard.engine.diagnose import diagnose
 from lightning_nanguard.engine.events import AfterStep, EventFacts, PendingEvent
 from lightning_nanguard.engine.final_check import divergence_diagnosis
+from lightning_nanguard.engine.micro_batches import MicroBatch, locate
 from lightning_nanguard.engine.reading import Reading
 from lightning_nanguard.engine.registry import Registry
 from lightning_nanguard.engine.sink import IncidentSink
@@ -108,19 +110,32 @@ class IncidentPath:
         events: list[PendingEvent],
         batch: object,
         batch_idx: int,
+        window: tuple[list[MicroBatch], list[Tensor]] | None = None,
     ) -> None:
-        """Handle the batch's events as one event (one incident), the most severe first."""
+        """Handle the batch's events as one event (one incident), the most severe first. ``window``: under gradient
+        accumulation, the window's earlier micro-batches and its micro-batch losses (``micro_batches``)."""
         events.sort(key=lambda e: _SEVERITY.index(e.signal) if e.signal in _SEVERITY else len(_SEVERITY))
         event = events[0]
         for other in events[1:]:
             event.readings.extend(r for r in other.readings if r not in event.readings)
         if event.after is not None:
             self._after_step(trainer, event.signal, event.after, batch_idx)
-        else:
-            self._step_event(trainer, pl_module, event, batch, batch_idx)
+            return
+        samples = None
+        if window is not None and event.readings:  # the micro-batch that made the step non-finite
+            last = MicroBatch(batch, batch_idx, trainer.current_epoch)
+            found = locate(window[0], last, window[1])
+            batch, batch_idx, samples = found.batch, found.batch_idx, found.samples
+        self._step_event(trainer, pl_module, event, batch, batch_idx, samples)
 
     def _step_event(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, event: PendingEvent, batch: object, batch_idx: int
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        event: PendingEvent,
+        batch: object,
+        batch_idx: int,
+        samples: dict[str, list[int] | None] | None,
     ) -> None:
         """A training-step event: check the state, diagnose, decide, act, record."""
         registry, ledger = self.registry, self.ledger
@@ -129,12 +144,15 @@ class IncidentPath:
         # reduced), else now (the update was dropped on the device, or there was none).
         before = next((r.state_before for r in event.readings if r.state_before is not None), None)
         state_ok, names = before if before is not None else state_before_update(trainer, pl_module)
-        facts = EventFacts(event, step, batch, batch_idx, state_ok, tuple(names), tuple(_bad_ranks(trainer, event)))
+        ranks = tuple(_bad_ranks(trainer, event))
+        facts = EventFacts(event, step, batch, batch_idx, state_ok, tuple(names), ranks, samples)
         if event.signal is Signal.RANK_DIVERGENCE:
             diagnosis = divergence_diagnosis(state_verdict(trainer, pl_module).diverged)
         else:
             diagnosis = diagnose(trainer, pl_module, facts, registry, ledger)
-        plan = plan_remedy(remedy_facts(trainer, facts, diagnosis, registry, ledger))
+        decided = remedy_facts(trainer, facts, diagnosis, registry, ledger)
+        plan = plan_remedy(decided)
+        note_plan(decided, plan, ledger, step)
         out = carry_out(trainer, pl_module, plan, diagnosis, facts, registry, ledger, self.bus)
         restore_failed = Action.ROLLBACK in plan.actions and not out.restored and plan.stop is None
         if restore_failed and (not facts.state_ok or diagnosis.state_damaged):

@@ -1,8 +1,10 @@
 """Every cause, declared once: what it means for the remedy, the state and the data, and the evidence that decides it.
 
 A cause's facets are read by the code that needs one, never re-derived: the remedy policy (``policies.remedy``:
-the remedy family, the reason, quarantine, the backoff and overflow counts), the diagnosis (``policies.diagnosis``:
-the evidence rules in ``EVIDENCE`` order, the hint) and AutoRollback's quiet period (``trusts_state``).
+the remedy family, the reason, quarantine, whether a recurrence may lower the learning rate, the overflow counts),
+the accounting of dropped updates (``engine.decide``: a data cause's drops never count toward the streak or the
+backoff), the diagnosis (``policies.diagnosis``: the evidence rules in ``EVIDENCE`` order, the hint) and
+AutoRollback's quiet period (``trusts_state``).
 
 Adding a cause (ARCHITECTURE.md, "Add a cause"): its ``contract.Cause`` member, its ``CauseSpec`` in ``CAUSES``, its
 evidence rule (a function in ``policies/rules/``) placed in ``EVIDENCE``, and its row in docs/FORENSICS.md.
@@ -30,6 +32,14 @@ class Remedy(Enum):
     ROLLBACK_AND_BACKOFF = "rollback_and_backoff"  # restore a sound state and lower the learning rate
     RESTORE = "restore"  # restore a sound state (the state itself is the fault)
 
+    @property
+    def lowers_lr(self) -> bool:
+        """A lower learning rate is part of this remedy. Only then may the learning rate come down for the cause:
+        with a rollback, after ``skips_before_backoff`` recurrences (OptimizerBackoff's ``skip`` trigger), or when a
+        streak of its dropped updates escalates. A cause no lower learning rate fixes (a loss formula, a bad sample,
+        a half-precision overflow, an unknown one) is bounded by the dropped-updates budget instead."""
+        return self is Remedy.ROLLBACK_AND_BACKOFF
+
 
 @dataclass(frozen=True)
 class CauseSpec:
@@ -39,12 +49,12 @@ class CauseSpec:
         cause: the cause.
         reason: why the remedy fits, in one phrase (a ``Plan``'s reason).
         hint: what to try, for people (a ``Diagnosis``'s hint, unless its rule wrote a more specific one).
-        remedy: the remedy family.
-        data_at_fault: the batch is to blame: quarantine it.
+        remedy: the remedy family (``Remedy.lowers_lr``: whether the learning rate may come down for it).
+        data_at_fault: the batch is to blame: quarantine it. Its dropped updates are the quarantine's to answer:
+            they never count toward ``max_consecutive_skips`` or the skip backoff, only toward the dropped-updates
+            budget, whose stop then says the data pipeline is broken.
         state_trusted: the model and optimizer state are trusted at once afterwards (no quiet period before the next
             snapshot: the data, or a one-off, was to blame).
-        counts_toward_backoff: a dropped update of this cause counts toward OptimizerBackoff's
-            ``skips_before_backoff`` (a bad sample, or a damaged state that a rollback answers, does not).
         routine_under_scaler: an update of this cause the GradScaler dropped itself is its routine: it does not count
             toward the backoff (a run of them is LossScaleWatchdog's collapse, which backs off).
         counts_module_overflow: the module the diagnosis names counts one overflow toward ``promote_after``.
@@ -56,7 +66,6 @@ class CauseSpec:
     remedy: Remedy = Remedy.SKIP
     data_at_fault: bool = False
     state_trusted: bool = False
-    counts_toward_backoff: bool = True
     routine_under_scaler: bool = False
     counts_module_overflow: bool = False
 
@@ -70,7 +79,6 @@ CAUSES: dict[Cause, CauseSpec] = {
             "check the data pipeline for these samples (NaN/inf or unnormalised values in the inputs)",
             data_at_fault=True,
             state_trusted=True,
-            counts_toward_backoff=False,
         ),
         CauseSpec(
             Cause.TARGETS,
@@ -78,7 +86,6 @@ CAUSES: dict[Cause, CauseSpec] = {
             "the labels do not fit the model's output: check num_classes against the dataset's labels",
             data_at_fault=True,
             state_trusted=True,
-            counts_toward_backoff=False,
         ),
         CauseSpec(
             Cause.HALF_PRECISION_OVERFLOW,
@@ -113,7 +120,6 @@ CAUSES: dict[Cause, CauseSpec] = {
             "the parameters, buffers or optimizer state are non-finite",
             "restore an earlier state (AutoRollback does it in memory); check what wrote the non-finite values",
             remedy=Remedy.RESTORE,
-            counts_toward_backoff=False,
         ),
         CauseSpec(
             Cause.TRANSIENT,
