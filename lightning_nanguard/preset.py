@@ -23,7 +23,9 @@ __all__ = ["CALLBACKS", "PRESET", "default_callbacks"]
 PRESET: dict[type[Callback], dict[str, Any]] = {
     GradNormMonitor: {},
     AutoRollback: {},
-    OptimizerBackoff: {},
+    # A cut learning rate comes back once the schedule itself falls below it (a decay, the end of a warm restart);
+    # recovery by time (recover_after) stays off: climbing back into a persisting cause costs more (docs/PERFORMANCE.md).
+    OptimizerBackoff: {"recover_with_schedule": True},
     LossScaleWatchdog: {},  # on_collapse="auto": a collapse goes to AutoRollback
     CheckpointGuard: {"fallback": True},  # a corrupt resume continues from the newest verified checkpoint
     FP32Evaluation: {"mode": "on_nonfinite", "promote_after": 2},

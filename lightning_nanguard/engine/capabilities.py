@@ -63,6 +63,7 @@ class Restored:
     path: str = ""  # the checkpoint, for "disk"
     recurrence: bool = False
     in_window: int = 1
+    repaired: tuple[str, ...] = ()  # only these buffers were restored (``Restorer.repair_buffers``)
 
 
 class Restorer(Protocol):
@@ -80,6 +81,11 @@ class Restorer(Protocol):
         ...
 
     def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Restored | None: ...
+
+    def repair_buffers(self, trainer: pl.Trainer, pl_module: pl.LightningModule, names: list[str]) -> Restored | None:
+        """Restore only the named buffers (a batch's forward wrote them non-finite; the parameters and optimizer
+        state are sound): no rollback, no budget. ``None`` when no snapshot holds them (then ``restore``)."""
+        ...
 
     def skip_batch(self) -> bool:
         """True while batches after a rollback are to be skipped (counts one)."""

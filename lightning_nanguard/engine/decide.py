@@ -24,7 +24,7 @@ from lightning_nanguard.engine.registry import Registry
 from lightning_nanguard.policies.causes import CAUSES
 from lightning_nanguard.policies.remedy import RemedyFacts, counts_as_dropped
 
-__all__ = ["note_plan", "remedy_facts"]
+__all__ = ["note_plan", "remedy_facts", "repairable_buffers"]
 
 
 def remedy_facts(
@@ -94,11 +94,22 @@ def remedy_facts(
         can_restore=restorer is not None and restorer.can_restore(trainer, step),
         rollback_budget_left=restorer.budget_left(step) if restorer is not None else 1,
         collapse_budget_left=collapse.budget_left if collapse is not None else 1,
+        repair_only=bool(repairable_buffers(diagnosis, trainer.lightning_module)) and restorer is not None,
         dropped_before=len(dropped),
         max_dropped_fraction=fraction,
         dropped_window=window,
         on_dropped_budget=on_budget,
     )
+
+
+def repairable_buffers(diagnosis: Diagnosis, pl_module: pl.LightningModule) -> list[str]:
+    """The non-finite tensors, where they are buffers a batch's forward wrote (BatchNorm statistics) and nothing else:
+    the parameters and the optimizer state are sound, so restoring those buffers is the whole repair. ``[]`` else."""
+    names = list(diagnosis.state_tensors)
+    if not (diagnosis.caused_by_data and names):
+        return []
+    buffers = {name for name, _ in pl_module.named_buffers()}
+    return names if all(n in buffers for n in names) else []
 
 
 def note_plan(facts: RemedyFacts, plan: Plan, ledger: FitLedger, step: int) -> None:

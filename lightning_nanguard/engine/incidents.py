@@ -227,14 +227,16 @@ class IncidentPath:
         """Warn where the plan lets training go on, stop where it ends it, keep the record, tell the subscribers."""
         if plan.stop is not None:
             self.ledger.request_stop(trainer, stop_error(plan.stop, cast(Signal, incident.trigger))(incident.message))
-        if warn or Action.WARN in plan.actions:
+        repeat = self.sink.record(trainer, incident)
+        if (warn or Action.WARN in plan.actions) and not repeat:  # a recurring incident warns the first time
             rank_zero_warn(incident.message)
-        self.sink.record(trainer, incident)
         self.bus.emit(trainer, EventHandled(incident.step, incident))
 
     def tried(self) -> str:
         """What the run has tried so far, from the records' actions."""
-        counts: Counter[str] = Counter(str(a) for r in self.sink.records for a in r.actions)
+        counts: Counter[str] = Counter()
+        for r in self.sink.records:
+            counts.update({str(a): r.count for a in r.actions})
         scale = getattr(self.registry.backoff, "lr_scale", None)
         return messages.tried_phrase(counts, float(scale) if isinstance(scale, (int, float)) else None)
 

@@ -9,7 +9,9 @@ routine GradScaler overflow (16-mixed,          ``scaler_skip``: the scaler drop
 loss finite, state intact)
 input data / targets, state intact             ``skip`` + ``quarantine`` (the data is skipped when it comes back)
 input data / targets, state damaged            ``skip`` + ``quarantine`` + ``rollback``
-corrupt state written by a batch's forward     ``skip`` + ``quarantine`` + ``rollback`` (e.g. BatchNorm statistics)
+corrupt state written by a batch's forward     ``skip`` + ``quarantine`` + ``rollback`` (e.g. BatchNorm statistics;
+                                               the buffers alone are restored where nothing else is damaged: no
+                                               rollback budget, the drop counts toward the dropped-updates budget)
 transient, state intact                        ``skip``
 corrupt state                                  ``skip`` + ``rollback``
 optimizer numerics (e.g. eps underflow)        ``skip`` + ``eps_backoff`` (+ ``rollback`` if damaged)
@@ -101,6 +103,9 @@ class RemedyFacts:
     module_overflows: int = 0  # half-precision overflows of that module so far, this one included
     promote_after: int | None = None
     true_half: bool = False  # *-true precision: no autocast to switch off, promotion is not possible
+    # The damage is buffers a batch's forward wrote non-finite, all else sound: restoring those buffers repairs it,
+    # no rollback of the parameters (AutoRollback's ``repair_buffers``; no rollback budget, the drop counts).
+    repair_only: bool = False
     can_restore: bool = True  # a verified snapshot or checkpoint exists
     rollback_budget_left: int = 1  # rollbacks still allowed in the window (0: this one is the last)
     collapse_budget_left: int = 1  # LossScaleWatchdog collapses still allowed (0: stop after this one)
@@ -115,7 +120,7 @@ def counts_as_dropped(f: RemedyFacts, plan: Plan) -> bool:
     """Whether this event's plan drops an update that counts toward the dropped-updates budget: every drop but one a
     rollback answers (the rollback budget bounds those) and the GradScaler's routine skip (LossScaleWatchdog's)."""
     acts = plan.actions
-    if f.signal is Signal.LOSS_SCALE_COLLAPSE or Action.ROLLBACK in acts:
+    if f.signal is Signal.LOSS_SCALE_COLLAPSE or (Action.ROLLBACK in acts and not f.repair_only):
         return False
     if Action.SKIP in acts:
         return True
@@ -259,7 +264,7 @@ def _with_restore(f: RemedyFacts, acts: list[Action], reason: str, promote: str 
         acts.remove(Action.ROLLBACK)
         if Action.BACKOFF in acts or remedy is Remedy.ROLLBACK_AND_BACKOFF:
             reason = (reason + "; " if reason else "") + "no verified snapshot or checkpoint to restore yet"
-    if Action.ROLLBACK in acts and f.rollback_budget_left <= 0:
+    if Action.ROLLBACK in acts and f.rollback_budget_left <= 0 and not f.repair_only:
         return _stop(
             acts,
             StopReason.ROLLBACK_BUDGET,
