@@ -24,7 +24,8 @@ PRESET: dict[type[Callback], dict[str, Any]] = {
     GradNormMonitor: {},
     AutoRollback: {},
     # A cut learning rate comes back once the schedule itself falls below it (a decay, the end of a warm restart);
-    # recovery by time (recover_after) stays off: climbing back into a persisting cause costs more (docs/PERFORMANCE.md).
+    # recovery by time (recover_after) stays off: climbing back into a cause that persists costs more (README,
+    # "Remedy cost").
     OptimizerBackoff: {"recover_with_schedule": True},
     LossScaleWatchdog: {},  # on_collapse="auto": a collapse goes to AutoRollback
     CheckpointGuard: {"fallback": True},  # a corrupt resume continues from the newest verified checkpoint

@@ -54,7 +54,8 @@ def format_summary(
         for i in incidents:
             by_cause[i.cause or i.trigger] += i.count
             actions.update(dict.fromkeys(i.actions or [i.action], i.count))
-        records = "" if all(i.repeats == 0 for i in incidents) else f" in {len(incidents)} records"
+        n = len(incidents)
+        records = "" if all(i.repeats == 0 for i in incidents) else f" in {n} record{'' if n == 1 else 's'}"
         lines.append(
             f"incidents: {sum(i.count for i in incidents)}{records} ("
             + ", ".join(f"{c}={n}" for c, n in sorted(by_cause.items()))

@@ -181,3 +181,14 @@ def test_a_state_poisoned_by_a_batch_is_rolled_back_and_the_batch_quarantined() 
         Action.ROLLBACK,
     )
     assert plan(cause=Cause.CORRUPT_STATE, state_damaged=True) == (Action.SKIP, Action.ROLLBACK)
+
+
+def test_buffers_a_batch_poisoned_are_repaired_without_the_rollback_budget_and_the_drop_counts() -> None:
+    kw = {"cause": Cause.CORRUPT_STATE, "state_damaged": True, "caused_by_data": True, "rollback_budget_left": 0}
+    assert plan_remedy(RemedyFacts(NAN, installed=SUITE, **kw)).stop is StopReason.ROLLBACK_BUDGET  # type: ignore[arg-type]
+    repair = RemedyFacts(NAN, installed=SUITE, repair_only=True, **kw)  # type: ignore[arg-type]
+    p = plan_remedy(repair)
+    assert p.actions == (Action.SKIP, Action.QUARANTINE, Action.ROLLBACK)
+    assert p.stop is None
+    assert counts_as_dropped(repair, p)  # bounded by the dropped-updates budget instead
+    assert not counts_as_dropped(RemedyFacts(NAN, installed=SUITE, **kw), p)  # type: ignore[arg-type]

@@ -64,7 +64,11 @@ def test_buffers_a_batch_poisoned_are_restored_alone_and_no_step_is_undone(tmp_p
     trainer = make_trainer(tmp_path, precision="16-mixed", callbacks=callbacks, max_steps=6)
     trainer.fit(model)
     (record,) = get_engine(trainer).sink.records
-    assert (record.step, record.cause, record.actions) == (2, "corrupt_state", ["scaler_skip", "quarantine", "rollback"])
+    assert (record.step, record.cause, record.actions) == (
+        2,
+        "corrupt_state",
+        ["scaler_skip", "quarantine", "rollback"],
+    )
     assert record.values["steps_lost"] == 0
     assert record.values["repaired"] == ["net.1.running_mean", "net.1.running_var"]
     assert "restored the buffers net.1.running_mean, net.1.running_var from the snapshot of step 2" in record.message
