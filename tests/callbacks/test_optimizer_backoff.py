@@ -347,6 +347,7 @@ def test_logs_single_eps_key_when_groups_agree(tmp_path: Any) -> None:
         ({"triggers": ["rollback"]}, r"triggers=\['rollback'\]\): must be a comma-separated string"),
         ({"skips_before_backoff": 0}, r"skips_before_backoff=0\): must be an int >= 1"),
         ({"recover_after": 0}, r"recover_after=0\): must be an int or None >= 1"),
+        ({"recover_with_schedule": "yes"}, r"recover_with_schedule='yes'\): must be one of \[False, True\]"),
         ({"eps_backoff": "sometimes"}, r"eps_backoff='sometimes'\): must be one of"),
         ({"eps_factor": 1.0}, r"eps_factor=1.0\): must be a number in \(1.0, 1000000.0\]"),
         ({"max_eps": 0.0}, r"max_eps=0.0\)"),
