@@ -121,12 +121,10 @@ class IncidentPath:
         if event.after is not None:
             self._after_step(trainer, event.signal, event.after, batch_idx)
             return
-        samples = None
+        micro: tuple[MicroBatch, bool] | None = None
         if window is not None and event.readings:  # the micro-batch that made the step non-finite
-            last = MicroBatch(batch, batch_idx, trainer.current_epoch)
-            found = locate(window[0], last, window[1])
-            batch, batch_idx, samples = found.batch, found.batch_idx, found.samples
-        self._step_event(trainer, pl_module, event, batch, batch_idx, samples)
+            micro = locate(window[0], MicroBatch(batch, batch_idx, trainer.current_epoch), window[1])
+        self._step_event(trainer, pl_module, event, batch, batch_idx, micro)
 
     def _step_event(
         self,
@@ -135,16 +133,21 @@ class IncidentPath:
         event: PendingEvent,
         batch: object,
         batch_idx: int,
-        samples: dict[str, list[int] | None] | None,
+        micro: tuple[MicroBatch, bool] | None,
     ) -> None:
-        """A training-step event: check the state, diagnose, decide, act, record."""
+        """A training-step event: check the state, diagnose, decide, act, record. ``micro``: under gradient
+        accumulation, this rank's micro-batch to blame and whether its window showed one (``micro_batches.locate``):
+        each rank diagnoses (and quarantines from) its own, and the record names the one of the first bad rank."""
         registry, ledger = self.registry, self.ledger
         step = event.readings[0].step if event.readings else trainer.global_step
         # The state before the update where the host path took it (the same on every rank: the readings are
         # reduced), else now (the update was dropped on the device, or there was none).
         before = next((r.state_before for r in event.readings if r.state_before is not None), None)
         state_ok, names = before if before is not None else state_before_update(trainer, pl_module)
-        ranks = tuple(_bad_ranks(trainer, event))
+        samples = None
+        if micro is not None:
+            batch, samples = micro[0].batch, micro[0].samples
+        ranks, batch_idx = _bad_ranks(trainer, event, batch_idx, micro)
         facts = EventFacts(event, step, batch, batch_idx, state_ok, tuple(names), ranks, samples)
         if event.signal is Signal.RANK_DIVERGENCE:
             diagnosis = divergence_diagnosis(state_verdict(trainer, pl_module).diverged)
@@ -271,10 +274,14 @@ class IncidentPath:
         return -1
 
 
-def _bad_ranks(trainer: pl.Trainer, event: PendingEvent) -> list[int]:
-    """The ranks whose own reading was non-finite (an all-gather; every rank is here)."""
+def _bad_ranks(
+    trainer: pl.Trainer, event: PendingEvent, batch_idx: int, micro: tuple[MicroBatch, bool] | None
+) -> tuple[tuple[int, ...], int]:
+    """The ranks whose own reading was non-finite (an all-gather; every rank is here), and the batch the record
+    names: under gradient accumulation the micro-batch the first of them found (the same on every rank)."""
+    found = micro[0].batch_idx if micro is not None and micro[1] else -1
     if trainer.world_size <= 1:
-        return [0]
+        return (0,), found if found >= 0 else batch_idx
     local = [
         (r.inline or 1, r.local.detach().float().cpu().tolist()) for r in event.readings if r.local is not None
     ]  # (where the loss is, this rank's own vector): the fast path puts the per-tensor norms first
@@ -282,9 +289,14 @@ def _bad_ranks(trainer: pl.Trainer, event: PendingEvent) -> list[int]:
     # rank sees another rank's NaN gradient; a gradient that went bad after the reduction is this rank's own.
     loss_bad = any(len(vec) > at and not math.isfinite(vec[at]) for at, vec in local)
     any_bad = any(not all(math.isfinite(v) for v in vec) for _, vec in local)
-    gathered = [cast(tuple[bool, bool], g) for g in _distributed.all_gather_objects(trainer, (loss_bad, any_bad))]
+    gathered = [
+        cast(tuple[bool, bool, int], g) for g in _distributed.all_gather_objects(trainer, (loss_bad, any_bad, found))
+    ]
     ranks = [i for i, g in enumerate(gathered) if g[0]] or [i for i, g in enumerate(gathered) if g[1]]
-    return ranks or list(range(trainer.world_size))
+    ranks = ranks or list(range(trainer.world_size))
+    named = next((gathered[r][2] for r in ranks if gathered[r][2] >= 0), -1)
+    named = named if named >= 0 else next((g[2] for g in gathered if g[2] >= 0), batch_idx)
+    return tuple(ranks), named
 
 
 def _values_of(readings: list[Reading]) -> dict[str, object]:

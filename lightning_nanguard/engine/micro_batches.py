@@ -63,18 +63,19 @@ def _same_window(a: MicroBatch, b: MicroBatch, accumulate: int) -> bool:
     return a.epoch == b.epoch and a.batch_idx // accumulate == b.batch_idx // accumulate
 
 
-def locate(window: list[MicroBatch], last: MicroBatch, losses: list[Tensor]) -> MicroBatch:
+def locate(window: list[MicroBatch], last: MicroBatch, losses: list[Tensor]) -> tuple[MicroBatch, bool]:
     """The micro-batch to blame: the first whose own loss is non-finite, else the first holding a non-finite value,
-    else the last one. ``losses`` are the window's micro-batch losses in order (one per backward); they are paired
-    with the micro-batches only when there is one for each. Incident path only: one host read per read."""
+    else the last one; and whether one was found so (under DDP, this rank's window may be sound: another rank's is
+    not). ``losses`` are the window's micro-batch losses in order (one per backward); they are paired with the
+    micro-batches only when there is one for each. Incident path only: one host read per read."""
     batches = [*window, last]
     if len(losses) == len(batches):
         finite = torch.stack([loss.detach().float().reshape(-1)[:1].cpu() for loss in losses]).isfinite()
         bad = [i for i, ok in enumerate(finite.reshape(-1).tolist()) if not ok]
         if bad:
-            return batches[bad[0]]
+            return batches[bad[0]], True
     for m in window:
         tensors = [t for t in iter_tensors(m.batch) if t.is_floating_point()]
         if tensors and not bool(all_finite(tensors, wide=True)):
-            return m
-    return last
+            return m, True
+    return last, False

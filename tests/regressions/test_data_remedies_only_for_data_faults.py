@@ -8,6 +8,8 @@ check which samples were trained on, not only the incident log.
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 import pytest
@@ -18,6 +20,7 @@ from lightning_nanguard import GradNormMonitor, OptimizerBackoff, default_callba
 from lightning_nanguard.engine import get_engine
 from tests.helpers import all_finite, make_trainer
 from tests.regressions.test_quarantine_data_kinds import Recorder, indexed_data
+from tests.regressions.test_rank_consistent import ddp_spawn
 
 LR = 0.05  # Recorder's SGD learning rate
 
@@ -77,3 +80,46 @@ def test_a_nan_in_any_micro_batch_of_an_accumulation_window_is_quarantined_witho
     assert monitor.quarantined_samples == [sample]
     assert trainer.optimizers[0].param_groups[0]["lr"] == LR
     assert all(sample not in _trained(model, epoch) for epoch in (1, 2, 3))
+
+
+class _Outcome(Callback):
+    """Each rank's incidents, quarantine and learning rate at the end of fit, as JSON (ddp_spawn's ranks die)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        monitor = next(c for c in trainer.callbacks if isinstance(c, GradNormMonitor))
+        records = [
+            (r.step, r.batch_idx, str(r.cause), [str(a) for a in r.actions]) for r in get_engine(trainer).sink.records
+        ]
+        lr = trainer.optimizers[0].param_groups[0]["lr"]
+        outcome = {"records": records, "quarantined": monitor.quarantined_samples, "lr": lr}
+        with open(os.path.join(self.out, f"rank{trainer.global_rank}.json"), "w", encoding="utf-8") as f:
+            json.dump(outcome, f)
+
+
+@pytest.mark.distributed
+def test_under_ddp_the_micro_batch_holding_the_nan_is_found_on_its_own_rank(tmp_path: Any) -> None:
+    # Two ranks, each every other sample (Lightning's DistributedSampler, unshuffled): sample 10 is rank 0's row 1 of
+    # micro-batch 1; rank 1's window is all finite. Every rank decides the same; only rank 0 names the sample.
+    model = Shard(n=64, bad=[10], batch_size=4)
+    callbacks = [*default_callbacks(), _Outcome(str(tmp_path))]
+    trainer = make_trainer(
+        tmp_path,
+        callbacks=callbacks,
+        max_steps=-1,
+        max_epochs=2,
+        accumulate_grad_batches=4,
+        strategy=ddp_spawn(),
+        devices=2,
+    )
+    trainer.fit(model)
+    ranks = []
+    for rank in (0, 1):
+        with open(os.path.join(tmp_path, f"rank{rank}.json"), encoding="utf-8") as f:
+            ranks.append(json.load(f))
+    assert ranks[0]["records"] == ranks[1]["records"]
+    assert [(s, c, a) for s, _, c, a in ranks[0]["records"]] == [(0, "input_data", ["skip", "quarantine"])]
+    assert ranks[0]["quarantined"] == ranks[1]["quarantined"] == [10]
+    assert ranks[0]["lr"] == ranks[1]["lr"] == LR
