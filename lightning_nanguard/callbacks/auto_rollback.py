@@ -39,14 +39,16 @@ class AutoRollback(NanGuardCallback):
     no incident that distrusts the state happened in the last ``quiet_steps`` steps.
 
     **A rollback** restores the newest good snapshot in ``on_train_batch_end`` when the engine's remedy policy plans
-    it (README, "What happens when"): an older one on a trigger within ``recurrence_steps`` of the previous
-    rollback, newer ones discarded, then ``skip_batches`` batches without an update. Buffers a batch's forward wrote
-    non-finite, all else sound, are restored alone (no rollback, no budget). Parameters, buffers and the optimizer
-    state roll back in place; param-group hyperparameters, schedulers, ``global_step``, the RNG and Lightning's loops
-    do not; the GradScaler keeps the lower scale. A snapshot whose own step's gradient norm and loss are both >10x
-    the last sound snapshot's was taken mid-divergence (``policies/snapshot_health.py``): a restore passes over it,
-    and the one just taken being so is an event (``diverging``). At the end of fit, non-finite weights left by the
-    last update are restored too.
+    it (the README's table: a damaged state, a divergence, a loss-scale collapse, too many dropped updates in a row;
+    not a bad sample whose update was dropped with the state intact): an older one on a trigger within
+    ``recurrence_steps`` of the previous rollback, newer ones discarded, then ``skip_batches`` batches without an
+    update. Buffers a batch's forward wrote non-finite, all else sound, are restored alone (no rollback, no budget).
+    Parameters, buffers and the optimizer state roll back in place; param-group hyperparameters, schedulers,
+    ``global_step``, the RNG and Lightning's loops do not; the GradScaler keeps the lower scale. A snapshot whose own
+    step's gradient norm and loss are both >10x the last sound snapshot's is a suspect (a restore passes over it); the
+    trend after it decides (``policies/snapshot_health.py``): growth that does not turn is a divergence, an event
+    (``diverging``); a jump that falls back or holds (a new data domain) is not. At the end of fit, non-finite weights
+    left by the last update are restored too.
 
     Args:
         every_n_steps: snapshot cadence in optimizer steps (its cost: docs/PERFORMANCE.md).
@@ -169,8 +171,7 @@ class AutoRollback(NanGuardCallback):
 
     # ------------------------------------------------------------------ the engine's Restorer
     def before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> bool:
-        book = self.book
-        if book.unscored:
+        if (book := self.book).busy:  # a snapshot to judge, or a suspect's trend to follow
             book.diverging = book.score(step, self._history(), self.ring.steps())
         if self.source != "memory" or step % self.every_n_steps or not book.due(step, self.ring.steps()):
             return True  # the healthy path: not a snapshot step
@@ -192,7 +193,7 @@ class AutoRollback(NanGuardCallback):
         return self.policy.budget_left_at(step)
 
     def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Restored | None:
-        self.book.settle(step, self._history(), self.ring.steps())  # passing over a snapshot judged mid-divergence
+        self.book.settle(step, self._history(), self.ring.steps())  # passing over a suspect snapshot
         decision = self.policy.decide(step)
         dirpath, unsound = checkpoint_dir(trainer, self.checkpoint_dir), self.book.judge.unsound
         restored = restore_state(
@@ -212,12 +213,12 @@ class AutoRollback(NanGuardCallback):
         return None if done is None else Restored(done.step, done.source, repaired=tuple(names))
 
     def diverging(self) -> bool:
-        """True once, right after the snapshot just taken was judged taken mid-divergence (``divergence`` says what
-        was seen). From the engine's rank-reduced history: every rank answers the same."""
+        """True once, when the readings after a suspect snapshot kept growing (``divergence``: that snapshot). From the
+        engine's rank-reduced history: every rank answers the same."""
         if not self.book.diverging:
             return False
         self.book.diverging = False
-        self.divergence = self.book.judge.last_divergence
+        self.divergence = self.book.reported
         return True
 
     def skip_batch(self) -> bool:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_nanguard import _notices
 from lightning_nanguard._validation import check_choice, check_float, check_int, check_path
 from lightning_nanguard.callbacks import _deepspeed
 from lightning_nanguard.callbacks._base import NanGuardCallback
@@ -65,11 +65,11 @@ class GradNormMonitor(NanGuardCallback):
             Requires ``spike_zscore``.
         quarantine: quarantine the data that caused an incident (``input_data``/``targets`` causes).
         quarantine_file: a JSON file of sample indices to quarantine from the start (``[12, 507]`` or
-            ``{"samples": [...]}``); ``nanguard report`` and ``<log_dir>/nanguard/quarantine.json`` list what a run
-            quarantined, in the same format.
+            ``{"samples": [...]}``: the format of a run's ``<log_dir>/nanguard/quarantine.json``).
         forensics: ``"first"`` replays the first incident of each kind of evidence and reuses that verdict for
             later ones; ``"every"`` replays each incident; ``"off"`` uses the cheap evidence only.
         max_replay_steps: replays stop once they have cost this many training steps' worth of time in this fit.
+        bundle_mb: the size budget, in MB, of each replayed incident's bundle (for ``nanguard replay``); ``0``: none.
 
     Logged keys (every logging step, one batched logger call):
         ``nanguard/grad_norm``                   total 2-norm of the gradients (unscaled, pre-clip), last step
@@ -88,10 +88,7 @@ class GradNormMonitor(NanGuardCallback):
         NanGuardConfigError: at construction, for an argument outside its rule.
         NonFiniteTrainingError: at the end of training, when nothing could recover (see the message).
 
-    Example::
-
-        >>> from lightning.pytorch import Trainer
-        >>> trainer = Trainer(callbacks=[GradNormMonitor(on_nonfinite="skip", max_consecutive_skips=5)])
+    Example: ``Trainer(callbacks=[GradNormMonitor(on_nonfinite="skip", max_consecutive_skips=5)])``.
     """
 
     def __init__(
@@ -111,6 +108,7 @@ class GradNormMonitor(NanGuardCallback):
         max_dropped_fraction: float | None = 0.05,
         dropped_window: int = 1000,
         on_dropped_budget: Literal["stop", "warn"] = "stop",
+        bundle_mb: float = 64.0,
     ) -> None:
         owner = type(self).__name__
         check_choice(owner, "on_nonfinite", on_nonfinite, ("warn", "skip", "stop"))
@@ -132,11 +130,12 @@ class GradNormMonitor(NanGuardCallback):
         check_path(owner, "quarantine_file", quarantine_file, must_exist=True)
         check_choice(owner, "forensics", forensics, ("first", "every", "off"))
         check_float(owner, "max_replay_steps", max_replay_steps, low=0.0)
+        check_float(owner, "bundle_mb", bundle_mb, low=0.0)
         self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
         self.layer_depth, self.log_every_n_steps, self.histogram = layer_depth, log_every_n_steps, histogram
         self.spike_zscore, self.spike_warmup, self.on_spike = spike_zscore, spike_warmup, on_spike
         self.quarantine, self.quarantine_file = quarantine, None if quarantine_file is None else str(quarantine_file)
-        self.forensics, self.max_replay_steps = forensics, float(max_replay_steps)
+        self.forensics, self.max_replay_steps, self.bundle_mb = forensics, float(max_replay_steps), float(bundle_mb)
         self.max_dropped_fraction = None if max_dropped_fraction is None else float(max_dropped_fraction)
         self.dropped_window, self.on_dropped_budget = dropped_window, on_dropped_budget
         self._quarantine = Quarantine(self.quarantine_file) if quarantine else None
@@ -162,7 +161,7 @@ class GradNormMonitor(NanGuardCallback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.on_spike == "rollback" and self.spike_zscore is not None and get_engine(trainer).restorer is None:
-            rank_zero_warn(
+            _notices.warn(
                 f"{type(self).__name__}(on_spike='rollback') hands a spike to AutoRollback, which is not installed: "
                 "a spike is only skipped. Add AutoRollback(), or use on_spike='skip'."
             )
@@ -194,6 +193,7 @@ class GradNormMonitor(NanGuardCallback):
             max_dropped_fraction=self.max_dropped_fraction,
             dropped_window=self.dropped_window,
             on_dropped_budget=self.on_dropped_budget,
+            bundle_mb=self.bundle_mb,
         )
         if self._quarantine is not None:
             self._quarantine.install()

@@ -52,6 +52,7 @@ class GuardSettings:
     max_dropped_fraction: float | None = DEFAULT_MAX_DROPPED_FRACTION
     dropped_window: int = DEFAULT_DROPPED_WINDOW
     on_dropped_budget: str = "stop"  # "stop" | "warn"
+    bundle_mb: float = 64.0  # an incident bundle's size budget (0: none written)
 
 
 @dataclass(frozen=True)

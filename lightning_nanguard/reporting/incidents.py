@@ -2,11 +2,12 @@
 
 **Recurring incidents are one record with a count.** An incident that only dropped an update (``skip``,
 ``scaler_skip``, ``quarantine``, ``warn``: nothing restored, backed off, promoted or stopped) and has the same
-trigger, cause, place (the module the diagnosis named, else its ``where``) and actions as an earlier one of the run is
-a *repeat*: the earlier record counts it (``repeats``, ``last_step``) and the log gets one short line,
-``{"repeat_of": <the record's step>, "step": ..., "repeats": ..., "trigger": ..., "cause": ..., "where": ...}``, which
-``IncidentLog.read`` folds back into its record. The log stays one line per event, in order, and parseable at any
-point (a run killed mid-way leaves the counts up to its last line); the summary and ``nanguard report`` show one line
+trigger, cause, place (the module the diagnosis named, else the op and line of the first non-finite value its origin
+named for a formula, whatever the rows, else its ``where``) and actions as an earlier one of the run is a *repeat*:
+the earlier record counts it (``repeats``, ``last_step``) and the log gets one short line, ``{"repeat_of": <the
+record's step>, "step": ..., "repeats": ..., "trigger": ..., "cause": ..., "where": ...}``, which ``IncidentLog.read``
+folds back into its record. The log stays one line per event, in order, and parseable at any point (a run killed
+mid-way leaves the counts up to its last line); the summary and ``nanguard report`` show one line
 for the recurring fault, "N times between steps a and b".
 """
 
@@ -50,6 +51,8 @@ class Incident:
         diagnosis: the full diagnosis as plain values (``Diagnosis.to_dict()``), ``{}`` when none.
         repeats: how many more times the same incident happened later in the run (see the module docstring).
         last_step: the step of the last repeat (``-1`` while there is none).
+        bundle: the incident bundle's directory (``<log_dir>/nanguard/bundles/step-N``: re-run the step offline with
+            ``nanguard replay``), ``""`` when none was written (no replay ran, or it was over its budget).
 
     The enum fields accept their plain values too (a record read back from ``incidents.jsonl``); a value this version
     does not know (a log written by another version) is kept as its string. ``to_dict`` writes the plain values.
@@ -71,6 +74,7 @@ class Incident:
     diagnosis: dict[str, object] = field(default_factory=dict)
     repeats: int = 0
     last_step: int = -1
+    bundle: str = ""
 
     @property
     def count(self) -> int:
@@ -84,7 +88,7 @@ class Incident:
         actions = [str(a) for a in (self.actions or [self.action])]
         if not actions or not set(actions) <= _DROP_ONLY:
             return None
-        place = self.diagnosis.get("module") or self.where
+        place = self.diagnosis.get("module") or _origin_place(self.diagnosis.get("origin")) or self.where
         return (str(self.trigger), str(self.cause or ""), str(place), *actions)
 
     def __post_init__(self) -> None:
@@ -111,6 +115,7 @@ class Incident:
             "where": self.where,
             "diagnosis": _json_safe(self.diagnosis),
             **({"repeats": self.repeats, "last_step": self.last_step} if self.repeats else {}),
+            "bundle": self.bundle,
         }
 
     @classmethod
@@ -207,6 +212,17 @@ class IncidentLog:
 
 
 # The actions of an incident that only dropped an update: its repeats are counted in its record.
+def _origin_place(origin: object) -> str:
+    """``"aten.log.default at model.py:45"``: where a formula failed, the same whichever rows met it; ``""`` if none,
+    or if the origin is bad data (each batch's bad rows are a place of their own)."""
+    frame = origin.get("frame") if isinstance(origin, Mapping) else None
+    if not isinstance(origin, Mapping) or origin.get("data_at_fault") or not isinstance(frame, Mapping):
+        return ""
+    if not frame.get("file"):  # no line to name
+        return ""
+    return f"{origin.get('op', '')} at {frame.get('file')}:{frame.get('line')}"
+
+
 _DROP_ONLY = {str(Action.SKIP), str(Action.SCALER_SKIP), str(Action.QUARANTINE), str(Action.WARN)}
 
 

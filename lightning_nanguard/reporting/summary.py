@@ -20,6 +20,7 @@ def format_summary(
     notes: Sequence[str] = (),
     limit: int = 8,
     end_step: int | None = None,
+    steps: int | None = None,
 ) -> str:
     """A fixed-width summary: counts by cause and action, the first and last incidents, what was checked.
 
@@ -34,6 +35,7 @@ def format_summary(
         limit: incidents listed; ``0`` lists all of them.
         end_step: the step training ended at, where known: a recurring incident whose last repeat is near it is said
             to be still recurring.
+        steps: training steps run in this fit (``None``: not known, as for ``nanguard report``).
 
     A recurring incident (one record with ``repeats``) is listed once, with "N times between steps a and b", and
     whether it stopped recurring: a fault that kept coming back never reads like a recovery.
@@ -41,7 +43,11 @@ def format_summary(
     head = f"nanguard summary ({', '.join(callbacks) or 'no callbacks'})"
     lines = [head, "-" * len(head)]
     if not incidents:
-        if monitored:
+        if monitored and steps == 0:
+            lines.append("no incidents; no training step ran.")
+        elif monitored and steps is not None and steps > 1:
+            lines.append(f"no incidents: all {steps} training steps were checked and were finite.")
+        elif monitored:
             lines.append("no incidents: every training step was checked and was finite.")
         else:
             lines.append(

@@ -15,7 +15,9 @@ from tests.helpers import HostReadsPerStep, TinyModel, all_finite, make_trainer,
 
 
 def _suite() -> list[pl.Callback]:
-    monitor = ng.GradNormMonitor(spike_zscore=40.0, spike_warmup=1, on_spike="skip")
+    # Every incident replayed (a traced replay costs several of this tiny model's millisecond steps: the default
+    # budget, in steps' worth of time, would run out at a time-dependent incident).
+    monitor = ng.GradNormMonitor(spike_zscore=40.0, spike_warmup=1, on_spike="skip", max_replay_steps=1e9)
     return [monitor, ng.AutoRollback(every_n_steps=2, quiet_steps=0), ng.OptimizerBackoff()]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+from dataclasses import replace
 
 from lightning_nanguard.reporting.incidents import Incident, IncidentLog
 from lightning_nanguard.reporting.summary import format_summary
@@ -52,6 +53,22 @@ def test_repeats_of_one_cause_and_place_are_counted_in_the_first_record(tmp_path
     }
     read = IncidentLog.read(str(path))
     assert [(r.step, r.count, r.last_step) for r in read] == [(3, 4, 14), (20, 1, -1), (21, 1, -1)]
+
+
+def _origin(where: str, *, data: bool) -> Incident:
+    frame = {"file": "model.py", "line": 45, "function": "training_step"}
+    origin = {"op": "aten.log.default", "frame": frame, "data_at_fault": data}
+    return replace(_incident(0, where=where), diagnosis={"module": "", "origin": origin})
+
+
+def test_a_formula_recurs_at_its_line_whatever_the_rows_bad_data_in_other_rows_is_another_place() -> None:
+    # The origin names the op and line of the first NaN: another batch's rows meeting the same formula are the same
+    # fault. Bad data's rows are its place: each batch's bad records are a record of their own.
+    formula = [_origin("aten.log.default (forward) at model.py:45 in training_step, batch 2 rows [1]", data=False)]
+    formula.append(_origin("aten.log.default (forward) at model.py:45 in training_step, batch 7 rows [3]", data=False))
+    assert formula[0].recurring_key == formula[1].recurring_key
+    data = [_origin(f"batch {b} rows [1]", data=True) for b in (2, 7)]
+    assert data[0].recurring_key != data[1].recurring_key
 
 
 def test_a_log_cut_after_some_repeats_reads_back_the_counts_up_to_there(tmp_path: pathlib.Path) -> None:
