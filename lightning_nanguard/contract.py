@@ -216,6 +216,7 @@ class StopReason(_Value):
     RESTORE_FAILED = "restore_failed"  # the state is damaged and the rollback found nothing verified
     ROLLBACK_BUDGET = "rollback_budget"  # AutoRollback's max_rollbacks per rollback_window ran out
     SKIP_BUDGET = "skip_budget"  # more dropped updates in a row than max_consecutive_skips
+    DROPPED_BUDGET = "dropped_budget"  # more dropped updates in the window than max_dropped_fraction allows
     STOP_ON_NONFINITE = "stop_on_nonfinite"  # GradNormMonitor(on_nonfinite="stop")
     COLLAPSE_BUDGET = "collapse_budget"  # LossScaleWatchdog's max_collapses ran out
     STOP_ON_COLLAPSE = "stop_on_collapse"  # LossScaleWatchdog(on_collapse="stop")

@@ -23,7 +23,10 @@ __all__ = ["CALLBACKS", "PRESET", "default_callbacks"]
 PRESET: dict[type[Callback], dict[str, Any]] = {
     GradNormMonitor: {},
     AutoRollback: {},
-    OptimizerBackoff: {},
+    # A cut learning rate comes back once the schedule itself falls below it (a decay, the end of a warm restart);
+    # recovery by time (recover_after) stays off: climbing back into a cause that persists costs more (README,
+    # "Remedy cost").
+    OptimizerBackoff: {"recover_with_schedule": True},
     LossScaleWatchdog: {},  # on_collapse="auto": a collapse goes to AutoRollback
     # A corrupt resume continues from a verified checkpoint; a checkpoint Lightning wrote without the guard (no
     # sidecar) is checked by its zip CRC-32s, a weights-only load and finiteness instead of being refused.

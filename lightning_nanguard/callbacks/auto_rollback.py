@@ -22,7 +22,7 @@ from lightning_nanguard.policies.rollback import RollbackPolicy
 from lightning_nanguard.policies.snapshot_health import History, SnapshotBook
 from lightning_nanguard.recovery.disk_restore import has_rollback_checkpoint
 from lightning_nanguard.recovery.final_checkpoint import checkpoint_dir, require_checkpoint_dir, save_final_checkpoint
-from lightning_nanguard.recovery.rollback import restore_state
+from lightning_nanguard.recovery.rollback import repair_buffers, restore_state
 from lightning_nanguard.recovery.snapshot import SnapshotRing
 from lightning_nanguard.reporting import keys
 
@@ -42,7 +42,8 @@ class AutoRollback(NanGuardCallback):
     it (the README's table: a damaged state, a divergence, a loss-scale collapse, too many dropped updates in a row;
     not a bad sample whose update was dropped with the state intact): an older one on a trigger within
     ``recurrence_steps`` of the previous rollback, newer ones discarded, then ``skip_batches`` batches without an
-    update. Parameters, buffers and the optimizer state roll back in place; param-group hyperparameters, schedulers,
+    update. Buffers a batch's forward wrote non-finite, all else sound, are restored alone (no rollback, no budget).
+    Parameters, buffers and the optimizer state roll back in place; param-group hyperparameters, schedulers,
     ``global_step``, the RNG and Lightning's loops do not; the GradScaler keeps the lower scale. A snapshot whose own
     step's gradient norm and loss are both >10x the last sound snapshot's is a suspect (a restore passes over it); the
     trend after it decides (``policies/snapshot_health.py``): growth that does not turn is a divergence, an event
@@ -118,14 +119,9 @@ class AutoRollback(NanGuardCallback):
                 "(the verified checkpoints a rollback restores from). Leave checkpoint_dir unset to use "
                 "ModelCheckpoint's dirpath."
             )
-        self.every_n_steps = every_n_steps
-        self.num_snapshots = num_snapshots
-        self.quiet_steps = quiet_steps
-        self.max_rollbacks = max_rollbacks
-        self.rollback_window = rollback_window
-        self.recurrence_steps = recurrence_steps
-        self.skip_batches = skip_batches
-        self.source = source
+        self.every_n_steps, self.num_snapshots, self.quiet_steps = every_n_steps, num_snapshots, quiet_steps
+        self.max_rollbacks, self.rollback_window = max_rollbacks, rollback_window
+        self.recurrence_steps, self.skip_batches, self.source = recurrence_steps, skip_batches, source
         self.checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
         self.policy = RollbackPolicy(max_rollbacks, rollback_window, recurrence_steps, skip_batches)
         self.book = SnapshotBook(every_n_steps, quiet_steps)
@@ -142,18 +138,19 @@ class AutoRollback(NanGuardCallback):
 
     @property
     def rollbacks(self) -> int:
-        """Rollbacks so far, across resumes."""
+        """Rollbacks in this fit (or the last one), across resumes."""
         return self.policy.total
 
     @property
-    def skipped_batches(self) -> int:
-        """Batches whose updates were dropped after rollbacks, across resumes."""
+    def skipped_batches(self) -> int:  # batches whose updates were dropped after rollbacks, across resumes
         return self.policy.skipped_batches
 
     # ------------------------------------------------------------------ lifecycle
     @override
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
         self._engine = engine
+        # Each fit its own budget (a callback reused by another Trainer); a resume's load_state_dict comes after.
+        self.policy = RollbackPolicy(self.max_rollbacks, self.rollback_window, self.recurrence_steps, self.skip_batches)
         self.book.reset()
         self.divergence = None
         engine.set_restorer(self)
@@ -198,8 +195,7 @@ class AutoRollback(NanGuardCallback):
     def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Restored | None:
         self.book.settle(step, self._history(), self.ring.steps())  # passing over a suspect snapshot
         decision = self.policy.decide(step)
-        dirpath = checkpoint_dir(trainer, self.checkpoint_dir)
-        unsound = self.book.judge.unsound
+        dirpath, unsound = checkpoint_dir(trainer, self.checkpoint_dir), self.book.judge.unsound
         restored = restore_state(
             trainer, pl_module, self.ring, decision, dirpath, at_or_before_step=step, unsound=unsound
         )
@@ -211,6 +207,10 @@ class AutoRollback(NanGuardCallback):
             self._engine.bus.emit(trainer, PassedOverSnapshots(restored.step, restored.passed_over))
         recurrence, in_window = decision.recurrence, decision.in_window
         return Restored(restored.step, restored.source, restored.path, recurrence, in_window)
+
+    def repair_buffers(self, trainer: pl.Trainer, pl_module: pl.LightningModule, names: list[str]) -> Restored | None:
+        done = repair_buffers(self.ring, pl_module, names) if self.source == "memory" else None
+        return None if done is None else Restored(done.step, done.source, repaired=tuple(names))
 
     def diverging(self) -> bool:
         """True once, when the readings after a suspect snapshot kept growing (``divergence``: that snapshot). From the

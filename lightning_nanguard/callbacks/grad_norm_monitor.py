@@ -24,15 +24,13 @@ class GradNormMonitor(NanGuardCallback):
     """Log the gradient norm, drop any update whose loss or gradients are non-finite, find out why, and keep the
     data that caused it away.
 
-    The check runs in ``on_before_optimizer_step``, where the gradients are final: accumulated, all-reduced,
-    unscaled, not yet clipped. It is one fused pass and one host read per step (none where the optimizer can act on
-    a device flag: a GradScaler, or a fused optimizer), shared with every other nanguard callback, and its verdict is
-    reduced across ranks, so every rank skips or stops together.
+    The check runs in ``on_before_optimizer_step`` on the final gradients (accumulated, all-reduced, unscaled, not
+    clipped): one fused pass and one host read per step (none where the optimizer can act on a device flag), shared
+    with every other nanguard callback and reduced across ranks, so every rank skips or stops together.
 
-    A skip is ``optimizer.zero_grad(set_to_none=True)``: parameters and optimizer state (Adam's step count and
-    moments) stay exactly as they were. Under ``16-mixed`` the GradScaler already drops non-finite updates; the
-    monitor then only counts them (``scaler_skip``). Skipped steps still advance ``global_step`` and the LR schedule,
-    as GradScaler skips do in Lightning.
+    A skip is ``optimizer.zero_grad(set_to_none=True)``: parameters and optimizer state stay exactly as they were.
+    Under ``16-mixed`` the GradScaler drops non-finite updates itself (``scaler_skip``). Skipped steps still advance
+    ``global_step`` and the LR schedule, as GradScaler skips do in Lightning.
 
     On each incident the cause is diagnosed (``forensics``): the batch (non-finite or out-of-range inputs and
     targets), the state (named non-finite parameters, buffers, optimizer tensors), the recent history, and, when that
@@ -43,9 +41,15 @@ class GradNormMonitor(NanGuardCallback):
     Args:
         on_nonfinite: ``"skip"`` drops the update; ``"warn"`` lets it through and warns (the weights will be
             poisoned: for diagnosis only); ``"stop"`` drops it and stops training at once.
-        max_consecutive_skips: non-finite steps in a row tolerated; one more escalates to a rollback and a learning-
-            rate backoff where AutoRollback is installed, and otherwise stops with ``NonFiniteTrainingError``.
-            Under ``16-mixed`` with a LossScaleWatchdog installed, overflow streaks are the watchdog's to judge.
+        max_consecutive_skips: non-finite steps in a row tolerated (bad data's, which the quarantine answers, not
+            counted); one more escalates to a rollback (and a learning-rate backoff where that is the cause's remedy)
+            where AutoRollback is installed, and otherwise stops with ``NonFiniteTrainingError``. Under ``16-mixed``
+            with a LossScaleWatchdog installed, overflow streaks are the watchdog's to judge.
+        max_dropped_fraction: the dropped-updates budget: more dropped updates than this share of the last
+            ``dropped_window`` optimizer steps (drops a rollback answered and the GradScaler's routine skips aside)
+            stops training with ``NonFiniteTrainingError`` naming the cause and its fix; ``None``: no budget.
+        dropped_window: the window, in optimizer steps, of that budget.
+        on_dropped_budget: ``"stop"``; or ``"warn"``: warn as the budget is crossed and go on.
         layer_depth: module depth at which per-layer gradient norms are grouped (``1``: top-level children,
             ``2``: their children, ...), counted below single-child wrappers such as ``self.model``; ``None`` turns
             per-layer norms off.
@@ -61,13 +65,11 @@ class GradNormMonitor(NanGuardCallback):
             Requires ``spike_zscore``.
         quarantine: quarantine the data that caused an incident (``input_data``/``targets`` causes).
         quarantine_file: a JSON file of sample indices to quarantine from the start (``[12, 507]`` or
-            ``{"samples": [...]}``); ``nanguard report`` and ``<log_dir>/nanguard/quarantine.json`` list what a run
-            quarantined, in the same format.
+            ``{"samples": [...]}``: the format of a run's ``<log_dir>/nanguard/quarantine.json``).
         forensics: ``"first"`` replays the first incident of each kind of evidence and reuses that verdict for
             later ones; ``"every"`` replays each incident; ``"off"`` uses the cheap evidence only.
         max_replay_steps: replays stop once they have cost this many training steps' worth of time in this fit.
-        bundle_mb: size budget, in MB, of the bundle each replayed incident writes (``<log_dir>/nanguard/bundles/``:
-            the step, for ``nanguard replay``); ``0`` writes none.
+        bundle_mb: the size budget, in MB, of each replayed incident's bundle (for ``nanguard replay``); ``0``: none.
 
     Logged keys (every logging step, one batched logger call):
         ``nanguard/grad_norm``                   total 2-norm of the gradients (unscaled, pre-clip), last step
@@ -86,10 +88,7 @@ class GradNormMonitor(NanGuardCallback):
         NanGuardConfigError: at construction, for an argument outside its rule.
         NonFiniteTrainingError: at the end of training, when nothing could recover (see the message).
 
-    Example::
-
-        >>> from lightning.pytorch import Trainer
-        >>> trainer = Trainer(callbacks=[GradNormMonitor(on_nonfinite="skip", max_consecutive_skips=5)])
+    Example: ``Trainer(callbacks=[GradNormMonitor(on_nonfinite="skip", max_consecutive_skips=5)])``.
     """
 
     def __init__(
@@ -106,11 +105,17 @@ class GradNormMonitor(NanGuardCallback):
         quarantine_file: str | None = None,
         forensics: Literal["first", "every", "off"] = "first",
         max_replay_steps: float = 20.0,
+        max_dropped_fraction: float | None = 0.05,
+        dropped_window: int = 1000,
+        on_dropped_budget: Literal["stop", "warn"] = "stop",
         bundle_mb: float = 64.0,
     ) -> None:
         owner = type(self).__name__
         check_choice(owner, "on_nonfinite", on_nonfinite, ("warn", "skip", "stop"))
         check_int(owner, "max_consecutive_skips", max_consecutive_skips, minimum=1)
+        check_float(owner, "max_dropped_fraction", max_dropped_fraction, low=0.0, high=1.0, allow_none=True)
+        check_int(owner, "dropped_window", dropped_window, minimum=1)
+        check_choice(owner, "on_dropped_budget", on_dropped_budget, ("stop", "warn"))
         check_int(owner, "layer_depth", layer_depth, minimum=1, allow_none=True)
         check_int(owner, "log_every_n_steps", log_every_n_steps, minimum=1, allow_none=True)
         check_choice(owner, "histogram", histogram, (True, False))
@@ -126,14 +131,13 @@ class GradNormMonitor(NanGuardCallback):
         check_choice(owner, "forensics", forensics, ("first", "every", "off"))
         check_float(owner, "max_replay_steps", max_replay_steps, low=0.0)
         check_float(owner, "bundle_mb", bundle_mb, low=0.0)
-        self.on_nonfinite = on_nonfinite
-        self.max_consecutive_skips = max_consecutive_skips
-        self.layer_depth = layer_depth
-        self.log_every_n_steps = log_every_n_steps
-        self.histogram = histogram
+        self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
+        self.layer_depth, self.log_every_n_steps, self.histogram = layer_depth, log_every_n_steps, histogram
         self.spike_zscore, self.spike_warmup, self.on_spike = spike_zscore, spike_warmup, on_spike
         self.quarantine, self.quarantine_file = quarantine, None if quarantine_file is None else str(quarantine_file)
         self.forensics, self.max_replay_steps, self.bundle_mb = forensics, float(max_replay_steps), float(bundle_mb)
+        self.max_dropped_fraction = None if max_dropped_fraction is None else float(max_dropped_fraction)
+        self.dropped_window, self.on_dropped_budget = dropped_window, on_dropped_budget
         self._quarantine = Quarantine(self.quarantine_file) if quarantine else None
         self._restored_skips = 0
         self._spike_state: dict[str, Any] = {}
@@ -145,12 +149,12 @@ class GradNormMonitor(NanGuardCallback):
 
     @property
     def skipped_steps(self) -> int:
-        """Updates dropped so far (by nanguard or the GradScaler), across resumes."""
+        """Updates dropped in this fit (or the last one) by nanguard or the GradScaler, across resumes."""
         return self._restored_skips + (self._engine.skipped_steps if self._engine is not None else 0)
 
     @property
     def quarantined_samples(self) -> list[int]:
-        """Dataset sample indices quarantined so far (across resumes)."""
+        """Dataset sample indices quarantined in this fit (or the last one), across resumes."""
         return sorted(self._quarantine.samples) if self._quarantine is not None else []
 
     # ------------------------------------------------------------------ lifecycle
@@ -164,7 +168,9 @@ class GradNormMonitor(NanGuardCallback):
         super().on_train_start(trainer, pl_module)
 
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
-        self._engine = engine
+        # A new fit starts from nothing (a callback reused for another Trainer); a resume's ``load_state_dict``
+        # comes after ``setup`` and restores the counts and the spike statistics.
+        self._engine, self._restored_skips, self._spike_state = engine, 0, {}
         if _deepspeed.is_deepspeed(trainer):  # DeepSpeed's engine owns the step: its outcome is read after it
             _deepspeed.install_grad_watch(
                 trainer,
@@ -184,14 +190,14 @@ class GradNormMonitor(NanGuardCallback):
             quarantine=self.quarantine,
             forensics=self.forensics,
             max_replay_steps=self.max_replay_steps,
+            max_dropped_fraction=self.max_dropped_fraction,
+            dropped_window=self.dropped_window,
+            on_dropped_budget=self.on_dropped_budget,
             bundle_mb=self.bundle_mb,
         )
         if self._quarantine is not None:
             self._quarantine.install()
         engine.set_guard(settings, self._quarantine)
-        if engine.spikes is not None and self._spike_state:
-            engine.spikes[0].load(self._spike_state.get("grad", {}))
-            engine.spikes[1].load(self._spike_state.get("loss", {}))
         if self.layer_depth is not None:
             engine.sensor.layer_depth = max(engine.sensor.layer_depth, self.layer_depth)
         engine.add_metrics(self._metrics)
@@ -221,6 +227,10 @@ class GradNormMonitor(NanGuardCallback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored_skips = int(state_dict.get("skipped_steps", 0))
         self._spike_state = dict(state_dict.get("spike", {}))
+        spikes = self._engine.spikes if self._engine is not None else None
+        if spikes is not None and self._spike_state:  # a resume: after ``setup``, into this fit's statistics
+            spikes[0].load(self._spike_state.get("grad", {}))
+            spikes[1].load(self._spike_state.get("loss", {}))
         if self._quarantine is not None and "quarantine" in state_dict:
             self._quarantine.load_state_dict(state_dict["quarantine"])
 

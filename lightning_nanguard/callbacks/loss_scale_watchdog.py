@@ -134,6 +134,9 @@ class LossScaleWatchdog(NanGuardCallback):
     # ------------------------------------------------------------------ lifecycle
     @override
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
+        # Each fit its own counts (a callback reused by another Trainer); a resume's load_state_dict comes after.
+        self._policy = CollapsePolicy(self.floor_patience, self.max_overflow_streak, self.max_collapses, self.window)
+        self._history = ScaleHistory()
         if is_deepspeed(trainer):
             # DeepSpeed's engine owns the scaler and the step: watched after it (the scaler exists from train start).
             self._active = True

@@ -24,13 +24,13 @@ __all__ = ["OptimizerBackoff"]
 class OptimizerBackoff(NanGuardCallback):
     """Back off the learning rate (and Adam eps under fp16) when training diverges, so that the lowered rate persists.
 
-    The engine's remedy policy decides *when* (README, "What happens when"): a rollback for divergence (a gradient
-    explosion, a spike handed to AutoRollback), a loss-scale collapse, or ``skips_before_backoff`` dropped updates
-    within ``skip_window`` steps whose cause was not the data. A bad sample is never met with a backoff. eps alone is
-    raised when the cause is optimizer numerics (finite gradients, non-finite update: Adam's eps underflowing in
-    fp16). ``triggers`` lists which of these kinds may lower the learning rate. A rollback that passed over
-    snapshots taken mid-divergence (see ``AutoRollback``) makes the backoff of the same event one ``lr_factor`` notch
-    deeper for each: restoring any of them would have met the divergence again, and a backoff of its own.
+    The engine's remedy policy decides *when* (README, "What happens when"), and only where a lower learning rate is
+    the cause's remedy: a rollback for divergence (a gradient explosion, a spike handed to AutoRollback), a
+    loss-scale collapse, or ``skips_before_backoff`` dropped updates of such a cause within ``skip_window`` steps.
+    Bad data, a loss formula, a transient or unknown fault never lower it. eps alone is raised for optimizer
+    numerics (finite gradients, non-finite update: Adam's eps underflowing in fp16). ``triggers`` lists which kinds
+    may lower the learning rate. A rollback that passed over snapshots taken mid-divergence (see ``AutoRollback``)
+    makes the backoff one ``lr_factor`` notch deeper for each: each would have met the divergence again.
 
     The learning rate is multiplied by ``lr_factor`` together with every anchor the schedulers recompute it from
     (``recovery/backoff.py``), so LambdaLR, OneCycleLR, CyclicLR, the cosine schedules, SWA and the rest keep it: the
@@ -49,15 +49,17 @@ class OptimizerBackoff(NanGuardCallback):
         lr_factor: multiply the learning-rate scale by this at each backoff, in (0, 1).
         min_lr_scale: floor of the scale (relative to the configured schedule), in (0, 1].
         triggers: comma list of event kinds that may lower the learning rate: ``rollback`` (a rollback for
-            divergence), ``skip`` (repeated dropped updates not caused by the data), ``loss_scale_collapse``.
-        skips_before_backoff: dropped updates (not caused by the data) needed within ``skip_window`` steps for one
-            backoff.
+            divergence), ``skip`` (repeated drops a lower rate answers), ``loss_scale_collapse``.
+        skips_before_backoff: such dropped updates needed within ``skip_window`` steps for one backoff.
         skip_window: the window, in optimizer steps, those skips are counted over.
         recover_after: healthy optimizer steps (no incident) before the scale is raised one notch; ``None``: never.
             A level a notch reached that is backed off again within ``recover_after`` steps is never climbed to
             again.
         recover_steps: notches from one backoff back to the previous level (each multiplies the scale by
             ``(1 / lr_factor) ** (1 / recover_steps)``, capped at 1.0).
+        recover_with_schedule: as the schedule itself falls (a decay, the end of a warm restart), the scale climbs
+            back towards 1.0, as far as keeps the rate at the one the backoff left, and comes down again (to the
+            backoff's) where the schedule rises. A constant or rising schedule keeps the backoff.
         eps_backoff: ``"auto"`` (fp16 non-fused groups), ``"always"`` (every group with an eps) or ``"never"``.
         eps_factor: multiply eps by this at each eps backoff (> 1).
         max_eps: eps is never raised above this.
@@ -69,8 +71,7 @@ class OptimizerBackoff(NanGuardCallback):
         ``nanguard/lr_scale``                    current learning-rate scale, logged steps
         ``nanguard/eps``                         current eps, when every group with an eps shares it, logged steps
         ``nanguard/eps/opt{i}_group{j}``         per group, when they differ
-        ``nanguard/incident/backoff``            1.0 where an incident lowered the learning rate
-        ``nanguard/incident/eps_backoff``        1.0 where an incident raised eps
+        ``nanguard/incident/backoff``, ``.../eps_backoff``   1.0 where an incident lowered the rate, raised eps
         ``nanguard/incident/fix``, ``.../preflight``   a preflight finding (fixed, or reported)
 
     Raises:
@@ -95,6 +96,7 @@ class OptimizerBackoff(NanGuardCallback):
         skip_window: int = 100,
         recover_after: int | None = None,
         recover_steps: int = 1,
+        recover_with_schedule: bool = False,
         eps_backoff: Literal["auto", "always", "never"] = "auto",
         eps_factor: float = 10.0,
         max_eps: float = 1e-2,
@@ -109,6 +111,7 @@ class OptimizerBackoff(NanGuardCallback):
         check_int(owner, "skip_window", skip_window, minimum=1)
         check_int(owner, "recover_after", recover_after, minimum=1, allow_none=True)
         check_int(owner, "recover_steps", recover_steps, minimum=1)
+        check_choice(owner, "recover_with_schedule", recover_with_schedule, (True, False))
         check_choice(owner, "eps_backoff", eps_backoff, ("auto", "always", "never"))
         check_float(owner, "eps_factor", eps_factor, low=1.0, high=1e6, low_inclusive=False)
         check_float(owner, "max_eps", max_eps, low=0.0, high=1.0, low_inclusive=False)
@@ -117,6 +120,7 @@ class OptimizerBackoff(NanGuardCallback):
         self.lr_factor, self.min_lr_scale = float(lr_factor), float(min_lr_scale)
         self.skips_before_backoff, self.skip_window = skips_before_backoff, skip_window
         self.recover_after, self.recover_steps = recover_after, recover_steps
+        self.recover_with_schedule = recover_with_schedule
         self.eps_backoff, self.eps_factor, self.max_eps = eps_backoff, float(eps_factor), float(max_eps)
         self.on_hazard, self.safe_eps = on_hazard, float(safe_eps)
         self._triggers_text = triggers
@@ -129,10 +133,9 @@ class OptimizerBackoff(NanGuardCallback):
             skip_window=skip_window,
             recover_after=recover_after,
             recover_steps=recover_steps,
+            follow_schedule=recover_with_schedule,
         )
-        self._scales = BackoffScales(
-            self._policy, eps_mode=eps_backoff, eps_factor=self.eps_factor, max_eps=self.max_eps
-        )
+        self._scales = BackoffScales(self._policy, eps_mode=eps_backoff, eps_factor=self.eps_factor, max_eps=max_eps)
         self._state_loaded = False
 
     @override
@@ -145,8 +148,7 @@ class OptimizerBackoff(NanGuardCallback):
         return self._policy.scale
 
     @property
-    def eps_scale(self) -> float:
-        """The factor eps backoff has applied to the eps of the groups it acts on (capped at ``max_eps``)."""
+    def eps_scale(self) -> float:  # the factor eps backoff applied to the eps of its groups (capped at max_eps)
         return self._scales.eps_scale
 
     # ------------------------------------------------------------------ lifecycle
@@ -187,6 +189,8 @@ class OptimizerBackoff(NanGuardCallback):
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self.recover_after is not None and self._policy.scale < 1.0 and self._policy.tick(trainer.global_step):
             self._sync(trainer)  # a recovery notch
+        elif self._policy.cap is not None and self._scales.follow(trainer.optimizers, _schedulers(trainer)):
+            self._refresh_hooks()  # the scale follows the schedule (recover_with_schedule)
 
     # ------------------------------------------------------------------ the engine's Backoff
     def eps_applies(self, trainer: pl.Trainer) -> bool:
@@ -194,9 +198,8 @@ class OptimizerBackoff(NanGuardCallback):
 
     def back_off(self, trainer: pl.Trainer, *, lr: bool, eps: bool, cause: str) -> BackoffResult:
         """Apply one backoff now (after the scheduler step)."""
-        done = self._scales.back_off(
-            trainer.optimizers, _schedulers(trainer), trainer.global_step, lr=lr, eps=eps, cause=cause
-        )
+        step, schedulers = trainer.global_step, _schedulers(trainer)
+        done = self._scales.back_off(trainer.optimizers, schedulers, step, lr=lr, eps=eps, cause=cause)
         self._refresh_hooks()
         return done
 
@@ -205,8 +208,7 @@ class OptimizerBackoff(NanGuardCallback):
         self._policy.last_event_step = max(self._policy.last_event_step, event.step)
         self._scales.extra_notches = 0  # the event is handled: its rollback's finding does not carry over
 
-    def _on_passed_over(self, trainer: pl.Trainer, event: PassedOverSnapshots) -> None:
-        # The rollback comes before the backoff within one event (the engine's order of actions).
+    def _on_passed_over(self, trainer: pl.Trainer, event: PassedOverSnapshots) -> None:  # before the event's backoff
         self._scales.extra_notches = len(event.passed_over)
 
     def _on_restored(self, trainer: pl.Trainer, event: StateRestored) -> None:
@@ -224,10 +226,9 @@ class OptimizerBackoff(NanGuardCallback):
         self._refresh_hooks()
 
     def _refresh_hooks(self) -> None:
-        """Its own per-batch hooks (re-applying the scale to a scheduler built mid-fit, the recovery timer) have work
-        only while the learning rate is backed off: hidden from Lightning's per-batch dispatch otherwise, where it
-        does not drive the engine (``_base.mute_idle_hooks``). Every change of the scale passes through ``_sync``."""
-        shown = self._drives or self._policy.scale != 1.0
+        """Its own per-batch hooks (a scheduler built mid-fit, the recoveries) have work only while the rate is backed
+        off: hidden from Lightning's dispatch otherwise, where it does not drive the engine (``_base``)."""
+        shown = self._drives or self._policy.scale != 1.0 or self._policy.cap is not None
         show_hooks(self, ("on_train_batch_start", "on_train_batch_end"), shown=shown)
 
     def _metrics(self, trainer: pl.Trainer) -> dict[str, float]:

@@ -64,10 +64,12 @@ class RunResult:
         error: ``"Type: message"`` of the exception that ended the run (``""`` when fit returned).
         train_loss: MSE of the final model on the training data with the fault removed (float32, eval mode).
         val_loss: the last validation loss the Trainer logged (the training precision, as the user sees it).
-        incidents_by_cause: number of incidents per ``Incident.cause`` (``trigger`` when the cause is empty).
+        incidents_by_cause: number of incidents per ``Incident.cause`` (``trigger`` when the cause is empty), repeats
+            of a recurring one included.
         incidents: the incident records.
         skipped_steps: updates dropped by nanguard or the GradScaler, as nanguard counted them.
-        rollbacks: incidents that rolled the state back.
+        rollbacks: incidents that rolled the state back (or restored damaged buffers alone).
+        steps_rolled_back: optimizer steps of training the rollbacks undid (0 for buffers restored alone).
         lr_scale: OptimizerBackoff's learning-rate scale at the end (1.0 without it).
         wall_time: seconds in ``Trainer.fit``.
         log_dir: the TensorBoard run directory.
@@ -87,6 +89,7 @@ class RunResult:
     incidents: list[Incident] = field(repr=False)
     skipped_steps: int
     rollbacks: int
+    steps_rolled_back: int
     lr_scale: float
     wall_time: float
     log_dir: str
@@ -190,10 +193,11 @@ def run_task(
         error=error,
         train_loss=train_loss,
         val_loss=val_loss,
-        incidents_by_cause=dict(Counter(i.cause or i.trigger for i in incidents)),
+        incidents_by_cause=dict(_by_cause(incidents)),
         incidents=incidents,
         skipped_steps=engine.skipped_steps if single else _count(incidents, "skip", "scaler_skip"),
         rollbacks=_count(incidents, "rollback"),
+        steps_rolled_back=sum(int(v) for i in incidents if isinstance(v := i.values.get("steps_lost"), (int, float))),
         lr_scale=lr_scale_of(trainer.optimizers[0]) if single and trainer.optimizers else _lr_scale(incidents),
         wall_time=wall,
         log_dir=log_dir,
@@ -212,8 +216,15 @@ def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     return [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
 
 
+def _by_cause(incidents: list[Incident]) -> Counter[str]:
+    counts: Counter[str] = Counter()
+    for i in incidents:
+        counts[str(i.cause or i.trigger)] += i.count  # a recurring incident is one record with a count
+    return counts
+
+
 def _count(incidents: list[Incident], *actions: str) -> int:
-    return sum(1 for i in incidents if any(a in actions for a in (i.actions or [i.action])))
+    return sum(i.count for i in incidents if any(a in actions for a in (i.actions or [i.action])))
 
 
 def _lr_scale(incidents: list[Incident]) -> float:

@@ -71,7 +71,8 @@ class FitLedger:
     def __init__(self) -> None:
         self.skipped_steps = 0  # updates dropped by nanguard or the GradScaler in this fit
         self.skip_streak = 0
-        self.recent_skips: deque[int] = deque(maxlen=256)  # steps of non-data drops (OptimizerBackoff's skip rule)
+        self.recent_skips: deque[int] = deque(maxlen=256)  # steps of drops a lower LR answers (the skip backoff)
+        self.dropped_steps: deque[int] = deque()  # steps of drops no rollback answered, within the dropped window
         self.history: deque[tuple[int, float, float | None]] = deque(maxlen=64)  # (step, grad_norm, loss)
         self.interval = Interval()
         self.finite_steps = 0  # steps of this fit whose reading was finite

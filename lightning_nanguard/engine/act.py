@@ -11,6 +11,7 @@ from lightning_nanguard.contract import Action, Diagnosis, Plan, RestoreSource, 
 from lightning_nanguard.engine.accounting import FitLedger
 from lightning_nanguard.engine.bus import EventBus
 from lightning_nanguard.engine.capabilities import Restored
+from lightning_nanguard.engine.decide import repairable_buffers
 from lightning_nanguard.engine.events import EventFacts
 from lightning_nanguard.engine.registry import Registry
 
@@ -42,17 +43,25 @@ def carry_out(
     out = Outcome()
     acts = set(plan.actions)
     if Action.WARN in acts:
-        _warned(out, facts.signal, registry)
+        if acts & {Action.SKIP, Action.SCALER_SKIP} and facts.signal is not Signal.LOSS_SCALE_COLLAPSE:
+            # A warning beside a drop is the dropped-updates budget's (``policies.remedy``): the run goes on.
+            out.details[Action.WARN] = "kept training past the dropped-updates budget (on_dropped_budget='warn')"
+        else:
+            _warned(out, facts.signal, registry)
     if Action.QUARANTINE in acts and registry.quarantine is not None:
         rank = trainer.global_rank
         rows, take = diagnosis.rows, not diagnosis.ranks or rank in diagnosis.ranks
         if diagnosis.rank_rows and rank < len(diagnosis.rank_rows):
             rows = diagnosis.rank_rows[rank]  # this rank's own rows: row 3 of another rank is another sample
             take = bool(rows)
-        out.details[Action.QUARANTINE] = registry.quarantine.add(trainer, facts.batch, rows, facts.step, take=take)
+        out.details[Action.QUARANTINE] = registry.quarantine.add(
+            trainer, facts.batch, rows, facts.step, take=take, samples=facts.samples
+        )
     restorer = registry.restorer
     if Action.ROLLBACK in acts and restorer is not None:
-        restored = restorer.restore(trainer, pl_module, facts.step)
+        repair = repairable_buffers(diagnosis, pl_module)
+        repaired = restorer.repair_buffers(trainer, pl_module, repair) if repair else None
+        restored = repaired or restorer.restore(trainer, pl_module, facts.step)
         if restored is None:
             out.details[Action.ROLLBACK] = "found nothing verified to roll back to"
         else:
@@ -61,13 +70,16 @@ def carry_out(
             out.values.update(
                 restored_from_step=restored.step,
                 rollback_source=restored.source,
-                steps_lost=facts.step - restored.step,
+                steps_lost=0 if repaired else facts.step - restored.step,
                 recurrence=restored.recurrence,
             )
             if restored.path:
                 out.values["checkpoint"] = restored.path
-            ledger.skip_streak = 0
-            bus.emit(trainer, StateRestored(restored.step, RestoreSource(restored.source)))
+            if repaired:  # the buffers alone: nothing else was restored, nothing to re-apply
+                out.values["repaired"] = list(restored.repaired)
+            else:
+                ledger.skip_streak = 0
+                bus.emit(trainer, StateRestored(restored.step, RestoreSource(restored.source)))
     backoff = registry.backoff
     if (Action.BACKOFF in acts or Action.EPS_BACKOFF in acts) and backoff is not None:
         lr = Action.BACKOFF in acts
@@ -102,6 +114,12 @@ def _warned(out: Outcome, signal: Signal, registry: Registry) -> None:
 
 
 def restored_text(restored: Restored) -> str:
+    if restored.repaired:
+        names = ", ".join(restored.repaired[:3]) + (" ..." if len(restored.repaired) > 3 else "")
+        return (
+            f"restored the buffers {names} from the snapshot of step {restored.step} (the parameters and optimizer "
+            "state are sound: kept, no step lost)"
+        )
     where = f" from {restored.path}" if restored.path else ""
     again = ", an older state: the last restore led straight back into trouble" if restored.recurrence else ""
     return f"rolled back to step {restored.step} ({restored.source}{where}{again})"

@@ -18,7 +18,9 @@ from lightning_nanguard.policies.loss_scale import CollapseFacts
 from lightning_nanguard.recovery.backoff_scales import BackoffResult
 
 __all__ = [
+    "DEFAULT_DROPPED_WINDOW",
     "DEFAULT_MAX_CONSECUTIVE_SKIPS",
+    "DEFAULT_MAX_DROPPED_FRACTION",
     "Backoff",
     "GuardSettings",
     "MetricSource",
@@ -30,6 +32,8 @@ __all__ = [
 
 
 DEFAULT_MAX_CONSECUTIVE_SKIPS = 20
+DEFAULT_MAX_DROPPED_FRACTION = 0.05
+DEFAULT_DROPPED_WINDOW = 1000
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,9 @@ class GuardSettings:
     quarantine: bool = True
     forensics: str = "first"  # "first" | "every" | "off"
     max_replay_steps: float = 20.0
+    max_dropped_fraction: float | None = DEFAULT_MAX_DROPPED_FRACTION
+    dropped_window: int = DEFAULT_DROPPED_WINDOW
+    on_dropped_budget: str = "stop"  # "stop" | "warn"
     bundle_mb: float = 64.0  # an incident bundle's size budget (0: none written)
 
 
@@ -57,6 +64,7 @@ class Restored:
     path: str = ""  # the checkpoint, for "disk"
     recurrence: bool = False
     in_window: int = 1
+    repaired: tuple[str, ...] = ()  # only these buffers were restored (``Restorer.repair_buffers``)
 
 
 class Restorer(Protocol):
@@ -74,6 +82,11 @@ class Restorer(Protocol):
         ...
 
     def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Restored | None: ...
+
+    def repair_buffers(self, trainer: pl.Trainer, pl_module: pl.LightningModule, names: list[str]) -> Restored | None:
+        """Restore only the named buffers (a batch's forward wrote them non-finite; the parameters and optimizer
+        state are sound): no rollback, no budget. ``None`` when no snapshot holds them (then ``restore``)."""
+        ...
 
     def skip_batch(self) -> bool:
         """True while batches after a rollback are to be skipped (counts one)."""

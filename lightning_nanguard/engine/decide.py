@@ -1,7 +1,10 @@
 """Decide: the facts the remedy policy decides one event from, gathered from what is installed and recorded.
 
-Counting happens here too, once per event: a dropped update that counts toward OptimizerBackoff's skip rule, and a
-half-precision overflow of the module the diagnosis named (each as the cause declares, ``policies.causes``).
+Counting happens here too, once per event, each as the cause declares (``policies.causes``): a dropped update of a
+cause a lower learning rate answers counts toward OptimizerBackoff's skip rule; a data cause's drop is taken back
+out of the streak of dropped updates (the quarantine answers it); a half-precision overflow counts for the module
+the diagnosis named; and, once the plan is made (``note_plan``), a drop no rollback answers counts toward the
+dropped-updates budget.
 """
 
 from __future__ import annotations
@@ -9,15 +12,19 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import HalfPrecision
 
-from lightning_nanguard.contract import Diagnosis, Signal
+from lightning_nanguard.contract import Diagnosis, Plan, Signal
 from lightning_nanguard.engine.accounting import FitLedger
-from lightning_nanguard.engine.capabilities import DEFAULT_MAX_CONSECUTIVE_SKIPS
+from lightning_nanguard.engine.capabilities import (
+    DEFAULT_DROPPED_WINDOW,
+    DEFAULT_MAX_CONSECUTIVE_SKIPS,
+    DEFAULT_MAX_DROPPED_FRACTION,
+)
 from lightning_nanguard.engine.events import EventFacts
 from lightning_nanguard.engine.registry import Registry
 from lightning_nanguard.policies.causes import CAUSES
-from lightning_nanguard.policies.remedy import RemedyFacts
+from lightning_nanguard.policies.remedy import RemedyFacts, counts_as_dropped
 
-__all__ = ["remedy_facts"]
+__all__ = ["note_plan", "remedy_facts", "repairable_buffers"]
 
 
 def remedy_facts(
@@ -36,12 +43,16 @@ def remedy_facts(
         max_skips = DEFAULT_MAX_CONSECUTIVE_SKIPS if restorer is not None else None
     recent = 0
     cause = CAUSES[diagnosis.cause]
-    # Skips that count toward a backoff (``CauseSpec.counts_toward_backoff``), with the state intact (a rollback is a
-    # damaged state's remedy); not the GradScaler's routine skips (a run of them is LossScaleWatchdog's collapse).
+    if cause.data_at_fault and facts.readings and ledger.skip_streak > 0:
+        ledger.skip_streak -= 1  # the quarantine answers bad data: its drop is no step of a streak
+    # Skips that count toward a backoff: of a cause a lower learning rate answers (``Remedy.lowers_lr``), with the
+    # state intact (a rollback is a damaged state's remedy); not the GradScaler's routine skips (a run of them is
+    # LossScaleWatchdog's collapse).
     if (
         backoff is not None
-        and cause.counts_toward_backoff
+        and cause.remedy.lowers_lr
         and not (scaler_dropped and cause.routine_under_scaler)
+        and any(r.dropped for r in facts.readings)
         and facts.state_ok
         and facts.signal is not Signal.NONFINITE_STATE
     ):
@@ -52,6 +63,14 @@ def remedy_facts(
         ledger.module_overflows[module] = ledger.module_overflows.get(module, 0) + 1
     watch = registry.scale_watch
     collapse = facts.event.collapse
+    if guard is not None:
+        fraction, window, on_budget = guard.max_dropped_fraction, guard.dropped_window, guard.on_dropped_budget
+    else:  # AutoRollback alone drops non-finite updates too: GradNormMonitor's default budget bounds them
+        fraction = DEFAULT_MAX_DROPPED_FRACTION if restorer is not None else None
+        window, on_budget = DEFAULT_DROPPED_WINDOW, "stop"
+    dropped = ledger.dropped_steps
+    while dropped and step - dropped[0] >= window:
+        dropped.popleft()
     return RemedyFacts(
         signal=facts.signal,
         cause=diagnosis.cause,
@@ -75,4 +94,25 @@ def remedy_facts(
         can_restore=restorer is not None and restorer.can_restore(trainer, step),
         rollback_budget_left=restorer.budget_left(step) if restorer is not None else 1,
         collapse_budget_left=collapse.budget_left if collapse is not None else 1,
+        repair_only=bool(repairable_buffers(diagnosis, trainer.lightning_module)) and restorer is not None,
+        dropped_before=len(dropped),
+        max_dropped_fraction=fraction,
+        dropped_window=window,
+        on_dropped_budget=on_budget,
     )
+
+
+def repairable_buffers(diagnosis: Diagnosis, pl_module: pl.LightningModule) -> list[str]:
+    """The non-finite tensors, where they are buffers a batch's forward wrote (BatchNorm statistics) and nothing else:
+    the parameters and the optimizer state are sound, so restoring those buffers is the whole repair. ``[]`` else."""
+    names = list(diagnosis.state_tensors)
+    if not (diagnosis.caused_by_data and names):
+        return []
+    buffers = {name for name, _ in pl_module.named_buffers()}
+    return names if all(n in buffers for n in names) else []
+
+
+def note_plan(facts: RemedyFacts, plan: Plan, ledger: FitLedger, step: int) -> None:
+    """Record what the plan dropped: a drop that counts toward the dropped-updates budget joins its window."""
+    if counts_as_dropped(facts, plan):
+        ledger.dropped_steps.append(step)

@@ -94,6 +94,8 @@ class Engine(StepFlow):
         self._quick = None
         self._losses.clear()
         self._batch = None
+        self._micro.clear()
+        self._window_losses = []
 
     @property
     def member_names(self) -> list[str]:

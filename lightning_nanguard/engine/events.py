@@ -53,6 +53,7 @@ class EventFacts:
     state_ok: bool
     state_names: tuple[str, ...]
     ranks: tuple[int, ...]
+    samples: dict[str, list[int] | None] | None = None  # the batch's samples per loader, where not the quarantine's
 
     @property
     def signal(self) -> Signal:

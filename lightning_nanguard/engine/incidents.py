@@ -14,16 +14,18 @@ from collections.abc import Mapping
 from typing import cast
 
 import lightning.pytorch as pl
+from torch import Tensor
 
 from lightning_nanguard import _distributed, _notices
 from lightning_nanguard.contract import Action, Plan, Signal, StopReason
 from lightning_nanguard.engine.accounting import FitLedger
 from lightning_nanguard.engine.act import carry_out
 from lightning_nanguard.engine.bus import EventBus
-from lightning_nanguard.engine.decide import remedy_facts
+from lightning_nanguard.engine.decide import note_plan, remedy_facts
 from lightning_nanguard.engine.diagnose import diagnose, trigger_note, write_incident_bundle
 from lightning_nanguard.engine.events import AfterStep, EventFacts, PendingEvent
 from lightning_nanguard.engine.final_check import divergence_diagnosis
+from lightning_nanguard.engine.micro_batches import MicroBatch, locate
 from lightning_nanguard.engine.reading import Reading
 from lightning_nanguard.engine.registry import Registry
 from lightning_nanguard.engine.sink import IncidentSink
@@ -108,35 +110,54 @@ class IncidentPath:
         events: list[PendingEvent],
         batch: object,
         batch_idx: int,
+        window: tuple[list[MicroBatch], list[Tensor]] | None = None,
     ) -> None:
-        """Handle the batch's events as one event (one incident), the most severe first."""
+        """Handle the batch's events as one event (one incident), the most severe first. ``window``: under gradient
+        accumulation, the window's earlier micro-batches and its micro-batch losses (``micro_batches``)."""
         events.sort(key=lambda e: _SEVERITY.index(e.signal) if e.signal in _SEVERITY else len(_SEVERITY))
         event = events[0]
         for other in events[1:]:
             event.readings.extend(r for r in other.readings if r not in event.readings)
         if event.after is not None:
             self._after_step(trainer, event.signal, event.after, batch_idx)
-        else:
-            self._step_event(trainer, pl_module, event, batch, batch_idx)
+            return
+        micro: tuple[MicroBatch, bool] | None = None
+        if window is not None and event.readings:  # the micro-batch that made the step non-finite
+            micro = locate(window[0], MicroBatch(batch, batch_idx, trainer.current_epoch), window[1])
+        self._step_event(trainer, pl_module, event, batch, batch_idx, micro)
 
     def _step_event(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, event: PendingEvent, batch: object, batch_idx: int
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        event: PendingEvent,
+        batch: object,
+        batch_idx: int,
+        micro: tuple[MicroBatch, bool] | None,
     ) -> None:
-        """A training-step event: check the state, diagnose, decide, act, record."""
+        """A training-step event: check the state, diagnose, decide, act, record. ``micro``: under gradient
+        accumulation, this rank's micro-batch to blame and whether its window showed one (``micro_batches.locate``):
+        each rank diagnoses (and quarantines from) its own, and the record names the one of the first bad rank."""
         registry, ledger = self.registry, self.ledger
         step = event.readings[0].step if event.readings else trainer.global_step
         # The state before the update where the host path took it (the same on every rank: the readings are
         # reduced), else now (the update was dropped on the device, or there was none).
         before = next((r.state_before for r in event.readings if r.state_before is not None), None)
         state_ok, names = before if before is not None else state_before_update(trainer, pl_module)
-        facts = EventFacts(event, step, batch, batch_idx, state_ok, tuple(names), tuple(_bad_ranks(trainer, event)))
+        samples = None
+        if micro is not None:
+            batch, samples = micro[0].batch, micro[0].samples
+        ranks, batch_idx = _bad_ranks(trainer, event, batch_idx, micro)
+        facts = EventFacts(event, step, batch, batch_idx, state_ok, tuple(names), ranks, samples)
         if event.signal is Signal.RANK_DIVERGENCE:
             diagnosis = divergence_diagnosis(state_verdict(trainer, pl_module).diverged)
         else:
             diagnosis = diagnose(trainer, pl_module, facts, registry, ledger)
         # Forensics: the incident bundle, before any action changes the weights or the random state.
         bundle = write_incident_bundle(trainer, pl_module, facts, diagnosis, registry, ledger, self.sink.run_dir)
-        plan = plan_remedy(remedy_facts(trainer, facts, diagnosis, registry, ledger))
+        decided = remedy_facts(trainer, facts, diagnosis, registry, ledger)
+        plan = plan_remedy(decided)
+        note_plan(decided, plan, ledger, step)
         out = carry_out(trainer, pl_module, plan, diagnosis, facts, registry, ledger, self.bus)
         trigger_note(out.details, diagnosis)  # forensics: a formula bug's trigger, quarantined, is said to be one
         restore_failed = Action.ROLLBACK in plan.actions and not out.restored and plan.stop is None
@@ -213,14 +234,16 @@ class IncidentPath:
         """Warn where the plan lets training go on, stop where it ends it, keep the record, tell the subscribers."""
         if plan.stop is not None:
             self.ledger.request_stop(trainer, stop_error(plan.stop, cast(Signal, incident.trigger))(incident.message))
-        if warn or Action.WARN in plan.actions:
+        repeat = self.sink.record(trainer, incident)
+        if (warn or Action.WARN in plan.actions) and not repeat:  # a recurring incident warns the first time
             _notices.warn(incident.message)
-        self.sink.record(trainer, incident)
         self.bus.emit(trainer, EventHandled(incident.step, incident))
 
     def tried(self) -> str:
         """What the run has tried so far, from the records' actions."""
-        counts: Counter[str] = Counter(str(a) for r in self.sink.records for a in r.actions)
+        counts: Counter[str] = Counter()
+        for r in self.sink.records:
+            counts.update({str(a): r.count for a in r.actions})
         scale = getattr(self.registry.backoff, "lr_scale", None)
         return messages.tried_phrase(counts, float(scale) if isinstance(scale, (int, float)) else None)
 
@@ -269,10 +292,15 @@ class IncidentPath:
         return -1
 
 
-def _bad_ranks(trainer: pl.Trainer, event: PendingEvent) -> list[int]:
-    """The ranks whose own reading (for a state check: own state) was non-finite (an all-gather; every rank is here)."""
+def _bad_ranks(
+    trainer: pl.Trainer, event: PendingEvent, batch_idx: int, micro: tuple[MicroBatch, bool] | None
+) -> tuple[tuple[int, ...], int]:
+    """The ranks whose own reading (for a state check: own state) was non-finite (an all-gather; every rank is here),
+    and the batch the record names: under gradient accumulation the micro-batch the first of them found (the same on
+    every rank)."""
+    found = micro[0].batch_idx if micro is not None and micro[1] else -1
     if trainer.world_size <= 1:
-        return [0]
+        return (0,), found if found >= 0 else batch_idx
     local = [
         (r.inline or 1, r.local.detach().float().cpu().tolist()) for r in event.readings if r.local is not None
     ]  # (where the loss is, this rank's own vector): the fast path puts the per-tensor norms first
@@ -283,9 +311,14 @@ def _bad_ranks(trainer: pl.Trainer, event: PendingEvent) -> list[int]:
     if not event.readings and event.signal is Signal.NONFINITE_STATE:
         # A state check (no step reading): the ranks whose own parameters or buffers are non-finite.
         any_bad = bool(nonfinite_names(trainer.lightning_module, limit=1))
-    gathered = [cast(tuple[bool, bool], g) for g in _distributed.all_gather_objects(trainer, (loss_bad, any_bad))]
+    gathered = [
+        cast(tuple[bool, bool, int], g) for g in _distributed.all_gather_objects(trainer, (loss_bad, any_bad, found))
+    ]
     ranks = [i for i, g in enumerate(gathered) if g[0]] or [i for i, g in enumerate(gathered) if g[1]]
-    return ranks or list(range(trainer.world_size))
+    ranks = ranks or list(range(trainer.world_size))
+    named = next((gathered[r][2] for r in ranks if gathered[r][2] >= 0), -1)
+    named = named if named >= 0 else next((g[2] for g in gathered if g[2] >= 0), batch_idx)
+    return tuple(ranks), named
 
 
 def _values_of(readings: list[Reading]) -> dict[str, object]:

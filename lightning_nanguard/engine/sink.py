@@ -18,7 +18,7 @@ from lightning_nanguard.reporting.incidents import Incident, IncidentLog
 from lightning_nanguard.reporting.keys import key
 from lightning_nanguard.reporting.summary import format_summary
 
-__all__ = ["INCIDENTS_FILE", "SUMMARY_FILE", "IncidentSink", "incident_markdown"]
+__all__ = ["INCIDENTS_FILE", "SUMMARY_FILE", "IncidentSink", "incident_markdown", "repeat_markdown"]
 
 INCIDENTS_FILE = os.path.join("nanguard", "incidents.jsonl")
 SUMMARY_FILE = os.path.join("nanguard", "summary.txt")
@@ -52,13 +52,21 @@ class IncidentSink:
             self.log.touch()
             write_layout(trainer)
 
-    def record(self, trainer: pl.Trainer, incident: Incident) -> None:
-        """Log an incident: the JSON line (rank 0), ``nanguard/incident/<action>`` scalars, a TensorBoard text."""
-        self.log.add(incident)
+    def record(self, trainer: pl.Trainer, incident: Incident) -> bool:
+        """Log an incident: the JSON line (rank 0), ``nanguard/incident/<action>`` scalars, a TensorBoard text.
+
+        A repeat of an earlier incident (``Incident.recurring_key``) is counted in that record; it reaches
+        TensorBoard only as the count doubles (the 2nd, 4th, 8th, ... time), with the count so far. Returns True
+        for a repeat."""
+        record = self.log.add(incident)
+        if record is not None and record.count & (record.count - 1):
+            return True
         actions = incident.actions or [incident.action]
         # At Lightning's logging step of the moment, the axis the training curves are drawn on.
         emit.log_event(trainer, {key("incident", a): 1.0 for a in actions})
-        emit.log_text(trainer, key("incidents"), incident_markdown(incident))
+        text = incident_markdown(incident) if record is None else repeat_markdown(record)
+        emit.log_text(trainer, key("incidents"), text)
+        return record is not None
 
     def summary(
         self,
@@ -77,6 +85,7 @@ class IncidentSink:
             monitored=monitored,
             final_state=final_state,
             notes=notes,
+            end_step=int(trainer.global_step),
             steps=steps,
         )
         _notices.note(text)
@@ -86,6 +95,15 @@ class IncidentSink:
             with open(path, "w", encoding="utf-8") as f:
                 f.write(text + "\n")
         return text
+
+
+def repeat_markdown(record: Incident) -> str:
+    """A recurring incident's count, for TensorBoard's text dashboard."""
+    where = f" at `{record.where}`" if record.where else ""
+    return (
+        f"**step {record.last_step}**: `{record.trigger}` again, cause **{record.cause or 'n/a'}**{where}: "
+        f"{record.count} times between steps {record.step} and {record.last_step}"
+    )
 
 
 def incident_markdown(incident: Incident) -> str:

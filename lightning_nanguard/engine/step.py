@@ -26,6 +26,7 @@ from lightning_nanguard.contract import Signal
 from lightning_nanguard.engine.accounting import DropReason, FitLedger, judge_spike
 from lightning_nanguard.engine.events import PendingEvent
 from lightning_nanguard.engine.incidents import IncidentPath
+from lightning_nanguard.engine.micro_batches import MicroBatch, MicroBatches
 from lightning_nanguard.engine.reading import DropPath, Reading, resolve
 from lightning_nanguard.engine.registry import Registry
 from lightning_nanguard.engine.scaler_agreement import agree_scaler_skip
@@ -63,6 +64,10 @@ class StepFlow:
         self._last_quick_batch = -1
         self._last_reading: Reading | None = None  # ``last_reading``
         self._batch_began = 0.0
+        # Gradient accumulation: the window's earlier micro-batches and the micro-batch losses of the last step that
+        # was not quick, read on the incident path only (``micro_batches``).
+        self._micro = MicroBatches()
+        self._window_losses: list[Tensor] = []
         self._monitors = False  # some member watches training steps (sensing runs)
         self._spikes: tuple[RunningZScore, RunningZScore] | None = None
         self._host_only = False
@@ -177,6 +182,7 @@ class StepFlow:
                 host_only=self._host_only,
             )
         self._readings.append(reading)
+        self._window_losses = losses
         path = reading.path
         if reading.pending is not None:  # device path: the optimizer acts on the verdict itself
             if self._drop is not None:
@@ -256,6 +262,8 @@ class StepFlow:
         for hook in registry.step_hooks:
             hook(trainer)
         readings, self._readings = self._readings, []
+        if not readings and self._monitors and trainer.accumulate_grad_batches > 1:
+            self._remember_micro_batch(trainer)  # a micro-batch with no optimizer step: its window is still open
         watch = registry.scale_watch
         stopping = self._drop is DropReason.STOPPING
         quarantined = self._drop is DropReason.QUARANTINED
@@ -286,9 +294,22 @@ class StepFlow:
     # ------------------------------------------------------------------ helpers
     def _handle_events(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         events, self._events = self._events, []
-        self.incidents.handle(trainer, pl_module, events, self._batch, self._batch_idx)
+        accumulate = trainer.accumulate_grad_batches
+        window = None
+        if accumulate > 1:  # the window's earlier micro-batches, to find the one that made the step non-finite
+            earlier = self._micro.window(trainer.current_epoch, self._batch_idx, accumulate)
+            window = (earlier, self._window_losses) if earlier else None
+        self._window_losses = []
+        self.incidents.handle(trainer, pl_module, events, self._batch, self._batch_idx, window)
         if not self._starts:
             self.refresh_batch_start()  # something may have been quarantined
+
+    def _remember_micro_batch(self, trainer: pl.Trainer) -> None:
+        """Keep a reference to this micro-batch (and its samples, where the quarantine knows them)."""
+        quarantine = self.registry.quarantine
+        samples = dict(quarantine.current) if quarantine is not None else None
+        entry = MicroBatch(self._batch, self._batch_idx, trainer.current_epoch, samples)
+        self._micro.remember(entry, trainer.accumulate_grad_batches)
 
     def _clip_allowed(self) -> bool:
         """Lightning clips after ``on_before_optimizer_step``: nothing to clip once the update was dropped."""

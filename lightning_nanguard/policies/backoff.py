@@ -62,6 +62,12 @@ class BackoffPolicy:
             ``None``: never recover.
         recover_steps: notches to climb from one backoff back to the previous level: each notch multiplies the
             scale by ``(1 / lr_factor) ** (1 / recover_steps)``, capped at 1.0.
+        follow_schedule: the rate a backoff leaves is its ``cap``; as the schedule itself falls below the rate that
+            was cut (a decay, the end of a warm restart), the scale climbs back (``follow``), up to 1.0, exactly as
+            far as keeps the rate at the cap: the cause a backoff answered (a rate too high) is gone before the scale
+            climbs. Where the schedule rises again (the next restart), the scale comes back down, never below the
+            backoff's own: the rate is never above what the plain backoff would give. A constant or rising schedule
+            keeps the backoff.
 
     A level that recovery climbed to and that did not last (a backoff within ``recover_after`` steps of the notch
     that reached it) was too high: recovery stops below it from then on (``ceiling``), instead of climbing back into
@@ -80,13 +86,17 @@ class BackoffPolicy:
     last_event_step: int = -1
     ceiling: float = 1.0  # recovery never climbs above this (a level it reached before did not last)
     last_recovery: tuple[int, float] | None = None  # (step, scale before) of the last recovery notch
+    follow_schedule: bool = False
+    cap: float | None = None  # the learning rate the last backoff left (``follow_schedule``)
+    cut: float = 1.0  # the scale the last backoff left: ``follow`` never goes below it
 
-    def back_off(self, cause: str, notches: int = 1, step: int | None = None) -> ScaleChange:
+    def back_off(self, cause: str, notches: int = 1, step: int | None = None, lr: float | None = None) -> ScaleChange:
         """Lower the scale ``notches`` steps of ``lr_factor`` (not below the floor). ``before == after`` at the floor.
 
         More than one notch answers more than one divergence at once: a rollback that passed over snapshots taken
         mid-divergence (each would have led back into it, and been met with a backoff of its own). ``step``: the
-        post-step ``global_step`` now, to tell whether the level a recovery notch reached did not last.
+        post-step ``global_step`` now, to tell whether the level a recovery notch reached did not last. ``lr``: the
+        learning rate now, before this backoff (the schedule times the old scale): the cap of ``follow_schedule``.
         """
         before = self.scale
         if step is not None and self.last_recovery is not None and self.recover_after is not None:
@@ -97,7 +107,20 @@ class BackoffPolicy:
         self.scale = max(before * self.lr_factor ** max(1, notches), self.min_lr_scale)
         if self.scale < before:
             self.backoffs += 1
+        if self.follow_schedule and lr is not None and before > 0 and math.isfinite(lr):
+            self.cap, self.cut = lr / before * self.scale, self.scale
         return ScaleChange(before=before, after=self.scale, cause=cause, eps=True)
+
+    def follow(self, lr: float) -> ScaleChange | None:
+        """``follow_schedule``: ``lr`` is the learning rate now (the schedule times ``scale``), after the scheduler
+        stepped. The scale that keeps the rate at the cap, within ``[cut, ceiling]``; the change, or ``None``."""
+        if not self.follow_schedule or self.cap is None or not lr > 0:
+            return None
+        wanted = max(self.cut, min(self.ceiling, self.cap / (lr / self.scale)))
+        if math.isclose(wanted, self.scale, rel_tol=1e-9):
+            return None
+        before, self.scale = self.scale, wanted
+        return ScaleChange(before=before, after=self.scale, cause="schedule")
 
     def tick(self, step: int) -> ScaleChange | None:
         """A step ended at ``step`` (after its scheduler step). Returns a recovery notch when one is due."""
@@ -116,4 +139,5 @@ class BackoffPolicy:
         self.scale = top if after >= top or math.isclose(after, top, rel_tol=1e-9) else after
         self.last_event_step = step - 1
         self.last_recovery = (step, before)
+        self.cut = max(self.cut, self.scale)  # ``follow`` keeps what this notch recovered
         return ScaleChange(before=before, after=self.scale, cause="recovery")

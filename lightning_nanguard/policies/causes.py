@@ -1,8 +1,10 @@
 """Every cause, declared once: what it means for the remedy, the state and the data, and the evidence that decides it.
 
 A cause's facets are read by the code that needs one, never re-derived: the remedy policy (``policies.remedy``:
-the remedy family, the reason, quarantine, the backoff and overflow counts), the diagnosis (``policies.diagnosis``:
-the evidence rules in ``EVIDENCE`` order, the hint) and AutoRollback's quiet period (``trusts_state``).
+the remedy family, the reason, quarantine, whether a recurrence may lower the learning rate, the overflow counts),
+the accounting of dropped updates (``engine.decide``: a data cause's drops never count toward the streak or the
+backoff), the diagnosis (``policies.diagnosis``: the evidence rules in ``EVIDENCE`` order, the hint) and
+AutoRollback's quiet period (``trusts_state``).
 
 Adding a cause (ARCHITECTURE.md, "Add a cause"): its ``contract.Cause`` member, its ``CauseSpec`` in ``CAUSES``, its
 evidence rule (a function in ``policies/rules/``) placed in ``EVIDENCE``, and its row in docs/FORENSICS.md.
@@ -30,6 +32,14 @@ class Remedy(Enum):
     ROLLBACK_AND_BACKOFF = "rollback_and_backoff"  # restore a sound state and lower the learning rate
     RESTORE = "restore"  # restore a sound state (the state itself is the fault)
 
+    @property
+    def lowers_lr(self) -> bool:
+        """A lower learning rate is part of this remedy. Only then may the learning rate come down for the cause:
+        with a rollback, after ``skips_before_backoff`` recurrences (OptimizerBackoff's ``skip`` trigger), or when a
+        streak of its dropped updates escalates. A cause no lower learning rate fixes (a loss formula, a bad sample,
+        a half-precision overflow, an unknown one) is bounded by the dropped-updates budget instead."""
+        return self is Remedy.ROLLBACK_AND_BACKOFF
+
 
 @dataclass(frozen=True)
 class CauseSpec:
@@ -39,12 +49,12 @@ class CauseSpec:
         cause: the cause.
         reason: why the remedy fits, in one phrase (a ``Plan``'s reason).
         hint: what to try, for people (a ``Diagnosis``'s hint, unless its rule wrote a more specific one).
-        remedy: the remedy family.
-        data_at_fault: the batch is to blame: quarantine it.
+        remedy: the remedy family (``Remedy.lowers_lr``: whether the learning rate may come down for it).
+        data_at_fault: the batch is to blame: quarantine it. Its dropped updates are the quarantine's to answer:
+            they never count toward ``max_consecutive_skips`` or the skip backoff, only toward the dropped-updates
+            budget, whose stop then says the data pipeline is broken.
         state_trusted: the model and optimizer state are trusted at once afterwards (no quiet period before the next
             snapshot: the data, or a one-off, was to blame).
-        counts_toward_backoff: a dropped update of this cause counts toward OptimizerBackoff's
-            ``skips_before_backoff`` (a bad sample, or a damaged state that a rollback answers, does not).
         routine_under_scaler: an update of this cause the GradScaler dropped itself is its routine: it does not count
             toward the backoff (a run of them is LossScaleWatchdog's collapse, which backs off).
         counts_module_overflow: the module the diagnosis names counts one overflow toward ``promote_after``.
@@ -58,7 +68,6 @@ class CauseSpec:
     remedy: Remedy = Remedy.SKIP
     data_at_fault: bool = False
     state_trusted: bool = False
-    counts_toward_backoff: bool = True
     routine_under_scaler: bool = False
     counts_module_overflow: bool = False
     diagnosed: bool = True
@@ -73,7 +82,6 @@ CAUSES: dict[Cause, CauseSpec] = {
             "check the data pipeline for these samples (NaN/inf or unnormalised values in the inputs)",
             data_at_fault=True,
             state_trusted=True,
-            counts_toward_backoff=False,
         ),
         CauseSpec(
             Cause.TARGETS,
@@ -81,7 +89,6 @@ CAUSES: dict[Cause, CauseSpec] = {
             "the labels do not fit the model's output: check num_classes against the dataset's labels",
             data_at_fault=True,
             state_trusted=True,
-            counts_toward_backoff=False,
         ),
         CauseSpec(
             Cause.HALF_PRECISION_OVERFLOW,
@@ -116,7 +123,6 @@ CAUSES: dict[Cause, CauseSpec] = {
             "the parameters, buffers or optimizer state are non-finite",
             "restore an earlier state (AutoRollback does it in memory); check what wrote the non-finite values",
             remedy=Remedy.RESTORE,
-            counts_toward_backoff=False,
         ),
         CauseSpec(
             Cause.CORRUPT_CHECKPOINT,
@@ -124,7 +130,6 @@ CAUSES: dict[Cause, CauseSpec] = {
             "resume from an earlier verified checkpoint (CheckpointGuard(fallback=True) does it); check the storage "
             "the file was written to and how the run that wrote it ended",
             remedy=Remedy.RESTORE,
-            counts_toward_backoff=False,
             diagnosed=False,
         ),
         CauseSpec(
@@ -140,54 +145,55 @@ CAUSES: dict[Cause, CauseSpec] = {
         ),
         # Decided from the origin (``policies.rules.origin``): a formula that fails on some valid records. Its update
         # is dropped, the records that trigger it are quarantined as its trigger (``Diagnosis.caused_by_data``), and
-        # neither a rollback nor a lower learning rate is called for: no skip of theirs counts toward the backoff.
+        # neither a rollback nor a lower learning rate is called for (no family that ``lowers_lr``): a recurrence is
+        # bounded by the dropped-updates budget, whose stop names the formula and its fix. The update never landed, so the
+        # state is trusted at once (an exp overflow excepted: like a half-precision overflow, a growing model may be it).
         CauseSpec(
             Cause.DIVISION_BY_ZERO,
             "a division by zero in the model's formula, on valid data; the model and optimizer are not at fault",
             "add eps to the denominator: F.normalize(h, dim=-1, eps=1e-6), or clamp_min the norm (a value "
             "representable in the dtype: 1e-6 in float16)",
-            counts_toward_backoff=False,
+            state_trusted=True,
         ),
         CauseSpec(
             Cause.LOG_OF_ZERO,
             "a log of zero in the model's formula; the model and optimizer are not at fault",
             "take the log of a quantity that cannot be 0 (clamp_min(torch.finfo(dtype).tiny)), or compute it from "
             "the logits (F.log_softmax, F.logsigmoid, F.binary_cross_entropy_with_logits)",
-            counts_toward_backoff=False,
+            state_trusted=True,
         ),
         CauseSpec(
             Cause.SQRT_AT_ZERO,
             "the gradient of sqrt at zero in the model's formula; the model and optimizer are not at fault",
             "add eps inside the root (torch.sqrt(x + eps)), or use torch.linalg.vector_norm (its gradient at 0 is 0)",
-            counts_toward_backoff=False,
+            state_trusted=True,
         ),
         CauseSpec(
             Cause.MASKED_BRANCH_GRADIENT,
             "torch.where masks a non-finite branch whose gradient is NaN; the model and optimizer are not at fault",
             "make the masked branch finite before the where: p * torch.log(p.clamp_min(tiny)), or "
             "torch.special.xlogy(p, p) for p * log(p)",
-            counts_toward_backoff=False,
+            state_trusted=True,
         ),
         CauseSpec(
             Cause.FULLY_MASKED_SOFTMAX,
             "a softmax row with every position masked; the model and optimizer are not at fault",
             "give every row an unmasked position, mask with torch.finfo(dtype).min instead of -inf, or zero those "
             "rows after the softmax",
-            counts_toward_backoff=False,
+            state_trusted=True,
         ),
         CauseSpec(
             Cause.LOW_PRECISION_ROUNDING,
             "a formula unsafe in low precision (a value rounds to 1.0 or 0, then log); the model is not at fault",
             "compute the loss from the logits (F.binary_cross_entropy_with_logits, F.logsigmoid, F.log_softmax): "
             "clamping p to 1 - 1e-7 does not help in bfloat16 or float16, where it rounds to 1.0",
-            counts_toward_backoff=False,
+            state_trusted=True,
         ),
         CauseSpec(
             Cause.EXP_OVERFLOW,
             "an exp overflows its dtype in the model's formula",
             "subtract the row max before exp (torch.softmax and torch.logsumexp do), or run the op in float32",
             remedy=Remedy.PROMOTE_WHEN_RECURRING,
-            counts_toward_backoff=False,
             routine_under_scaler=True,
             counts_module_overflow=True,
         ),

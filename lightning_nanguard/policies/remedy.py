@@ -9,7 +9,9 @@ routine GradScaler overflow (16-mixed,          ``scaler_skip``: the scaler drop
 loss finite, state intact)
 input data / targets, state intact             ``skip`` + ``quarantine`` (the data is skipped when it comes back)
 input data / targets, state damaged            ``skip`` + ``quarantine`` + ``rollback``
-corrupt state written by a batch's forward     ``skip`` + ``quarantine`` + ``rollback`` (e.g. BatchNorm statistics)
+corrupt state written by a batch's forward     ``skip`` + ``quarantine`` + ``rollback`` (e.g. BatchNorm statistics;
+                                               the buffers alone are restored where nothing else is damaged: no
+                                               rollback budget, the drop counts toward the dropped-updates budget)
 transient, state intact                        ``skip``
 corrupt state                                  ``skip`` + ``rollback``
 optimizer numerics (e.g. eps underflow)        ``skip`` + ``eps_backoff`` (+ ``rollback`` if damaged)
@@ -21,10 +23,21 @@ collapse
 a snapshot taken mid-divergence (diverging,    ``rollback`` + ``backoff`` (no update is at stake: judged at a batch
 still finite)                                  start); the rollback passes over that snapshot
 loss function, unknown                         ``skip`` (+ ``rollback`` if damaged)
-too many dropped updates in a row              ``rollback`` + ``backoff`` when AutoRollback is installed, else ``stop``
+explosion or spike skips recurring (no         ``skip`` + ``backoff`` (``skips_before_backoff`` within ``skip_window``)
+rollback)
+too many dropped updates in a row (not the     ``rollback`` (+ ``backoff`` where the cause's remedy lowers the LR)
+data's)                                        when AutoRollback is installed, else ``stop``
+too many dropped updates in the window         ``stop`` naming the cause and its fix (the data pipeline, for data);
+(``max_dropped_fraction``)                     ``warn`` once and go on with ``on_dropped_budget="warn"``
 state damaged and nothing can restore it       ``stop`` (the error names the tensors)
 a budget ran out                               the restorative actions, then ``stop`` naming every remedy tried
 =============================================  ======================================================================
+
+The learning rate comes down only where a lower learning rate is the cause's remedy (``Remedy.lowers_lr``: a
+gradient explosion, a divergence, a spike handed to AutoRollback, a loss-scale collapse). A cause the drop alone
+answers (a loss formula, a transient fault, an unknown cause, a half-precision overflow) or the quarantine answers
+(bad data) never lowers it, however often it recurs: its dropped updates count toward the dropped-updates budget, a
+share of recent steps, and the run stops with the diagnosis once they are too many.
 
 How far each action goes is its own policy's: ``rollback`` restores the newest snapshot not taken mid-divergence
 (``policies.rollback.SnapshotJudge``), and a ``backoff`` planned with it goes one notch deeper for each snapshot it
@@ -43,7 +56,7 @@ from dataclasses import dataclass, field
 from lightning_nanguard.contract import Action, Cause, Plan, Signal, StopReason
 from lightning_nanguard.policies.causes import CAUSES, Remedy
 
-__all__ = ["Installed", "RemedyFacts", "plan_after_step", "plan_remedy"]
+__all__ = ["Installed", "RemedyFacts", "counts_as_dropped", "dropped_budget", "plan_after_step", "plan_remedy"]
 
 _SPIKES = (Signal.LOSS_SPIKE, Signal.GRAD_NORM_SPIKE, Signal.LOSS_AND_GRAD_NORM_SPIKE)
 _COLLAPSE_BUDGET = "the loss-scale collapse budget (LossScaleWatchdog max_collapses) ran out"
@@ -80,12 +93,19 @@ class RemedyFacts:
     backoff_triggers: frozenset[str] = field(
         default_factory=lambda: frozenset({"rollback", "skip", "loss_scale_collapse"})
     )
-    recent_skips: int = 0  # non-data dropped updates within OptimizerBackoff's skip_window, this one included
+    recent_skips: int = 0  # drops of causes a lower LR answers, within OptimizerBackoff's skip_window, this one too
     skips_before_backoff: int = 3
+    dropped_before: int = 0  # updates dropped within dropped_window before this one that count toward the budget
+    max_dropped_fraction: float | None = None  # None: no dropped-updates budget
+    dropped_window: int = 1000
+    on_dropped_budget: str = "stop"  # "stop" | "warn"
     module: str = ""  # the module the diagnosis named
     module_overflows: int = 0  # half-precision overflows of that module so far, this one included
     promote_after: int | None = None
     true_half: bool = False  # *-true precision: no autocast to switch off, promotion is not possible
+    # The damage is buffers a batch's forward wrote non-finite, all else sound: restoring those buffers repairs it,
+    # no rollback of the parameters (AutoRollback's ``repair_buffers``; no rollback budget, the drop counts).
+    repair_only: bool = False
     can_restore: bool = True  # a verified snapshot or checkpoint exists
     rollback_budget_left: int = 1  # rollbacks still allowed in the window (0: this one is the last)
     collapse_budget_left: int = 1  # LossScaleWatchdog collapses still allowed (0: stop after this one)
@@ -93,6 +113,51 @@ class RemedyFacts:
 
 def plan_remedy(f: RemedyFacts) -> Plan:
     """The actions for one event, in the order they are carried out."""
+    return _within_dropped_budget(f, _plan(f))
+
+
+def counts_as_dropped(f: RemedyFacts, plan: Plan) -> bool:
+    """Whether this event's plan drops an update that counts toward the dropped-updates budget: every drop but one a
+    rollback answers (the rollback budget bounds those) and the GradScaler's routine skip (LossScaleWatchdog's)."""
+    acts = plan.actions
+    if f.signal is Signal.LOSS_SCALE_COLLAPSE or (Action.ROLLBACK in acts and not f.repair_only):
+        return False
+    if Action.SKIP in acts:
+        return True
+    return Action.SCALER_SKIP in acts and not CAUSES[f.cause].routine_under_scaler
+
+
+def dropped_budget(fraction: float, window: int) -> int:
+    """The dropped updates allowed within ``window`` steps: ``floor(fraction * window)``."""
+    return int(fraction * window + 1e-9)
+
+
+def _within_dropped_budget(f: RemedyFacts, plan: Plan) -> Plan:
+    """Stop (or, with ``on_dropped_budget="warn"``, warn once as the budget is crossed) when this drop is one more
+    than ``max_dropped_fraction`` of the last ``dropped_window`` steps allows."""
+    if plan.stop is not None or f.max_dropped_fraction is None or not counts_as_dropped(f, plan):
+        return plan
+    allowed = dropped_budget(f.max_dropped_fraction, f.dropped_window)
+    n = f.dropped_before + 1
+    if n <= allowed:
+        return plan
+    share = f"{n} of the last {f.dropped_window} updates were dropped, more than max_dropped_fraction={f.max_dropped_fraction:g}"
+    if CAUSES[f.cause].data_at_fault:
+        reason = f"the data pipeline is broken: {share} (this one for bad {f.cause.value.replace('_', ' ')})"
+    else:
+        reason = f"{share}, for a cause no remedy of nanguard fixes ({f.cause.value.replace('_', ' ')})"
+    if f.on_dropped_budget == "warn":
+        if n != allowed + 1:
+            return plan  # warned as the budget was crossed
+        return Plan(
+            (*plan.actions, Action.WARN),
+            reason + "; training goes on (on_dropped_budget='warn')",
+            promote_module=plan.promote_module,
+        )
+    return _stop(list(plan.actions), StopReason.DROPPED_BUDGET, reason, plan.promote_module)
+
+
+def _plan(f: RemedyFacts) -> Plan:
     ins = f.installed
     if f.signal is Signal.LOSS_SCALE_COLLAPSE:
         return _collapse(f)
@@ -120,8 +185,9 @@ def plan_remedy(f: RemedyFacts) -> Plan:
         acts.append(Action.ROLLBACK)
         if ins.backoff and "rollback" in f.backoff_triggers:
             acts.append(Action.BACKOFF)
-    # Escalation: the same trouble keeps coming back.
-    if f.max_consecutive_skips is not None and f.skip_streak > f.max_consecutive_skips:
+    # Escalation: the same trouble keeps coming back (a data cause's drops are the quarantine's: never counted).
+    lowers_lr = cause.remedy.lowers_lr and ins.backoff and "skip" in f.backoff_triggers
+    if f.max_consecutive_skips is not None and f.skip_streak > f.max_consecutive_skips and not cause.data_at_fault:
         too_many = (
             f"{f.skip_streak} dropped updates in a row, more than max_consecutive_skips={f.max_consecutive_skips}"
         )
@@ -129,16 +195,10 @@ def plan_remedy(f: RemedyFacts) -> Plan:
             return _stop(acts, StopReason.SKIP_BUDGET, too_many)
         if Action.ROLLBACK not in acts:
             acts.append(Action.ROLLBACK)
-        if ins.backoff and "skip" in f.backoff_triggers and Action.BACKOFF not in acts:
+        if lowers_lr and Action.BACKOFF not in acts:
             acts.append(Action.BACKOFF)
         reason = too_many
-    elif (
-        ins.backoff
-        and "skip" in f.backoff_triggers
-        and not cause.data_at_fault
-        and f.recent_skips >= f.skips_before_backoff
-        and Action.BACKOFF not in acts
-    ):
+    elif lowers_lr and f.recent_skips >= f.skips_before_backoff and Action.BACKOFF not in acts:
         acts.append(Action.BACKOFF)
     if f.on_nonfinite == "stop" and ins.drop:
         return _stop(
@@ -204,7 +264,7 @@ def _with_restore(f: RemedyFacts, acts: list[Action], reason: str, promote: str 
         acts.remove(Action.ROLLBACK)
         if Action.BACKOFF in acts or remedy is Remedy.ROLLBACK_AND_BACKOFF:
             reason = (reason + "; " if reason else "") + "no verified snapshot or checkpoint to restore yet"
-    if Action.ROLLBACK in acts and f.rollback_budget_left <= 0:
+    if Action.ROLLBACK in acts and f.rollback_budget_left <= 0 and not f.repair_only:
         return _stop(
             acts,
             StopReason.ROLLBACK_BUDGET,
@@ -250,6 +310,8 @@ def _spike(f: RemedyFacts) -> Plan:
         acts.append(Action.ROLLBACK)
         if f.installed.backoff and "rollback" in f.backoff_triggers:
             acts.append(Action.BACKOFF)
+    elif f.installed.backoff and "skip" in f.backoff_triggers and f.recent_skips >= f.skips_before_backoff:
+        acts.append(Action.BACKOFF)  # skipped spikes recurring: a lower learning rate is a spike's remedy
     if f.max_consecutive_skips is not None and f.skip_streak > f.max_consecutive_skips:
         return _stop(
             acts, StopReason.SKIP_BUDGET, f"{f.skip_streak} dropped updates in a row, more than max_consecutive_skips"

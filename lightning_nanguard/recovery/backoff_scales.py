@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_nanguard.policies.backoff import BackoffPolicy
@@ -109,7 +110,7 @@ class BackoffScales:
         lr_text = eps_text = ""
         if lr:
             notches = 1 + self.extra_notches
-            policy.back_off(cause, notches, step=step)
+            policy.back_off(cause, notches, step=step, lr=_lr_of(optimizers))
             at_floor = policy.scale == before
             values.update(lr_scale_before=before, lr_scale_after=policy.scale)
             lr_text = (
@@ -133,6 +134,18 @@ class BackoffScales:
             eps_text = f"eps is already at its cap max_eps={self.max_eps:g}"
         return BackoffResult(lr_text, eps_text, values)
 
+    def follow(self, optimizers: Sequence[Optimizer], schedulers: Sequence[object]) -> bool:
+        """After the scheduler stepped: the scale follows the schedule (``BackoffPolicy.follow``); True when it moved
+        (everything brought to it)."""
+        group = optimizers[0].param_groups[0] if optimizers and optimizers[0].param_groups else {}
+        if isinstance(group.get("lr"), Tensor) and not group["lr"].is_cpu:
+            return False  # a device tensor: reading it every step would be a host read on a healthy step
+        lr = _lr_of(optimizers)
+        if lr is None or self.policy.follow(lr) is None:
+            return False
+        self.sync(optimizers, schedulers)
+        return True
+
     def state_dict(self) -> dict[str, object]:
         """The scales and the policy's record, as primitives (``weights_only``-safe)."""
         p = self.policy
@@ -143,6 +156,7 @@ class BackoffScales:
             "backoffs": p.backoffs,
             "last_event_step": p.last_event_step,
             "lr_ceiling": p.ceiling,
+            **({"lr_cap": p.cap, "lr_cut": p.cut} if p.cap is not None else {}),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -153,3 +167,14 @@ class BackoffScales:
         p.backoffs = int(state.get("backoffs", 0))
         p.last_event_step = int(state.get("last_event_step", -1))
         p.ceiling = float(state.get("lr_ceiling", 1.0))
+        cap = state.get("lr_cap")
+        p.cap = None if cap is None else float(cap)
+        p.cut = float(state.get("lr_cut", p.scale))
+
+
+def _lr_of(optimizers: Sequence[Optimizer]) -> float | None:
+    """The first param group's learning rate now (a schedule scales every group alike)."""
+    if not optimizers or not optimizers[0].param_groups:
+        return None
+    lr = optimizers[0].param_groups[0].get("lr")
+    return float(lr) if isinstance(lr, (int, float, Tensor)) else None

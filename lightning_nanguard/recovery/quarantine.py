@@ -187,13 +187,25 @@ class Quarantine:
         self._dirty = True
 
     # ------------------------------------------------------------------ incident path
-    def add(self, trainer: pl.Trainer, batch: Any, rows: Sequence[int], step: int, *, take: bool = True) -> str:
+    def add(
+        self,
+        trainer: pl.Trainer,
+        batch: Any,
+        rows: Sequence[int],
+        step: int,
+        *,
+        take: bool = True,
+        samples: dict[str, list[int] | None] | None = None,
+    ) -> str:
         """Quarantine the rows of the current batch (all of it when ``rows`` is empty); ``take=False``: nothing from
-        this rank. A collective: every rank calls it, and every rank ends with the same quarantine."""
+        this rank; ``samples``: the batch's samples per loader where ``batch`` is not the current one (an earlier
+        micro-batch of a gradient-accumulation window). A collective: every rank calls it, and every rank ends with
+        the same quarantine."""
         local: dict[str, Any] = {"samples": [], "fingerprint": "", "note": ""}
         if take:
+            current = self.current if samples is None else samples
             try:
-                picked, note = samples_of_rows(batch, rows, self._loaders, self.current)
+                picked, note = samples_of_rows(batch, rows, self._loaders, current)
             except Exception:  # never one rank alone out of the all-gather below: the fingerprint instead
                 picked, note = [], ""
             if picked:

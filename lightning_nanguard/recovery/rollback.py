@@ -10,14 +10,17 @@ from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 import lightning.pytorch as pl
+import torch
+from torch import nn
 
 from lightning_nanguard import _distributed, _lightning_compat
 from lightning_nanguard.exceptions import CheckpointVerificationError
 from lightning_nanguard.policies.rollback import RollbackDecision, choose_sound
 from lightning_nanguard.recovery.disk_restore import restore_from_checkpoint, rollback_checkpoint
 from lightning_nanguard.recovery.snapshot import SnapshotRing
+from lightning_nanguard.signals.sharded import local_tensor
 
-__all__ = ["Restored", "keep_lower_scale", "restore_state"]
+__all__ = ["Restored", "keep_lower_scale", "repair_buffers", "restore_state"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,29 @@ def restore_state(
     if restored is None and decision.older_than is not None:
         restored = _from_ring(trainer, pl_module, ring, replace(decision, older_than=None), unsound)
     return restored
+
+
+@torch.no_grad()
+def repair_buffers(ring: SnapshotRing, module: nn.Module, names: Collection[str]) -> Restored | None:
+    """Copy the named buffers (and only those) back from the newest snapshot: the parameters and the optimizer state
+    stay as they are (they were found finite, so the last sound state of theirs is now). ``None`` when no snapshot
+    holds them as they are now (then a full restore is the way). Buffers are kept whole by every rank (never spread
+    over the DDP ranks), so this is no collective."""
+    ring.sync()
+    snap = ring.get(max(ring.steps(), default=-1))
+    if snap is None or snap.layout is None:
+        return None
+    n_params = sum(1 for _ in module.parameters())
+    at = {name: n_params + i for i, (name, _) in enumerate(module.named_buffers())}
+    live = dict(module.named_buffers())
+    if not names or any(n not in at or at[n] >= snap.n_model for n in names):
+        return None
+    pairs = [(local_tensor(live[n]), snap.view(at[n])) for n in names]
+    if any(dst.shape != src.shape or dst.dtype != src.dtype for dst, src in pairs):
+        return None
+    for dst, src in pairs:
+        dst.copy_(src)
+    return Restored(snap.step, snap.log_step, "memory")
 
 
 def keep_lower_scale(trainer: pl.Trainer, scale: float | None) -> None:

@@ -1,4 +1,15 @@
-"""Incident records: one JSON object per event, kept in memory and appended to ``incidents.jsonl``."""
+"""Incident records: one JSON object per event, kept in memory and appended to ``incidents.jsonl``.
+
+**Recurring incidents are one record with a count.** An incident that only dropped an update (``skip``,
+``scaler_skip``, ``quarantine``, ``warn``: nothing restored, backed off, promoted or stopped) and has the same
+trigger, cause, place (the module the diagnosis named, else the op and line of the first non-finite value its origin
+named for a formula, whatever the rows, else its ``where``) and actions as an earlier one of the run is a *repeat*:
+the earlier record counts it (``repeats``, ``last_step``) and the log gets one short line, ``{"repeat_of": <the
+record's step>, "step": ..., "repeats": ..., "trigger": ..., "cause": ..., "where": ...}``, which ``IncidentLog.read``
+folds back into its record. The log stays one line per event, in order, and parseable at any point (a run killed
+mid-way leaves the counts up to its last line); the summary and ``nanguard report`` show one line
+for the recurring fault, "N times between steps a and b".
+"""
 
 from __future__ import annotations
 
@@ -6,7 +17,7 @@ import json
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -38,6 +49,8 @@ class Incident:
         cause: the diagnosed ``Cause`` (``None`` for events with no diagnosis, written ``""``).
         where: the location the diagnosis names (module, tensors, batch rows, checkpoint).
         diagnosis: the full diagnosis as plain values (``Diagnosis.to_dict()``), ``{}`` when none.
+        repeats: how many more times the same incident happened later in the run (see the module docstring).
+        last_step: the step of the last repeat (``-1`` while there is none).
         bundle: the incident bundle's directory (``<log_dir>/nanguard/bundles/step-N``: re-run the step offline with
             ``nanguard replay``), ``""`` when none was written (no replay ran, or it was over its budget).
 
@@ -59,7 +72,24 @@ class Incident:
     cause: Cause | None = None
     where: str = ""
     diagnosis: dict[str, object] = field(default_factory=dict)
+    repeats: int = 0
+    last_step: int = -1
     bundle: str = ""
+
+    @property
+    def count(self) -> int:
+        """How many times this incident happened (the first time and its repeats)."""
+        return 1 + self.repeats
+
+    @property
+    def recurring_key(self) -> tuple[str, ...] | None:
+        """What a repeat of this incident has in common with it: trigger, cause, place, actions; ``None`` for an
+        incident that is never aggregated (it changed the state or the run, or was seen outside a step)."""
+        actions = [str(a) for a in (self.actions or [self.action])]
+        if not actions or not set(actions) <= _DROP_ONLY:
+            return None
+        place = self.diagnosis.get("module") or _origin_place(self.diagnosis.get("origin")) or self.where
+        return (str(self.trigger), str(self.cause or ""), str(place), *actions)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen
@@ -84,6 +114,7 @@ class Incident:
             "cause": "" if self.cause is None else str(self.cause),
             "where": self.where,
             "diagnosis": _json_safe(self.diagnosis),
+            **({"repeats": self.repeats, "last_step": self.last_step} if self.repeats else {}),
             "bundle": self.bundle,
         }
 
@@ -102,24 +133,41 @@ class IncidentLog:
     def __init__(self, path: str | None = None) -> None:
         self.path = path
         self.records: list[Incident] = []
+        self._recurring: dict[tuple[str, ...], int] = {}  # recurring_key -> index of its record
 
-    def add(self, incident: Incident) -> None:
+    def add(self, incident: Incident) -> Incident | None:
+        """Record ``incident``. A repeat of an earlier incident (``Incident.recurring_key``) updates that record's
+        count instead, and the record is returned; ``None`` for a new record."""
+        key = incident.recurring_key
+        at = self._recurring.get(key) if key is not None else None
+        if at is not None:
+            first = self.records[at]
+            record = replace(first, repeats=first.repeats + 1, last_step=incident.step)
+            self.records[at] = record
+            self._append(_repeat_line(record))
+            return record
+        if key is not None:
+            self._recurring[key] = len(self.records)
         self.records.append(incident)
+        self._append(incident.to_dict())
+        return None
+
+    def _append(self, data: dict[str, object]) -> None:
         if self.path is None:
             return
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(incident.to_dict(), sort_keys=True) + "\n")
+            f.write(json.dumps(data, sort_keys=True) + "\n")
             f.flush()
 
     def __len__(self) -> int:
         return len(self.records)
 
     def counts(self) -> dict[str, int]:
-        """Number of incidents per main action."""
+        """Number of incidents per main action (repeats included)."""
         out: dict[str, int] = {}
         for r in self.records:
-            out[str(r.action)] = out.get(str(r.action), 0) + 1
+            out[str(r.action)] = out.get(str(r.action), 0) + r.count
         return out
 
     def touch(self) -> None:
@@ -148,8 +196,12 @@ class IncidentLog:
                 data = json.loads(line)
                 if not isinstance(data, dict):
                     raise TypeError(f"a JSON {type(data).__name__}, not an object")
+                if "repeat_of" in data:
+                    if not _fold_repeat(records, data):
+                        notes.append(f"{path}:{n}: a repeat of an incident not in the log: skipped")
+                    continue
                 records.append(Incident.from_dict(data))
-            except (ValueError, TypeError) as err:
+            except (ValueError, TypeError, KeyError) as err:
                 if k == len(lines) - 1 and not line.endswith("\n"):
                     notes.append(
                         f"{path}:{n}: the last line is cut short (the run was killed while writing it): skipped"
@@ -157,6 +209,43 @@ class IncidentLog:
                 else:
                     notes.append(f"{path}:{n}: not an incident record ({str(err)[:80]}): skipped")
         return records, notes
+
+
+# The actions of an incident that only dropped an update: its repeats are counted in its record.
+def _origin_place(origin: object) -> str:
+    """``"aten.log.default at model.py:45"``: where a formula failed, the same whichever rows met it; ``""`` if none,
+    or if the origin is bad data (each batch's bad rows are a place of their own)."""
+    frame = origin.get("frame") if isinstance(origin, Mapping) else None
+    if not isinstance(origin, Mapping) or origin.get("data_at_fault") or not isinstance(frame, Mapping):
+        return ""
+    if not frame.get("file"):  # no line to name
+        return ""
+    return f"{origin.get('op', '')} at {frame.get('file')}:{frame.get('line')}"
+
+
+_DROP_ONLY = {str(Action.SKIP), str(Action.SCALER_SKIP), str(Action.QUARANTINE), str(Action.WARN)}
+
+
+def _repeat_line(record: Incident) -> dict[str, object]:
+    return {
+        "repeat_of": record.step,
+        "step": record.last_step,
+        "repeats": record.repeats,
+        "trigger": str(record.trigger),
+        "cause": "" if record.cause is None else str(record.cause),
+        "where": record.where,
+    }
+
+
+def _fold_repeat(records: list[Incident], data: Mapping[str, Any]) -> bool:
+    """Count a repeat line into its record (the newest one of that step, trigger, cause and place)."""
+    for i in range(len(records) - 1, -1, -1):
+        r = records[i]
+        same = (r.step, str(r.trigger), "" if r.cause is None else str(r.cause), r.where)
+        if same == (data.get("repeat_of"), data.get("trigger"), data.get("cause"), data.get("where")):
+            records[i] = replace(r, repeats=int(data.get("repeats", r.repeats + 1)), last_step=int(data["step"]))
+            return True
+    return False
 
 
 def _member(kind: type[E], value: object) -> object:

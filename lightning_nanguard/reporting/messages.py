@@ -155,6 +155,8 @@ _STOP_TIPS = {
     StopReason.NOTHING_RESTORES: "add AutoRollback() so a damaged state is restored instead of stopping",
     StopReason.ROLLBACK_BUDGET: "lower the learning rate, clip gradients, or raise AutoRollback(max_rollbacks=...)",
     StopReason.SKIP_BUDGET: "check the data at these steps, or raise GradNormMonitor(max_consecutive_skips=...)",
+    StopReason.DROPPED_BUDGET: "fix that, or raise GradNormMonitor(max_dropped_fraction=...) (on_dropped_budget='warn' "
+    "goes on with a warning); every dropped update is a step of training lost",
     StopReason.COLLAPSE_BUDGET: _COLLAPSE_TIP,
     StopReason.STOP_ON_COLLAPSE: _COLLAPSE_TIP,
 }

@@ -19,6 +19,7 @@ def format_summary(
     final_state: str = "",
     notes: Sequence[str] = (),
     limit: int = 8,
+    end_step: int | None = None,
     steps: int | None = None,
 ) -> str:
     """A fixed-width summary: counts by cause and action, the first and last incidents, what was checked.
@@ -32,7 +33,12 @@ def format_summary(
         final_state: one phrase on the end-of-fit check of parameters and buffers, ``""`` when not checked.
         notes: extra lines (quarantined data, promoted modules, ...).
         limit: incidents listed; ``0`` lists all of them.
+        end_step: the step training ended at, where known: a recurring incident whose last repeat is near it is said
+            to be still recurring.
         steps: training steps run in this fit (``None``: not known, as for ``nanguard report``).
+
+    A recurring incident (one record with ``repeats``) is listed once, with "N times between steps a and b", and
+    whether it stopped recurring: a fault that kept coming back never reads like a recovery.
     """
     head = f"nanguard summary ({', '.join(callbacks) or 'no callbacks'})"
     lines = [head, "-" * len(head)]
@@ -49,10 +55,15 @@ def format_summary(
                 "watches them (GradNormMonitor, AutoRollback and LossScaleWatchdog under 16-mixed do)."
             )
     else:
-        by_cause = Counter(i.cause or i.trigger for i in incidents)
-        actions = Counter(a for i in incidents for a in (i.actions or [i.action]))
+        by_cause: Counter[object] = Counter()
+        actions: Counter[object] = Counter()
+        for i in incidents:
+            by_cause[i.cause or i.trigger] += i.count
+            actions.update(dict.fromkeys(i.actions or [i.action], i.count))
+        n = len(incidents)
+        records = "" if all(i.repeats == 0 for i in incidents) else f" in {n} record{'' if n == 1 else 's'}"
         lines.append(
-            f"incidents: {len(incidents)} ("
+            f"incidents: {sum(i.count for i in incidents)}{records} ("
             + ", ".join(f"{c}={n}" for c, n in sorted(by_cause.items()))
             + ")   actions: "
             + " ".join(f"{a}={n}" for a, n in sorted(actions.items()))
@@ -68,9 +79,22 @@ def format_summary(
             what = ", ".join(inc.actions or [inc.action])
             where = f"  {inc.where}" if inc.where else ""
             lines.append(f"  step {inc.step:>7}  {inc.cause or inc.trigger:<24} {what:<28} ranks {inc.ranks}{where}")
+            if inc.repeats:
+                lines.append(f"{'':15}{_recurrence(inc, end_step)}")
     lines.extend(notes)
     if final_state:
         lines.append(f"final parameters and buffers: {final_state}")
     if path:
         lines.append(f"incident log: {path}")
     return "\n".join(lines)
+
+
+def _recurrence(inc: Incident, end_step: int | None) -> str:
+    """``"132 times between steps 40 and 299, still recurring when training ended"``."""
+    text = f"{inc.count} times between steps {inc.step} and {inc.last_step}"
+    if end_step is None:
+        return text
+    gap = (inc.last_step - inc.step) / inc.repeats  # the mean steps between two occurrences
+    if end_step - inc.last_step <= max(3 * gap, 1):
+        return text + ", still recurring when training ended: not fixed"
+    return text + f", none in the last {end_step - inc.last_step} steps"

@@ -258,6 +258,15 @@ def test_manual_optimization_skip(tmp_path: Any) -> None:
         ({"layer_depth": 0}, r"GradNormMonitor\(layer_depth=0\): must be an int or None >= 1"),
         ({"log_every_n_steps": 2.5}, r"GradNormMonitor\(log_every_n_steps=2.5\): must be an int or None >= 1"),
         ({"histogram": "yes"}, r"GradNormMonitor\(histogram='yes'\)"),
+        (
+            {"max_dropped_fraction": 1.5},
+            r"GradNormMonitor\(max_dropped_fraction=1.5\): must be a number in \[0.0, 1.0\] or None",
+        ),
+        ({"dropped_window": 0}, r"GradNormMonitor\(dropped_window=0\): must be an int >= 1"),
+        (
+            {"on_dropped_budget": "ignore"},
+            r"GradNormMonitor\(on_dropped_budget='ignore'\): must be one of \['stop', 'warn'\]",
+        ),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs: dict[str, Any], match: str) -> None:

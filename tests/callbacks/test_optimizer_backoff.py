@@ -71,12 +71,19 @@ class Recorder(Callback):
         self.eps[trainer.global_step] = float(optimizer.param_groups[0]["eps"])
 
 
-def incidents_at(steps: list[int]) -> list[Callback]:
-    """A real event at each of ``steps``: a non-finite gradient (not the data's fault) that GradNormMonitor drops.
+def incidents_at(steps: list[int], value: float = 1e6) -> list[Callback]:
+    """A real event at each of ``steps`` (>= 1: the first step teaches the spike detector) whose remedy is a lower
+    learning rate: a gradient-norm spike (one gradient ``value`` times too large) that GradNormMonitor drops. (A
+    non-finite gradient injected at a step does not reproduce in the replay: ``transient``, never met with a lower
+    learning rate.)
 
     With ``backoff()`` (one such skip is enough) each event lowers the learning rate once.
     """
-    return [FaultInjector("grad", steps=steps), GradNormMonitor()]
+    return [FaultInjector("grad", steps=steps, value=value), GradNormMonitor(**SPIKE_SKIPS)]
+
+
+# A spike is 40 standard deviations of the log gradient norm: a 1e6 jump is, the first steps' moves are not.
+SPIKE_SKIPS: dict[str, Any] = {"spike_zscore": 40.0, "spike_warmup": 1, "on_spike": "skip"}
 
 
 def backoff(**kw: Any) -> OptimizerBackoff:
@@ -181,7 +188,8 @@ def test_eps_backoff_takes_effect_at_the_next_step(
 ) -> None:
     rec = Recorder()
     cb = backoff(eps_backoff=mode, on_hazard="fix")
-    trainer = make_trainer(tmp_path, precision=precision, max_steps=6, callbacks=[*incidents_at([3]), cb, rec])
+    faults = incidents_at([3], value=1e3 if precision == "16-true" else 1e6)  # float16 gradients: a finite jump
+    trainer = make_trainer(tmp_path, precision=precision, max_steps=6, callbacks=[*faults, cb, rec])
     with pytest.warns(UserWarning, match="eps_underflow|eps=1e-08") if precision == "16-true" else _nothing():
         trainer.fit(TinyModel(lr=0.01, eps=1e-8))
     assert [rec.eps[s] for s in range(6)] == [pytest.approx(before)] * 4 + [pytest.approx(after)] * 2
@@ -218,15 +226,25 @@ def test_trigger_is_independent_of_callback_order(tmp_path: Any, backoff_first: 
 
 
 @pytest.mark.parametrize("monitor_first", [True, False])
-def test_skip_streak_from_grad_norm_monitor_triggers_backoff(tmp_path: Any, monitor_first: bool) -> None:
-    ref = _fit(tmp_path, [GradNormMonitor(), OptimizerBackoff()])
-    pair: list[Callback] = [GradNormMonitor(), OptimizerBackoff(skips_before_backoff=2, skip_window=5)]
+def test_recurring_skips_whose_remedy_is_a_lower_lr_trigger_backoff(tmp_path: Any, monitor_first: bool) -> None:
+    ref = _fit(tmp_path, [GradNormMonitor(**SPIKE_SKIPS), OptimizerBackoff()])
+    pair: list[Callback] = [GradNormMonitor(**SPIKE_SKIPS), OptimizerBackoff(skips_before_backoff=2, skip_window=5)]
     cb = pair[1]
-    got = _fit(tmp_path, [FaultInjector("loss", steps=[2, 4]), *(pair if monitor_first else pair[::-1])])
+    got = _fit(tmp_path, [FaultInjector("grad", steps=[2, 4], value=1e6), *(pair if monitor_first else pair[::-1])])
     ratios = [got.lr[s] / ref.lr[s] for s in range(12)]
     assert ratios == [pytest.approx(1.0)] * 5 + [pytest.approx(0.5)] * 7  # the 2nd skip (step 4) backs off
     assert isinstance(cb, OptimizerBackoff)
     assert cb.lr_scale == 0.5
+
+
+def test_recurring_skips_a_lower_lr_does_not_fix_never_lower_it(tmp_path: Any) -> None:
+    # A NaN loss at three steps that the replay does not reproduce (transient): the drop is its whole remedy.
+    cb = OptimizerBackoff(skips_before_backoff=2, skip_window=10)
+    rec = _fit(tmp_path, [FaultInjector("loss", steps=[2, 4, 6]), GradNormMonitor(), cb])
+    assert [(i.step, i.cause, i.actions) for i in rec.incidents("skip")] == [
+        (s, "transient", ["skip"]) for s in (2, 4, 6)
+    ]
+    assert cb.lr_scale == 1.0
 
 
 def test_floor_and_recovery(tmp_path: Any) -> None:
@@ -237,18 +255,18 @@ def test_floor_and_recovery(tmp_path: Any) -> None:
             scales[trainer.global_step] = cb.lr_scale
 
     cb = backoff(min_lr_scale=0.25, recover_after=2, recover_steps=2)
-    ref = _fit(tmp_path, [OptimizerBackoff()])
-    got = _fit(tmp_path, [*incidents_at([0, 1, 2]), cb, Scale()])
+    ref = _fit(tmp_path, [OptimizerBackoff()], steps=13)
+    got = _fit(tmp_path, [*incidents_at([1, 2, 3]), cb, Scale()], steps=13)
     root2 = 2**0.5
-    # Incidents at steps 0-2 (floor 0.25 at the third); steps 3 and 4 healthy -> one notch (x sqrt 2) at the end
-    # of step 4 (global_step 5), and one more after every 2 healthy steps, up to 1.0.
-    expected = {1: 0.5, 2: 0.25, 3: 0.25, 4: 0.25, 5: 0.25 * root2, 6: 0.25 * root2, 7: 0.5, 8: 0.5}
-    expected.update({9: 0.5 * root2, 10: 0.5 * root2, 11: 1.0, 12: 1.0})
+    # Incidents at steps 1-3 (floor 0.25 at the third); steps 4 and 5 healthy -> one notch (x sqrt 2) at the end
+    # of step 5 (global_step 6), and one more after every 2 healthy steps, up to 1.0.
+    expected = {1: 1.0, 2: 0.5, 3: 0.25, 4: 0.25, 5: 0.25, 6: 0.25 * root2, 7: 0.25 * root2, 8: 0.5, 9: 0.5}
+    expected.update({10: 0.5 * root2, 11: 0.5 * root2, 12: 1.0, 13: 1.0})
     assert scales == pytest.approx(expected)
-    for s in range(1, 12):
+    for s in range(1, 13):
         assert got.lr[s] / ref.lr[s] == pytest.approx(scales[s]), s
     floor = [i for i in got.incidents() if "already at its floor min_lr_scale=0.25" in i.message]
-    assert [i.step for i in floor] == [2]
+    assert [i.step for i in floor] == [3]
 
 
 # ---------------------------------------------------------------------------------------------------- resume, rollback
@@ -329,6 +347,7 @@ def test_logs_single_eps_key_when_groups_agree(tmp_path: Any) -> None:
         ({"triggers": ["rollback"]}, r"triggers=\['rollback'\]\): must be a comma-separated string"),
         ({"skips_before_backoff": 0}, r"skips_before_backoff=0\): must be an int >= 1"),
         ({"recover_after": 0}, r"recover_after=0\): must be an int or None >= 1"),
+        ({"recover_with_schedule": "yes"}, r"recover_with_schedule='yes'\): must be one of \[False, True\]"),
         ({"eps_backoff": "sometimes"}, r"eps_backoff='sometimes'\): must be one of"),
         ({"eps_factor": 1.0}, r"eps_factor=1.0\): must be a number in \(1.0, 1000000.0\]"),
         ({"max_eps": 0.0}, r"max_eps=0.0\)"),

@@ -162,6 +162,7 @@ def fit(
             "message": i.message,
             "values": i.values,
             "ranks": i.ranks,
+            "repeats": i.repeats,
         }
         for i in get_engine(trainer).sink.records
     ]

@@ -58,6 +58,11 @@ def _training(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 _PREFLIGHT = ("preflight", "fix")
 
 
+def _occurrences(records: list[dict[str, Any]]) -> int:
+    """Incidents, each occurrence once: a recurring incident is one record with its ``repeats``."""
+    return sum(1 + int(r.get("repeats", 0)) for r in records)
+
+
 def _finite(tensors: Iterable[torch.Tensor]) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
 
@@ -147,11 +152,11 @@ def execute(case: Case, workdir: str) -> dict[str, Any]:
     log_path = os.path.join(workdir, "log", "version_0", "nanguard", "incidents.jsonl")
     if case.ddp:
         records = [i.to_dict() for i in IncidentLog.read(log_path)] if os.path.exists(log_path) else []
-        row["incidents_per_rank"] = [len(_training(d["incidents"])) for d in dumps]
+        row["incidents_per_rank"] = [_occurrences(_training(d["incidents"])) for d in dumps]
     else:
         records = [i.to_dict() for i in get_engine(trainer).sink.records] if trainer is not None else []
     events = _training(records)
-    row["incidents"] = len(events)
+    row["incidents"] = _occurrences(events)
     row["incident_actions"] = [i["action"] for i in events]
     row["setup_notes"] = len(records) - len(events)
 

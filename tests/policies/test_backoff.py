@@ -150,3 +150,34 @@ def test_the_ceiling_travels_with_the_callback_state_and_older_state_loads() -> 
     older = {k: v for k, v in cb.state_dict().items() if k != "lr_ceiling"}
     restored.load_state_dict(older)
     assert restored._policy.ceiling == 1.0
+
+
+def test_follow_schedule_caps_the_rate_and_climbs_back_as_the_schedule_falls_below_the_cap() -> None:
+    p = BackoffPolicy(follow_schedule=True)
+    p.back_off("gradient_explosion", lr=0.6)  # the schedule at 0.6, scale 1 -> 0.5: capped at 0.3
+    assert (p.scale, p.cap) == (0.5, pytest.approx(0.3))
+    assert p.follow(lr=0.3) is None  # the schedule still at 0.6: nothing to climb
+    change = p.follow(lr=0.5 * 0.4)  # the schedule fell to 0.4: the scale may climb to 0.75, the rate to 0.3
+    assert change is not None
+    assert (change.before, change.after, change.cause) == (0.5, pytest.approx(0.75), "schedule")
+    assert p.follow(lr=0.75 * 0.2) is not None  # the schedule at 0.2, below the cap: back to the schedule
+    assert p.scale == 1.0
+    assert p.follow(lr=0.1) is None
+    # A warm restart: the schedule back up to 0.6, then 1.2. The scale comes down to keep the rate at the cap, never
+    # below the backoff's own 0.5 (the rate is never above the plain backoff's).
+    assert p.follow(lr=1.0 * 0.6) is not None
+    assert p.scale == 0.5
+    assert p.follow(lr=0.5 * 1.2) is None
+    assert p.scale == 0.5
+
+
+def test_follow_schedule_keeps_the_backoff_of_a_rising_or_constant_schedule() -> None:
+    p = BackoffPolicy(follow_schedule=True)
+    p.back_off("gradient_explosion", lr=0.2)  # diverged during a warmup, at 0.2
+    for schedule in (0.2, 0.3, 0.6, 1.0, 1.0):  # the warmup goes on rising, then holds
+        assert p.follow(lr=schedule * p.scale) is None
+    assert p.scale == 0.5
+    off = BackoffPolicy()
+    off.back_off("gradient_explosion", lr=0.6)
+    assert off.cap is None
+    assert off.follow(lr=0.01) is None

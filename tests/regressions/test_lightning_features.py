@@ -113,8 +113,8 @@ def test_optimizer_backoff_survives_stochastic_weight_averaging(tmp_path: pathli
     # hold through SWALR's later epochs: SWALR anneals towards group["swa_lr"], which the backoff scales too.
     trace, backoff = LRTrace(), OptimizerBackoff(triggers="skip", skips_before_backoff=1)
     callbacks = [
-        FaultInjector("loss", steps=[20]),
-        GradNormMonitor(),
+        FaultInjector("grad", steps=[20], value=1e12),  # a gradient spike, skipped: its remedy is a lower LR
+        GradNormMonitor(spike_zscore=20.0, spike_warmup=5, on_spike="skip"),
         backoff,
         trace,
         StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=2, annealing_epochs=1),

@@ -37,7 +37,11 @@ class CountingModel(TinyModel):
 SECOND: list[tuple[Callback, str, str]] = [
     (GradNormMonitor(layer_depth=2), "GradNormMonitor()", "GradNormMonitor(layer_depth=2)"),
     (AutoRollback(every_n_steps=7), "AutoRollback()", "AutoRollback(every_n_steps=7)"),
-    (OptimizerBackoff(lr_factor=0.25), "OptimizerBackoff()", "OptimizerBackoff(lr_factor=0.25)"),
+    (
+        OptimizerBackoff(lr_factor=0.25),
+        "OptimizerBackoff(recover_with_schedule=True)",
+        "OptimizerBackoff(lr_factor=0.25)",
+    ),
     (LossScaleWatchdog(min_scale=2.0), "LossScaleWatchdog()", "LossScaleWatchdog(min_scale=2.0)"),
     (
         FP32Evaluation(mode="always"),

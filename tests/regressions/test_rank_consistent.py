@@ -144,8 +144,8 @@ def test_rank_zero_only_refusals_do_not_desync_lr_recovery(tmp_path: pathlib.Pat
     # overflowed): those rank-local incidents must not restart rank 0's recovery timer.
     callbacks = [
         RankDump(str(tmp_path)),
-        FaultInjector("loss", steps=[3]),
-        GradNormMonitor(),
+        FaultInjector("grad", steps=[3], value=1e6),  # a gradient spike: a lower LR answers it
+        GradNormMonitor(spike_zscore=40.0, spike_warmup=1, on_spike="skip"),
         OptimizerBackoff(triggers="skip", skips_before_backoff=1, recover_after=4),
         CheckpointGuard(),
         ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=1, save_top_k=1),

@@ -1,9 +1,9 @@
 """Callback objects reused for a new Trainer (k-fold, sweeps) start each fit afresh (issue 24): one fit's quarantine
 and budgets must not decide the next. ``quarantine_file`` is the documented way to carry a quarantine over.
 
-Each test runs two ``Trainer.fit`` with the same callback instances and compares the second fit with the first.
-The ``xfail(strict=True)`` tests are budgets of callbacks outside the quarantine that do leak today (see their
-reasons); they pass once the callback resets its per-fit state.
+Each test runs two ``Trainer.fit`` with the same callback instances and compares the second fit with the first:
+the budgets and counts of AutoRollback, LossScaleWatchdog and GradNormMonitor start afresh at each fit (a resume
+from a checkpoint restores them: tests/checkpoints and tests/callbacks).
 """
 
 from __future__ import annotations
@@ -71,19 +71,16 @@ def test_a_quarantine_file_seeds_every_fit_and_a_fits_own_additions_do_not_carry
 
 def test_a_reused_backoff_starts_at_the_configured_learning_rate(tmp_path: Any) -> None:
     backoff = OptimizerBackoff(triggers="skip", skips_before_backoff=1)
+    spikes = {"spike_zscore": 40.0, "spike_warmup": 1, "on_spike": "skip"}  # a gradient spike's remedy: a lower LR
     lrs = []
     for k in (1, 2):
-        trainer = _fit(tmp_path / str(k), TinyModel(), [FaultInjector("loss", steps=[3]), GradNormMonitor(), backoff])
+        faults = FaultInjector("grad", steps=[3], value=1e6)
+        trainer = _fit(tmp_path / str(k), TinyModel(), [faults, GradNormMonitor(**spikes), backoff])
         lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
         assert [r.actions for r in get_engine(trainer).sink.records] == [["skip", "backoff"]]
     assert lrs == [pytest.approx(0.025)] * 2  # halved once in each fit, from 0.05
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="AutoRollback keeps its rollback count across fits (rollbacks, max_rollbacks): a reused instance's "
-    "second fit finds its budget spent and stops with RecoveryBudgetExhausted; owner: callbacks/auto_rollback.py",
-)
 def test_a_reused_autorollback_has_its_whole_rollback_budget_again(tmp_path: Any) -> None:
     rollback = AutoRollback(every_n_steps=2, quiet_steps=0, max_rollbacks=1)
     for k in (1, 2):
@@ -92,11 +89,6 @@ def test_a_reused_autorollback_has_its_whole_rollback_budget_again(tmp_path: Any
         assert [(r.step, r.actions) for r in get_engine(trainer).sink.records] == [(4, ["rollback"])]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="LossScaleWatchdog keeps its collapse count across fits (max_collapses): a reused instance's second "
-    "fit stops at its first collapse with RecoveryBudgetExhausted; owner: callbacks/loss_scale_watchdog.py",
-)
 def test_a_reused_watchdog_has_its_whole_collapse_budget_again(tmp_path: Any) -> None:
     watchdog = LossScaleWatchdog(min_scale=1.0, max_overflow_streak=3, on_collapse="warn", max_collapses=1)
     for k in (1, 2):
@@ -107,14 +99,41 @@ def test_a_reused_watchdog_has_its_whole_collapse_budget_again(tmp_path: Any) ->
         assert collapses == [4]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="GradNormMonitor adds the previous fits' skipped steps to skipped_steps (and nanguard/skipped_steps), "
-    "and carries its spike statistics over: a reused instance's second fit starts from the first one's counts; "
-    "owner: callbacks/grad_norm_monitor.py",
-)
 def test_a_reused_monitor_counts_only_this_fits_skipped_steps(tmp_path: Any) -> None:
     monitor = GradNormMonitor()
     for k in (1, 2):
         _fit(tmp_path / str(k), TinyModel(), [FaultInjector("loss", steps=[3]), monitor], max_steps=6)
         assert monitor.skipped_steps == 1
+
+
+def test_a_reused_monitor_learns_each_fits_spike_statistics_afresh(tmp_path: Any) -> None:
+    # The first fit's gradient norms are 1e3 times the second's: carried over, its statistics would see no spike in
+    # the second fit's spike, or a spike in its every step.
+    monitor = GradNormMonitor(spike_zscore=6.0, spike_warmup=3)
+    for k, scale in ((1, 1e3), (2, 1.0)):
+        faults = [FaultInjector("grad", steps=range(8), value=scale), FaultInjector("grad", steps=[6], value=1e4)]
+        with pytest.warns(UserWarning, match="gradient-norm spike at global_step=6"):
+            trainer = _fit(tmp_path / str(k), TinyModel(), [*faults, monitor], max_steps=8)
+        assert [(r.step, r.trigger) for r in get_engine(trainer).sink.records] == [(6, "grad_norm_spike")]
+        assert monitor.state_dict()["spike"]["grad"]["count"] == 7  # this fit's finite, unspiked steps only
+
+
+def test_a_resume_still_restores_the_counts_its_checkpoint_holds(tmp_path: Any) -> None:
+    # Reset at each fit's setup; a checkpoint's state is loaded after it: resuming carries the counts on, with the
+    # same callback instances or new ones.
+    monitor = GradNormMonitor(spike_zscore=6.0, spike_warmup=3)
+    rollback = AutoRollback(every_n_steps=2, quiet_steps=0)
+    faults = [FaultInjector("loss", steps=[2]), FaultInjector("param", steps=[4])]
+    first = _fit(tmp_path / "1", TinyModel(), [*faults, monitor, rollback], max_steps=8)  # one epoch
+    path = str(tmp_path / "epoch.ckpt")
+    first.save_checkpoint(path)
+    assert (monitor.skipped_steps, rollback.rollbacks) == (1, 1)
+    learned = monitor.state_dict()["spike"]["grad"]["count"]
+    for again in (
+        [monitor, rollback],
+        [GradNormMonitor(spike_zscore=6.0, spike_warmup=3), AutoRollback(every_n_steps=2)],
+    ):
+        resumed = make_trainer(tmp_path / "2", callbacks=again, max_steps=11)
+        resumed.fit(TinyModel(), ckpt_path=path)
+        assert (again[0].skipped_steps, again[1].rollbacks) == (1, 1)  # type: ignore[attr-defined]
+        assert again[0].state_dict()["spike"]["grad"]["count"] == learned + 3

@@ -49,6 +49,7 @@ def _result(config: str, train: float, val: float, incidents: list[Incident], wa
         incidents=incidents,
         skipped_steps=len(incidents),
         rollbacks=0,
+        steps_rolled_back=0,
         lr_scale=1.0,
         wall_time=wall,
         log_dir="",
@@ -67,6 +68,7 @@ def test_table_shows_ratios_to_the_healthy_run_and_the_preset_incidents() -> Non
         ]
     }
     text = format_table(grid)
-    assert "| bad-data | unguarded | no (non-finite) | nan | nan | - | 0 | 1 | 0.90x (0.90s) |" in text
-    assert "| bad-data | preset | yes | 1.10x | 1.00x | input_data=1 | 0 | 1 | 1.20x (1.20s) |" in text
+    assert "| bad-data | unguarded | no (non-finite) | nan | nan | - | 0 | 1 | - | 0.90x (0.90s) |" in text
+    cost = "1.10x; 1 dropped; 0 rolled back"  # the remedy cost: loss vs healthy, updates dropped, steps rolled back
+    assert f"| bad-data | preset | yes | 1.10x | 1.00x | input_data=1 | 0 | 1 | {cost} | 1.20x (1.20s) |" in text
     assert "step 0: input_data -> skip, quarantine @ batch 9 rows [12]" in text

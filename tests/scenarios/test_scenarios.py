@@ -51,6 +51,10 @@ UNGUARDED: dict[str, Callable[[RunResult, RunResult], bool]] = {
     # Eval mode reads the poisoned running statistics: the probe and validation are NaN.
     "bn-poison": lambda r, h: _nan(r.train_loss) and _nan(r.val_loss),
     "corrupt-resume": lambda r, h: _nan(r.train_loss) and _nan(r.val_loss),
+    # The shard in every batch of the first epoch: the running statistics are NaN from the first batch.
+    "bn-poison-shuffled": lambda r, h: _nan(r.train_loss) and _nan(r.val_loss),
+    # The warm restart overshoots and the run diverges to NaN; the schedule after it would have been safe.
+    "lr-restart": lambda r, h: _nan(r.train_loss) and _nan(r.val_loss),
 }
 
 # What the preset does today where it does not save the run (seed 0), as a strict xfail with what happens instead.
