@@ -249,6 +249,8 @@ class Sensor:
         # The fast path for a few gradients: [norm_0, ..., norm_k-1, *tail] in one stack, the total summed on the
         # host (``norms_with``); else [total, *tail].
         fast = norms_with(index, tail) if plan.inline and not fused_scaled else None
+        if fast is None and index.sparse and plan.inline:  # a sparse gradient seen only now: never inline again
+            plan.inline = plan.quick = False
         norms: GradNorms | None
         if fast is not None:
             norms, vec = fast
