@@ -90,7 +90,7 @@ def final_check(
         because = (
             f"{', '.join(names[:3])} became non-finite{late}"
             if again
-            else f"the last update(s) left {', '.join(names[:3])} non-finite"
+            else f"{', '.join(names[:3])} ended training non-finite (the last updates, or a callback's on_train_end)"
         )
         unrestored = f"NON-FINITE ({', '.join(names[:3])})"
         add = "add AutoRollback() so the last verified state is restored"

@@ -216,7 +216,6 @@ def empty_like_spec(spec: TensorSpec, device: torch.device) -> Tensor:
     """An uninitialized tensor of ``spec`` on ``device``, for a restore to copy into (an empty sparse one for a
     sparse spec: the copy brings its indices and values)."""
     if spec.sparse:
-        return torch.sparse_coo_tensor(
-            torch.empty((len(spec.shape), 0), dtype=torch.long), torch.empty(0, dtype=spec.dtype), spec.shape
-        ).to(device)
+        empty = (torch.empty((len(spec.shape), 0), dtype=torch.long), torch.empty(0, dtype=spec.dtype))
+        return torch.sparse_coo_tensor(*empty, spec.shape, check_invariants=True).to(device)
     return torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device=device)
