@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_nanguard import _lightning_compat
+from lightning_nanguard.contract import StateRestored
 from lightning_nanguard.engine.accounting import FitLedger
 from lightning_nanguard.engine.bus import EventBus
 from lightning_nanguard.engine.capabilities import Backoff, GuardSettings, MetricSource, Promoter, Restorer, ScaleWatch
@@ -32,7 +33,7 @@ from lightning_nanguard.engine.sensing import Sensor
 from lightning_nanguard.engine.sink import IncidentSink
 from lightning_nanguard.engine.step import StepFlow
 from lightning_nanguard.recovery.quarantine import Quarantine
-from lightning_nanguard.signals.model_tensors import record_intended_infinities, watched_buffers
+from lightning_nanguard.signals.model_tensors import record_intended_infinities
 from lightning_nanguard.signals.spike import RunningZScore
 
 __all__ = ["Engine"]
@@ -172,7 +173,8 @@ class Engine(StepFlow):
             )
         self._monitors, self._spikes, self._host_only = registry.monitors_steps, registry.spikes, registry.host_only
         if self._monitors:
-            self.sensor.watch_buffers(watched_buffers(pl_module))
+            self.sensor.watch(pl_module)
+            self.bus.subscribe(StateRestored, self._restored)
         scaler = _lightning_compat.get_scaler(trainer)
         self._agree_scaler = trainer.world_size > 1 and scaler is not None and scaler.is_enabled()
         if _lightning_compat.clipping_possible(trainer, pl_module):  # else nothing to guard: no wrapper per step
@@ -180,6 +182,14 @@ class Engine(StepFlow):
         self._logging_due = _lightning_compat.LoggingSteps(trainer).due
         self._lean_end = not registry.step_hooks and registry.scale_watch is None
         self.refresh_batch_start()
+
+    def train_epoch_start(self, trainer: pl.Trainer) -> None:
+        super().train_epoch_start(trainer)
+        if self._monitors:
+            self.sensor.rewatch()  # a buffer registered again since (a cache that grew) is watched from now on
+
+    def _restored(self, trainer: pl.Trainer, event: StateRestored) -> None:
+        self.sensor.rewatch()  # a rollback may have reallocated a buffer
 
     def train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """End of training (``on_train_end``): the end-of-fit state check, on the device, as training left the state

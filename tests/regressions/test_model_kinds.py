@@ -242,3 +242,35 @@ def test_a_nan_in_a_grown_cache_is_restored_at_its_snapshot_size(tmp_path: pathl
     assert finite(model)
     assert model.rot.cos_cached.numel() == 4  # the step-5 snapshot's cache, reallocated
     assert rollbacks(trainer) == [5]
+
+
+def test_a_buffer_registered_again_is_watched_from_the_next_epoch(tmp_path: pathlib.Path) -> None:
+    # A running histogram re-registered larger at step 2 (epoch 0); a NaN written into it at step 6 (epoch 1) never
+    # reaches the loss: only the step check of the buffers sees it, and only if it watches the new tensor.
+    class Histogram(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 1)
+            self.register_buffer("hist", torch.zeros(4))
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            if self.global_step == 2:
+                self.register_buffer("hist", torch.zeros(8))
+            if self.global_step == 6:
+                self.hist[0] = float("nan")
+            return nn.functional.mse_loss(self.lin(x), y)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+        def train_dataloader(self) -> DataLoader:
+            g = torch.Generator().manual_seed(0)
+            return _loader(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g))
+
+    model = Histogram()
+    trainer = make_trainer(tmp_path, callbacks=default_callbacks(AutoRollback={"every_n_steps": 1}), max_steps=10)
+    trainer.fit(model)
+    assert finite(model)
+    steps = [i.step for i in get_engine(trainer).sink.records]
+    assert steps[:1] == [6]
