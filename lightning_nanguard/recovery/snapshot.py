@@ -94,6 +94,9 @@ class SnapshotRing:
         self._side: SideCopy | None = None
         self._trainer: Any = None  # weakref to the Trainer (budget agreement across ranks)
         self._layout_of: tuple[tuple[TensorSpec, ...], Layout] | None = None
+        # The last snapshot was taken while a lazy module's parameters were uninitialized: it cannot restore the model
+        # once they are materialized, so the next batch start takes another (``AutoRollback.before_batch``).
+        self.incomplete = False
 
     # ------------------------------------------------------------------ fit lifecycle
     def prepare(self, trainer: pl.Trainer, module: nn.Module, optimizers: Sequence[Optimizer]) -> None:
@@ -120,6 +123,7 @@ class SnapshotRing:
         if self._side is not None:
             self._side.unwatch()
         self._side, self._trainer, self._layout_of = None, None, None
+        self.incomplete = False
         self.slots = [Snapshot() for _ in range(self.capacity)]
 
     def sync(self) -> None:
@@ -202,6 +206,7 @@ class SnapshotRing:
         slot.event = self._copy(dst, src, kinds)
         slot.kept = [kept_copy(state.tensors[i]) for i, e in enumerate(layout.entries) if e.region == KEPT]
         slot.layout, slot.n_model, slot.names = layout, state.n_model, state.names
+        self.incomplete = state.incomplete
         slot.opt_keys, slot.opt_extras, slot.opt_dtensors = state.opt_keys, state.opt_extras, state.opt_dtensors
         slot.step, slot.log_step, slot.scale = step, log_step, scale
         slot.valid = True

@@ -84,6 +84,7 @@ class LiveState:
     specs: list[TensorSpec]
     n_model: int
     names: tuple[str, ...] = ()
+    incomplete: bool = False  # a lazy module's parameters were uninitialized (left out)
     opt_keys: list[EntryKey] = field(default_factory=list)
     opt_extras: dict[EntryKey, Any] = field(default_factory=dict)  # non-tensor state, deep-copied
     opt_dtensors: dict[int, Any] = field(default_factory=dict)  # optimizer entry position -> DTensor layout
@@ -92,14 +93,15 @@ class LiveState:
 def live_state(module: nn.Module, optimizers: Sequence[Optimizer], shareable: set[int]) -> LiveState:
     """The state as it is now. ``shareable``: ids of the parameters whose tensors (and optimizer state) are identical
     on every rank (``shareable_parameters``; empty where nothing is shared)."""
-    params = [(n, p) for n, p in module.named_parameters() if not is_uninitialized(p)]
+    every = list(module.named_parameters())
+    params = [(n, p) for n, p in every if not is_uninitialized(p)]
     named_buffers = [(n, b) for n, b in module.named_buffers() if not is_uninitialized(b)]
     weights = [local_tensor(p) for _, p in params]
     buffers = [local_tensor(b) for _, b in named_buffers]
     specs = [spec_of(t, "param", id(p) in shareable) for t, (_, p) in zip(weights, params, strict=True)]
     specs += [spec_of(t, "buffer", False) for t in buffers]
     names = tuple(n for n, _ in (*params, *named_buffers))
-    state = LiveState(weights + buffers, specs, len(weights) + len(buffers), names)
+    state = LiveState(weights + buffers, specs, len(weights) + len(buffers), names, len(params) < len(every))
     for i, opt in enumerate(optimizers):
         for j, p in enumerate(p for group in opt.param_groups for p in group["params"]):
             entries = opt.state.get(p)

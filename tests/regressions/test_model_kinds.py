@@ -206,6 +206,15 @@ def test_a_lazy_module_trains_and_rolls_back_after_materializing(tmp_path: pathl
     assert rollbacks(trainer) == [6]
 
 
+def test_a_lazy_module_is_snapshotted_again_once_materialized(tmp_path: pathlib.Path) -> None:
+    # The step-0 snapshot predates the first forward; AutoRollback takes another at step 1, not 50 steps later.
+    model = LazyModel()
+    callbacks = [FaultInjector("param", steps=[3], value="nan"), *default_callbacks()]  # every_n_steps=50
+    trainer = fit(tmp_path, model, callbacks)
+    assert finite(model)
+    assert rollbacks(trainer) == [1]
+
+
 def test_a_snapshot_taken_before_a_lazy_module_materialized_is_passed_over(tmp_path: pathlib.Path) -> None:
     # The step-0 snapshot holds no value for the lazy layer (it had none yet): a rollback cannot use it, and with
     # nothing else to restore the fit ends with a documented error, never with torch's ValueError.
