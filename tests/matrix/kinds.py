@@ -17,6 +17,7 @@ really train change it. Each kind keeps the BatchNorm (the ``buffer`` site) and 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -56,6 +57,9 @@ class MatrixModel(pl.LightningModule):
             idx = torch.stack([torch.arange(16), torch.randint(0, 16, (16,), generator=g)])
             mix = torch.sparse_coo_tensor(idx, torch.full((16,), 0.5), (16, 16), check_invariants=True)
             self.register_buffer("mix", mix.coalesce())
+            # Every rank builds the same matrix; DDP cannot broadcast a sparse tensor ("No support for sparse
+            # tensors"), so it is told to leave it, as a GCN trained under DDP does.
+            self._ddp_params_and_buffers_to_ignore = ["mix"]
             self.row_bias = nn.Embedding(batch_size, 16, sparse=True)
             nn.init.zeros_(self.row_bias.weight)
         if kind == "growing":
@@ -121,10 +125,23 @@ class MatrixModel(pl.LightningModule):
         return DataLoader(TensorDataset(x, y), batch_size=self.batch_size, shuffle=False)
 
 
+def _ema(averaged: torch.Tensor, current: torch.Tensor, num_averaged: torch.Tensor, decay: float) -> torch.Tensor:
+    return decay * averaged + (1 - decay) * current  # torch's get_ema_avg_fn, at module level
+
+
+class _EMA(EMAWeightAveraging):
+    """Lightning's ``EMAWeightAveraging`` with its averaging function at module level: ``ddp_spawn`` pickles the
+    callbacks, and Lightning's is a closure (plain Lightning fails the same way under ``ddp_spawn``)."""
+
+    def __init__(self, decay: float) -> None:
+        super().__init__(decay=decay)
+        self._kwargs["avg_fn"] = functools.partial(_ema, decay=decay)
+
+
 def averaging_callbacks(kind: str) -> list[pl.Callback]:
     """The weight-averaging callback of the ``ema`` and ``swa`` kinds (listed after the suite), else none."""
     if kind == "ema":
-        return [EMAWeightAveraging(decay=0.9)]
+        return [_EMA(decay=0.9)]
     if kind == "swa":
         return [StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1)]
     return []

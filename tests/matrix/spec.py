@@ -312,8 +312,9 @@ def full_cases(seed: int = 12) -> list[Case]:
 
 
 def subset_cases() -> list[Case]:
-    """The representative subset (CI): each value, site, precision, process layout, optimization mode and callback
-    appears at least once, with the suite on the known-hard combinations (fp16 scaler, BatchNorm, manual, DDP)."""
+    """The representative subset (CI): each value, site, precision, process layout, optimization mode, callback and
+    model kind appears at least once, with the suite on the known-hard combinations (fp16 scaler, BatchNorm, manual,
+    DDP)."""
     c = Case
     return [
         # every site, non-finite one-off, whole suite, fp32
@@ -352,4 +353,14 @@ def subset_cases() -> list[Case]:
         c("nan", "once", "input", "bf16-mixed", process="ddp-both"),
         # 16-mixed DDP with a member that senses no step: the GradScalers' skips are still agreed across ranks
         c("nan", "once", "grad", "16-mixed", process="ddp-rank1", callbacks="OptimizerBackoff"),
+        # the model kinds (single process): a bad batch of an IterableDataset, a rollback with a sparse buffer and
+        # sparse gradients, after a lazy layer's first forward, across a cache's growth; an intended -inf buffer;
+        # a weight average after the suite
+        c("nan", "once", "input", model="iterable"),
+        c("nan", "once", "param", "16-mixed", model="sparse"),
+        c("nan", "once", "param", model="lazy"),
+        c("nan", "recurring", "param", model="growing"),
+        c("nan", "once", "buffer", "16-true", callbacks="AutoRollback", model="inf-buffer"),
+        c("nan", "once", "param", model="ema"),
+        c("nan", "once", "grad", "bf16-mixed", model="swa"),
     ]
