@@ -95,8 +95,10 @@ class SnapshotRing:
         self._trainer: Any = None  # weakref to the Trainer (budget agreement across ranks)
         self._layout_of: tuple[tuple[TensorSpec, ...], Layout] | None = None
         # The last snapshot was taken while a lazy module's parameters were uninitialized: it cannot restore the model
-        # once they are materialized, so the next batch start takes another (``AutoRollback.before_batch``).
+        # once they are materialized, so the next batch start takes another (``AutoRollback.before_batch``). Only
+        # while they are being materialized: a lazy layer the forward never calls does not make every step a snapshot.
         self.incomplete = False
+        self._uninitialized: int | None = None  # at the last take
 
     # ------------------------------------------------------------------ fit lifecycle
     def prepare(self, trainer: pl.Trainer, module: nn.Module, optimizers: Sequence[Optimizer]) -> None:
@@ -123,7 +125,7 @@ class SnapshotRing:
         if self._side is not None:
             self._side.unwatch()
         self._side, self._trainer, self._layout_of = None, None, None
-        self.incomplete = False
+        self.incomplete, self._uninitialized = False, None
         self.slots = [Snapshot() for _ in range(self.capacity)]
 
     def sync(self) -> None:
@@ -206,7 +208,8 @@ class SnapshotRing:
         slot.event = self._copy(dst, src, kinds)
         slot.kept = [kept_copy(state.tensors[i]) for i, e in enumerate(layout.entries) if e.region == KEPT]
         slot.layout, slot.n_model, slot.names = layout, state.n_model, state.names
-        self.incomplete = state.incomplete
+        last, self._uninitialized = self._uninitialized, state.uninitialized
+        self.incomplete = state.uninitialized > 0 and (last is None or state.uninitialized < last)
         slot.opt_keys, slot.opt_extras, slot.opt_dtensors = state.opt_keys, state.opt_extras, state.opt_dtensors
         slot.step, slot.log_step, slot.scale = step, log_step, scale
         slot.valid = True

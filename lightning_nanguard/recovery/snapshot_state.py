@@ -84,7 +84,7 @@ class LiveState:
     specs: list[TensorSpec]
     n_model: int
     names: tuple[str, ...] = ()
-    incomplete: bool = False  # a lazy module's parameters were uninitialized (left out)
+    uninitialized: int = 0  # a lazy module's parameters not yet materialized (left out)
     opt_keys: list[EntryKey] = field(default_factory=list)
     opt_extras: dict[EntryKey, Any] = field(default_factory=dict)  # non-tensor state, deep-copied
     opt_dtensors: dict[int, Any] = field(default_factory=dict)  # optimizer entry position -> DTensor layout
@@ -101,7 +101,7 @@ def live_state(module: nn.Module, optimizers: Sequence[Optimizer], shareable: se
     specs = [spec_of(t, "param", id(p) in shareable) for t, (_, p) in zip(weights, params, strict=True)]
     specs += [spec_of(t, "buffer", False) for t in buffers]
     names = tuple(n for n, _ in (*params, *named_buffers))
-    state = LiveState(weights + buffers, specs, len(weights) + len(buffers), names, len(params) < len(every))
+    state = LiveState(weights + buffers, specs, len(weights) + len(buffers), names, len(every) - len(params))
     for i, opt in enumerate(optimizers):
         for j, p in enumerate(p for group in opt.param_groups for p in group["params"]):
             entries = opt.state.get(p)

@@ -89,3 +89,15 @@ def test_sparse_buffers_and_sparse_optimizer_state_are_kept_and_restored() -> No
     restored = opt.state[emb.weight]["momentum_buffer"]
     assert restored.is_sparse
     assert torch.equal(restored.coalesce().to_dense(), momentum)
+
+
+def test_a_lazy_layer_asks_for_one_more_snapshot_only_while_it_materializes() -> None:
+    model = nn.ModuleDict({"used": nn.LazyLinear(2), "unused": nn.LazyLinear(2)})
+    ring = SnapshotRing(2)
+    ring.take(model, [], step=0, log_step=0)
+    assert ring.incomplete  # the next batch start snapshots again
+    model["used"](torch.randn(1, 3))
+    ring.take(model, [], step=1, log_step=1)
+    assert ring.incomplete  # one of the two materialized: once more
+    ring.take(model, [], step=2, log_step=2)
+    assert not ring.incomplete  # nothing more materialized: the unused layer never will
