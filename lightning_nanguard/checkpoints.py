@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from lightning_nanguard._files import hash_file, write_text_atomic
-from lightning_nanguard._lightning_compat import foreach_norms
+from lightning_nanguard._lightning_compat import foreach_norms, stored_values
 from lightning_nanguard.checkpoint_manifest import (
     is_distributed_checkpoint,
     manifest_mtime_ns,
@@ -100,7 +100,9 @@ def nonfinite_tensors(checkpoint: Any) -> list[str]:
 
     def walk(prefix: str, obj: Any) -> None:
         if isinstance(obj, Tensor):
-            if obj.layout != torch.strided or obj.numel() == 0:
+            if obj.layout != torch.strided:  # a sparse tensor: the values it stores
+                obj = stored_values(obj)
+            if obj.numel() == 0:
                 return
             t = obj.detach()
             if t.is_complex():
