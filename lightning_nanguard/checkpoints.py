@@ -28,13 +28,14 @@ import torch
 from torch import Tensor
 
 from lightning_nanguard._files import hash_file, write_text_atomic
-from lightning_nanguard._lightning_compat import foreach_norms, stored_values
+from lightning_nanguard._lightning_compat import foreach_norms
 from lightning_nanguard.checkpoint_manifest import (
     is_distributed_checkpoint,
     manifest_mtime_ns,
     manifest_step,
     verify_directory,
 )
+from lightning_nanguard.signals.stored import stored_values
 
 __all__ = [
     "LAST_GOOD_NAME",
@@ -102,7 +103,7 @@ def nonfinite_tensors(checkpoint: Any) -> list[str]:
         if isinstance(obj, Tensor):
             if obj.layout != torch.strided:  # a sparse tensor: the values it stores
                 obj = stored_values(obj)
-            if obj.numel() == 0:
+            if obj is None or obj.numel() == 0:
                 return
             t = obj.detach()
             if t.is_complex():
