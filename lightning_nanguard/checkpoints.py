@@ -35,7 +35,6 @@ from lightning_nanguard.checkpoint_manifest import (
     manifest_step,
     verify_directory,
 )
-from lightning_nanguard.signals.stored import stored_values
 
 __all__ = [
     "LAST_GOOD_NAME",
@@ -102,8 +101,8 @@ def nonfinite_tensors(checkpoint: Any) -> list[str]:
     def walk(prefix: str, obj: Any) -> None:
         if isinstance(obj, Tensor):
             if obj.layout != torch.strided:  # a sparse tensor: the values it stores
-                obj = stored_values(obj)
-            if obj is None or obj.numel() == 0:
+                obj = obj.coalesce().values() if obj.layout == torch.sparse_coo else obj.values()
+            if obj.numel() == 0:
                 return
             t = obj.detach()
             if t.is_complex():
