@@ -61,6 +61,21 @@ def _signature(row: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def _kinds_by_fault(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Model kind x fault (value and site): each cell "cases without a violation / runs" (an empty cell: not run)."""
+    kinds = [k for k in DIMENSIONS["model"] if any(r.get("model", "mlp") == k for r in rows)]
+    faults = [(v, s) for v in DIMENSIONS["value"] for s in DIMENSIONS["site"]]
+    faults = [(v, s) for v, s in faults if any(r["value"] == v and r["site"] == s for r in rows)]
+    out = ["| model | " + " | ".join(f"{v} {s}" for v, s in faults) + " |", "|---" * (len(faults) + 1) + "|"]
+    for kind in kinds:
+        cells = []
+        for v, s in faults:
+            rs = [r for r in rows if r.get("model", "mlp") == kind and r["value"] == v and r["site"] == s]
+            cells.append(f"{sum(not r['violations'] for r in rs)}/{len(rs)}" if rs else "")
+        out.append(f"| `{kind}` | " + " | ".join(cells) + " |")
+    return out
+
+
 def _dimension_spread(rows: Sequence[dict[str, Any]]) -> list[str]:
     """Where the cases lie: for each dimension, the values they take (all of them: "any")."""
     parts = []
@@ -71,7 +86,14 @@ def _dimension_spread(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def markdown(
-    rows: Sequence[dict[str, Any]], *, title: str, command: str, when: str, sampled: bool, source: str = ""
+    rows: Sequence[dict[str, Any]],
+    *,
+    title: str,
+    command: str,
+    when: str,
+    sampled: bool,
+    source: str = "",
+    kinds_only: bool = False,
 ) -> str:
     rows = sorted(rows, key=lambda r: r["case"])
     out = [f"# {title}", ""]
@@ -119,7 +141,8 @@ def markdown(
         f"The product of the dimensions is {product} combinations; {len(all_cases())} after pruning. "
         + (
             "This run is a **sample** of that product, chosen by `spec.full_cases()` (seeded, the same list every "
-            "time), not the whole product:"
+            "time), not the whole product"
+            + (": its model-kind entries alone (`spec.kinds_cases()`):" if kinds_only else ":")
             if sampled
             else "This run executed the cases listed by the command."
         )
@@ -128,6 +151,8 @@ def markdown(
     if sampled:
         ran = {r["case"] for r in rows}
         for (label, _dims, n), (_same, cases) in zip(FULL_PLAN, full_plan(), strict=True):
+            if kinds_only and not label.startswith("model kinds"):
+                continue
             done = sum(str(c) in ran for c in cases)
             pool = f"a seeded sample of {n}" if n else "all"
             out.append(f"* {label}: {pool}, {done} run")
@@ -137,16 +162,20 @@ def markdown(
         single_ran = sum(r["process"] == "single" and r.get("model", "mlp") == "mlp" for r in rows)
         kinds_ran = sum(r.get("model", "mlp") != "mlp" for r in rows)
         kinds_total = len(all_cases()) - len(plain)
-        out += [
-            "",
-            f"The plain model: single process {single_ran} of {sum(not c.ddp for c in plain)} combinations; DDP "
-            f"{ddp_ran} of {ddp_total} ({100 * ddp_ran / ddp_total:.1f}%): a DDP case costs ~30x a single-process "
-            "one here (two spawned ranks import torch), so the whole DDP product (~8 hours on this machine) is out "
-            "of budget. The slice above gives the suite every site x rank layout x non-finite value; the samples "
-            f"spread over the rest. The model kinds: {kinds_ran} of their {kinds_total} combinations, a stratified "
-            "slice: every kind with every fault (value x recurrence x site) under every precision with the suite, "
-            "each callback alone, manual optimization and accumulation, and DDP.",
-        ]
+        out += (
+            []
+            if kinds_only
+            else [
+                "",
+                f"The plain model: single process {single_ran} of {sum(not c.ddp for c in plain)} combinations; DDP "
+                f"{ddp_ran} of {ddp_total} ({100 * ddp_ran / ddp_total:.1f}%): a DDP case costs ~30x a single-process "
+                "one here (two spawned ranks import torch), so the whole DDP product (~8 hours on this machine) is out "
+                "of budget. The slice above gives the suite every site x rank layout x non-finite value; the samples "
+                f"spread over the rest. The model kinds: {kinds_ran} of their {kinds_total} combinations, a stratified "
+                "slice: every kind with every fault (value x recurrence x site) under every precision with the suite, "
+                "each callback alone, manual optimization and accumulation, and DDP.",
+            ]
+        )
         out.append("")
     out += ["Dimensions:", ""]
     out += [f"* `{name}`: {', '.join(f'`{v}`' for v in values)}" for name, values in DIMENSIONS.items()]
@@ -187,6 +216,16 @@ def markdown(
     for name, values in DIMENSIONS.items():
         lines = [(f"`{name}={v}`", tally([r for r in rows if r[name] == v])) for v in values]
         out += [*_table([(label, t) for label, t in lines if t["runs"]], name), ""]
+    if len({r.get("model", "mlp") for r in rows}) > 1:
+        out += [
+            "## Model kind x fault",
+            "",
+            "Each cell: the cases without a violation / the runs of that kind with that fault (every recurrence, "
+            "precision, process layout, optimization mode and callback set that ran).",
+            "",
+            *_kinds_by_fault(rows),
+            "",
+        ]
     errors = collections.Counter(r["error"] for r in rows if r["outcome"] == "documented_error")
     if errors:
         out += ["Documented errors raised: " + ", ".join(f"`{e}` x {n}" for e, n in errors.most_common()), ""]

@@ -29,6 +29,7 @@ __all__ = [
     "all_cases",
     "full_cases",
     "full_plan",
+    "kinds_cases",
     "pruned_reason",
     "subset_cases",
 ]
@@ -309,6 +310,11 @@ def full_plan(seed: int = 12) -> list[tuple[str, list[Case]]]:
 def full_cases(seed: int = 12) -> list[Case]:
     """The cases of the full run, in ``FULL_PLAN`` order."""
     return [case for _label, cases in full_plan(seed) for case in cases]
+
+
+def kinds_cases(seed: int = 12) -> list[Case]:
+    """The cases of the full run's model-kind entries (``FULL_PLAN`` labels starting "model kinds"), in order."""
+    return [case for label, cases in full_plan(seed) if label.startswith("model kinds") for case in cases]
 
 
 def subset_cases() -> list[Case]:
