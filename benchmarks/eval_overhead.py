@@ -12,6 +12,11 @@ Variants, per precision:
   on_nonfinite healthy  FP32Evaluation("on_nonfinite"), no batch overflows: one host read per batch, no fp32 work
   on_nonfinite all bad  FP32Evaluation("on_nonfinite"), every batch overflows and is re-run in float32
   fp32 reference        no callback, Trainer(precision="32-true"): "always" should cost what this costs
+  plain + metrics       no callback; the step updates three torchmetrics metrics (a mean, a sum and a per-class
+                        accuracy over the vocabulary: states of 1, 1 and 4 x vocab elements)
+  on_nonfinite healthy + metrics   the same under FP32Evaluation("on_nonfinite"): the metric states are copied
+                        before every half-precision call (to be put back if the batch is re-run); compare with
+                        "plain + metrics"
 
 Run: ``PYTHONPATH=. python benchmarks/eval_overhead.py`` (about 1-2 minutes on 2 CPUs; ``--precisions
 bf16-mixed,bf16-true`` doubles that). On a CPU without native bf16/fp16 (no AVX-512-BF16/AMX) half precision is
@@ -37,6 +42,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MeanMetric, SumMetric
+from torchmetrics.classification import MulticlassAccuracy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _models import GPT as SmallGPT
@@ -50,9 +57,13 @@ BATCH = 8  # evaluation batch; --batch-size changes it
 class GPT(SmallGPT):
     """The benchmarks' small GPT. ``overflow=True`` makes every half-precision evaluation step non-finite."""
 
-    def __init__(self, overflow: bool = False) -> None:
+    def __init__(self, overflow: bool = False, metrics: bool = False) -> None:
         super().__init__(dataclasses.replace(SMALL, batch=BATCH))
         self.overflow = overflow
+        self.metrics = metrics
+        if metrics:
+            self.mean_loss, self.tokens = MeanMetric(), SumMetric()
+            self.accuracy = MulticlassAccuracy(num_classes=self.cfg.vocab, average="macro")
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -60,6 +71,10 @@ class GPT(SmallGPT):
         loss = nn.functional.cross_entropy(logits.reshape(-1, self.cfg.vocab).float(), y.reshape(-1))
         if self.overflow and logits.dtype != torch.float32:
             loss = loss * float("inf")  # stands in for an fp16/bf16 overflow in the model
+        if self.metrics:
+            self.mean_loss.update(loss)
+            self.tokens.update(torch.tensor(float(y.numel())))
+            self.accuracy.update(logits.reshape(-1, self.cfg.vocab).float(), y.reshape(-1))
         self.log("val_loss", loss)
         return loss
 
@@ -83,19 +98,21 @@ class BatchTimer(Callback):
         self.times.append(time.process_time() - self._start)
 
 
-VARIANTS: dict[str, tuple[str | None, bool]] = {
-    "plain": (None, False),
-    "always": ("always", False),
-    "on_nonfinite healthy": ("on_nonfinite", False),
-    "on_nonfinite all bad": ("on_nonfinite", True),
-    "fp32 reference": (None, False),  # the same evaluation under 32-true: what "always" should cost
+VARIANTS: dict[str, tuple[str | None, bool, bool]] = {  # (mode, every batch overflows, torchmetrics in the step)
+    "plain": (None, False, False),
+    "always": ("always", False, False),
+    "on_nonfinite healthy": ("on_nonfinite", False, False),
+    "on_nonfinite all bad": ("on_nonfinite", True, False),
+    "fp32 reference": (None, False, False),  # the same evaluation under 32-true: what "always" should cost
+    "plain + metrics": (None, False, True),
+    "on_nonfinite healthy + metrics": ("on_nonfinite", False, True),
 }
 
 
 def run(precision: str, variant: str, batches: int, state: dict[str, torch.Tensor], root: str) -> float:
-    mode, overflow = VARIANTS[variant]
-    model = GPT(overflow=overflow)
-    model.load_state_dict(state)
+    mode, overflow, metrics = VARIANTS[variant]
+    model = GPT(overflow=overflow, metrics=metrics)
+    model.load_state_dict(state, strict=False)  # the metrics' states are not in it
     timer = BatchTimer()
     callbacks: list[Callback] = [timer] + ([FP32Evaluation(mode)] if mode else [])  # type: ignore[arg-type]
     trainer = pl.Trainer(
@@ -146,11 +163,19 @@ def main() -> None:
                 per_round[n].append(times[n])
                 ratios[n].append(times[n] / times["plain"])
         print(f"\n{precision}")
-        print(f"{'variant':<22} {'ms/batch':>9} {'ratio':>7}  [min-max]")
+        print(f"{'variant':<31} {'ms/batch':>9} {'ratio':>7}  [min-max]")
         for n in names:
             ms = statistics.median(per_round[n]) * 1e3
             rs = ratios[n]
-            print(f"{n:<22} {ms:9.1f} {statistics.median(rs):7.3f}  [{min(rs):.3f}-{max(rs):.3f}]")
+            print(f"{n:<31} {ms:9.1f} {statistics.median(rs):7.3f}  [{min(rs):.3f}-{max(rs):.3f}]")
+        with_metrics = [a / b for a, b in zip(per_round[names[-1]], per_round["plain + metrics"], strict=True)]
+        extra = statistics.median(
+            a - b for a, b in zip(per_round[names[-1]], per_round["plain + metrics"], strict=True)
+        )
+        print(
+            f"{names[-1]} / plain + metrics: {statistics.median(with_metrics):.3f} "
+            f"[{min(with_metrics):.3f}-{max(with_metrics):.3f}], {extra * 1e3:+.2f} ms/batch"
+        )
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 
 Two phases, written to ``DIR/gpu_dataloader.json`` (and a line of ``DIR/gpu_dataloader.md``) after every fit:
 
-* **unguarded** (``--unguarded`` fits, 3 by default): nanguard's fork guard (``recovery/host_memory.py``) kept off,
+* **unguarded** (``--unguarded`` fits, 2 by default): nanguard's fork guard (``recovery/host_memory.py``) kept off,
   the parent's garbage collector off between fits (so the previous fit's Trainer, with the engine's page-locked
   host mirror, is still garbage when the next fit forks its workers), and a dataset whose ``__getitem__`` runs the
   collector in the worker. A fit after the first is expected to lose a worker with ``cudaErrorInitializationError``:
@@ -79,7 +79,7 @@ class Model(pl.LightningModule):
             num_workers=2,
             persistent_workers=self.persistent,
             pin_memory=CUDA,
-            timeout=60,
+            timeout=15,  # a worker lost to the crash fails the fit after this, not a minute later
             multiprocessing_context="fork",
         )
 
@@ -112,7 +112,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--seconds", type=float, default=90.0)
-    parser.add_argument("--unguarded", type=int, default=3)
+    parser.add_argument("--unguarded", type=int, default=2)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()

@@ -5,7 +5,8 @@
 ``meta.pt``). CheckpointGuard adds ``nanguard-manifest.json``::
 
     {"format": "nanguard-distributed-checkpoint", "version": 1, "step": 4, "epoch": 0, "world_size": 2,
-     "finite": true, "files": {"__0_0.distcp": {"size": 1234, "sha256": "..."}, ".metadata": {...}, ...}}
+     "finite": true, "files": {"__0_0.distcp": {"size": 1234, "sha256": "..."}, ".metadata": {...}, ...},
+     "intended_infinities": [], "lineage": [["4b1f0c2a9d3e", 0]]}
 
 A directory is *verified* when its manifest reads, says ``finite`` (the state was checked on every rank before the
 save), lists every file with its size and sha256 and every listed file matches, and no ``*.distcp`` or ``.metadata``
@@ -32,6 +33,7 @@ __all__ = [
     "files_of_rank",
     "is_distributed_checkpoint",
     "manifest_step",
+    "read_manifest",
     "verify_directory",
     "write_manifest",
 ]
@@ -70,7 +72,13 @@ def files_of_rank(names: list[str], rank: int) -> list[str]:
 
 
 def write_manifest(
-    dirpath: str, files: dict[str, dict[str, Any]], *, step: int | None, epoch: int | None, world_size: int
+    dirpath: str,
+    files: dict[str, dict[str, Any]],
+    *,
+    step: int | None,
+    epoch: int | None,
+    world_size: int,
+    record: dict[str, Any] | None = None,
 ) -> str:
     """Write ``dirpath/nanguard-manifest.json`` atomically (temporary file, fsync, rename); returns its path.
 
@@ -80,6 +88,7 @@ def write_manifest(
         step: the trainer's ``global_step`` at the save.
         epoch: the trainer's ``current_epoch`` at the save.
         world_size: the number of ranks that wrote the shards.
+        record: nanguard's record of the checkpoint, as in a file's sidecar (``intended_infinities``, ``lineage``).
     """
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -90,6 +99,8 @@ def write_manifest(
         "finite": True,  # only a state verified finite on every rank is ever saved
         "files": {name: dict(files[name]) for name in sorted(files)},
     }
+    for key, value in (record or {}).items():
+        manifest.setdefault(key, value)
     path = os.path.join(dirpath, MANIFEST_NAME)
     write_text_atomic(path, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return path

@@ -1,11 +1,15 @@
 """Checkpoint integrity: sha256 sidecars, verification, and the newest verified checkpoint in a directory.
 
-A checkpoint ``X.ckpt`` is *verified* when its sidecar ``X.ckpt.sha256`` exists and matches the file's sha256, the
-file loads with ``torch.load(weights_only=True)``, and every floating-point (and complex) tensor of its weights is
-finite: ``state_dict`` and ``optimizer_states`` of a Lightning checkpoint, every tensor of any other layout (a plain
+A checkpoint ``X.ckpt`` is *verified* when its sidecar ``X.ckpt.checksum`` (``checkpoint_sidecar.py``; an older
+``X.ckpt.sha256`` is read too) exists and matches the file's sha256, the file loads with
+``torch.load(weights_only=True)``, and every floating-point (and complex) tensor of its weights is finite:
+``state_dict`` and ``optimizer_states`` of a Lightning checkpoint, every tensor of any other layout (a plain
 ``torch.save(model.state_dict())``, ``{"model": ...}``, a list). The sidecar is in ``sha256sum`` format, so
-``sha256sum -c X.ckpt.sha256`` works too. Where a file has no sidecar (``require_sidecar=False``), the CRC-32 that
+``sha256sum -c X.ckpt.checksum`` works too. Where a file has no sidecar (``require_sidecar=False``), the CRC-32 that
 torch's zip format stores for every member is checked instead, so a flipped bit in a tensor's bytes is still caught.
+
+Intended infinities (a buffer that holds a mask of -inf by design) are checked for NaN only; which ones are
+intended is decided in ``checkpoint_infinities.py`` (the sidecar's record, or the live module's own buffers).
 
 A distributed checkpoint (a directory written by ``ModelParallelStrategy(save_distributed_checkpoint=True)`` under
 CheckpointGuard) is verified by its ``nanguard-manifest.json`` instead: every file's size and sha256, no unlisted
@@ -20,20 +24,27 @@ import os
 import re
 import zipfile
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from lightning_nanguard._files import hash_file, write_text_atomic
+from lightning_nanguard._files import hash_file
 from lightning_nanguard._lightning_compat import foreach_norms
+from lightning_nanguard.checkpoint_infinities import intended_infinities_of
 from lightning_nanguard.checkpoint_manifest import (
     is_distributed_checkpoint,
     manifest_mtime_ns,
     manifest_step,
     verify_directory,
+)
+from lightning_nanguard.checkpoint_sidecar import (
+    SIDECAR_SUFFIX,
+    read_sidecar,
+    sidecar_path,
+    write_sidecar,
 )
 
 __all__ = [
@@ -47,6 +58,7 @@ __all__ = [
     "checkpoint_step",
     "last_good_checkpoint",
     "nonfinite_tensors",
+    "recorded_step",
     "step_in_name",
     "verified_step",
     "verify_and_load",
@@ -54,7 +66,6 @@ __all__ = [
     "write_sidecar",
 ]
 
-SIDECAR_SUFFIX = ".sha256"
 # The hard link CheckpointGuard keeps to the newest verified checkpoint of a directory (with its own sidecar).
 # Not ``last*.ckpt``: ModelCheckpoint's ``ckpt_path="last"`` lookup matches ``^last`` and must not pick it up.
 LAST_GOOD_NAME = "nanguard-last-good.ckpt"
@@ -62,27 +73,17 @@ LAST_GOOD_NAME = "nanguard-last-good.ckpt"
 
 @dataclass(frozen=True)
 class VerifyResult:
-    """The outcome of ``verify_checkpoint``: ``ok`` and, when not ok, one sentence saying why."""
+    """The outcome of ``verify_checkpoint``: ``ok`` and, when not ok, one sentence saying why; ``note``: what a
+    passing file holds that is worth saying (infinities taken as intended without a record)."""
 
     path: str
     ok: bool
     reason: str = ""
+    note: str = ""
+    step: int | None = None  # its global_step, where it could be read
 
 
-def write_sidecar(path: str, *, digest: str | None = None) -> str:
-    """Write ``path + '.sha256'`` atomically (temporary file, fsync, rename); returns the digest.
-
-    Args:
-        path: the checkpoint file.
-        digest: its sha256 when the caller already has it (saves reading the file again).
-    """
-    if digest is None:
-        digest = hash_file(path)[1]
-    write_text_atomic(path + SIDECAR_SUFFIX, f"{digest}  {os.path.basename(path)}\n")
-    return digest
-
-
-def nonfinite_tensors(checkpoint: Any) -> list[str]:
+def nonfinite_tensors(checkpoint: Any, intended: Collection[str] = ()) -> list[str]:
     """Names of the non-finite floating-point or complex tensors of a checkpoint's weights and optimizer states.
 
     A Lightning checkpoint (a dict with a ``"state_dict"``) is checked in ``state_dict`` and ``optimizer_states``
@@ -94,11 +95,16 @@ def nonfinite_tensors(checkpoint: Any) -> list[str]:
     NaN/inf, so a tensor with a finite norm is finite; a non-finite norm can also be an overflow of large, finite
     values (Adam's second moments), so those few tensors are confirmed one by one. Complex tensors are checked
     through their real view (a complex NaN is a NaN in its real or imaginary part).
+
+    Args:
+        checkpoint: what ``torch.load`` returned (or what is about to be saved).
+        intended: ``state_dict`` keys (a plain state dict's keys) whose infinities are intended: checked for NaN only.
     """
     names: list[str] = []
     tensors: list[Tensor] = []
+    keys: list[str | None] = []  # the state-dict key of each tensor, where it has one
 
-    def walk(prefix: str, obj: Any) -> None:
+    def walk(prefix: str, obj: Any, key: str | None) -> None:
         if isinstance(obj, Tensor):
             if obj.layout != torch.strided:  # a sparse tensor: the values it stores
                 obj = obj.coalesce().values() if obj.layout == torch.sparse_coo else obj.values()
@@ -110,18 +116,19 @@ def nonfinite_tensors(checkpoint: Any) -> list[str]:
             if t.is_floating_point():
                 names.append(prefix or "tensor")
                 tensors.append(t)
+                keys.append(key)
         elif isinstance(obj, dict):
             for k, v in obj.items():
-                walk(f"{prefix}.{k}" if prefix else str(k), v)
+                walk(f"{prefix}.{k}" if prefix else str(k), v, str(k) if key == "" else None)
         elif isinstance(obj, (list, tuple)):
             for i, v in enumerate(obj):
-                walk(f"{prefix}[{i}]", v)
+                walk(f"{prefix}[{i}]", v, None)
 
     if isinstance(checkpoint, dict) and "state_dict" in checkpoint:
-        walk("state_dict", checkpoint.get("state_dict", {}))
-        walk("optimizer_states", checkpoint.get("optimizer_states", []))
+        walk("state_dict", checkpoint.get("state_dict", {}), "")
+        walk("optimizer_states", checkpoint.get("optimizer_states", []), None)
     else:
-        walk("", checkpoint)
+        walk("", checkpoint, "")
     if not tensors:
         return []
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
@@ -138,7 +145,27 @@ def nonfinite_tensors(checkpoint: Any) -> list[str]:
     if not bool(suspect.any()):  # the one host read on the healthy path
         return []
     suspects = sorted(order[i] for i in torch.nonzero(suspect).reshape(-1).tolist())
-    return [names[j] for j in suspects if not bool(torch.isfinite(tensors[j]).all())]
+    allowed = set(intended)
+    bad: list[str] = []
+    for j in suspects:
+        t = tensors[j]
+        if keys[j] in allowed:
+            if bool(torch.isnan(t).any()):
+                bad.append(names[j])
+        elif not bool(torch.isfinite(t).all()):
+            bad.append(names[j])
+    return bad
+
+
+def recorded_step(path: str, read: int | None = None) -> int | None:
+    """The ``global_step`` of ``path`` as far as it can be known, even for a file that fails verification: its
+    sidecar's record, else ``read`` (the step read from the file, ``VerifyResult.step``), else its name's
+    ``step=N``."""
+    sidecar = read_sidecar(path) if os.path.isfile(path) else None
+    step = (sidecar.meta if sidecar is not None else {}).get("step")
+    if isinstance(step, int) and not isinstance(step, bool):
+        return step
+    return read if read is not None else step_in_name(path)
 
 
 def check_sidecar(path: str, *, require_sidecar: bool = True) -> str | None:
@@ -155,22 +182,20 @@ def check_sidecar(path: str, *, require_sidecar: bool = True) -> str | None:
                 "verify_checkpoint (its manifest), not loaded as one file"
             )
         return "file does not exist"
-    sidecar = path + SIDECAR_SUFFIX
-    if not os.path.isfile(sidecar) and os.path.islink(path):
-        sidecar = os.path.realpath(path) + SIDECAR_SUFFIX
-    if not os.path.isfile(sidecar):
+    sidecar = read_sidecar(path)
+    if sidecar is None:
         if require_sidecar:
             return (
-                f"no checksum sidecar {os.path.basename(path) + SIDECAR_SUFFIX} (the file was not written by "
+                f"no checksum sidecar {os.path.basename(sidecar_path(path))} (the file was not written by "
                 "CheckpointGuard, or the save was interrupted before the sidecar was written)"
             )
         return check_zip_crc(path)  # no sha256 to compare with: the CRC-32s torch's zip format stores
-    with open(sidecar, encoding="utf-8") as f:
-        fields = f.read().split()
-    if not fields:
-        return f"checksum sidecar {os.path.basename(sidecar)} is empty"
-    if hash_file(path)[1] != fields[0].lower():
-        return f"sha256 does not match {os.path.basename(sidecar)} (the file is corrupt, truncated or was modified)"
+    if not sidecar.digest:
+        return f"checksum sidecar {os.path.basename(sidecar.path)} is empty"
+    if hash_file(path)[1] != sidecar.digest:
+        return (
+            f"sha256 does not match {os.path.basename(sidecar.path)} (the file is corrupt, truncated or was modified)"
+        )
     return None
 
 
@@ -200,6 +225,7 @@ def verify_and_load(
     *,
     require_sidecar: bool = True,
     load: Callable[[str], Any] | None = None,
+    module: nn.Module | None = None,
 ) -> tuple[VerifyResult, Any]:
     """Verify ``path`` and return its loaded contents too, so that a caller that wants them reads the file once.
 
@@ -207,9 +233,12 @@ def verify_and_load(
         path: the checkpoint file.
         require_sidecar: fail a file that has no sidecar (otherwise only the contents are checked).
         load: how to read the file; default ``torch.load(path, map_location="cpu", weights_only=True)``.
+        module: the live module, whose buffers say which infinities are intended (see the module docstring); without
+            it, the sidecar's record says so, else infinities and no NaN in a ``state_dict`` entry pass with a note.
 
     Returns:
-        ``(result, checkpoint)``; ``checkpoint`` is ``None`` unless ``result.ok``.
+        ``(result, checkpoint)``; ``checkpoint`` is ``None`` unless ``result.ok``. ``result.step`` is the file's
+        ``global_step`` whenever it could be read, even when it fails for non-finite values.
     """
     reason = check_sidecar(path, require_sidecar=require_sidecar)
     if reason is not None:
@@ -218,22 +247,30 @@ def verify_and_load(
         checkpoint = load(path) if load is not None else torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # any unreadable file is a failed verification, whatever torch raises
         return VerifyResult(path, False, _load_failure(err)), None
+    step = checkpoint_step(checkpoint)
     bad = nonfinite_tensors(checkpoint)
+    note = ""
+    if bad:  # the incident path (or a mask): which infinities are intended
+        sidecar = read_sidecar(path)
+        intended = intended_infinities_of(checkpoint, sidecar.meta if sidecar else None, module)
+        bad = nonfinite_tensors(checkpoint, intended.names)
+        note = intended.note
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-        return VerifyResult(path, False, f"non-finite values in {', '.join(bad[:3])}{more}"), None
-    return VerifyResult(path, True), checkpoint
+        return VerifyResult(path, False, f"non-finite values in {', '.join(bad[:3])}{more}", step=step), None
+    return VerifyResult(path, True, note=note, step=step), checkpoint
 
 
-def verify_checkpoint(path: str, *, require_sidecar: bool = True) -> VerifyResult:
+def verify_checkpoint(path: str, *, require_sidecar: bool = True, module: nn.Module | None = None) -> VerifyResult:
     """Check a checkpoint file: sidecar checksum (zip CRC-32s without one), loadable with ``weights_only=True``, finite
-    weights and optimizer state. A directory is checked as a distributed checkpoint: its manifest, every listed file's
-    size and sha256, no unlisted shard (``require_sidecar`` does not apply: a directory without a manifest fails)."""
+    weights and optimizer state (intended infinities aside: ``module`` as for ``verify_and_load``). A directory is
+    checked as a distributed checkpoint: its manifest, every listed file's size and sha256, no unlisted shard
+    (``require_sidecar`` does not apply: a directory without a manifest fails)."""
     path = os.fspath(path)
     if os.path.isdir(path):
         reason = verify_directory(path)
-        return VerifyResult(path, reason is None, reason or "")
-    return verify_and_load(path, require_sidecar=require_sidecar)[0]
+        return VerifyResult(path, reason is None, reason or "", step=manifest_step(path))
+    return verify_and_load(path, require_sidecar=require_sidecar, module=module)[0]
 
 
 def checkpoint_files(dirpath: str) -> list[str]:
@@ -262,7 +299,13 @@ def checkpoint_candidates(dirpath: str, *, directories: bool = True) -> list[str
 
 
 def last_good_checkpoint(
-    dirpath: str, *, require_sidecar: bool = True, at_or_before_step: int | None = None, directories: bool = True
+    dirpath: str,
+    *,
+    require_sidecar: bool = True,
+    at_or_before_step: int | None = None,
+    directories: bool = True,
+    module: nn.Module | None = None,
+    admit: Callable[[str, int], bool] | None = None,
 ) -> str | None:
     """The newest (by modification time) ``*.ckpt`` file or distributed checkpoint directory in ``dirpath`` that
     verifies, or ``None``.
@@ -279,6 +322,9 @@ def last_good_checkpoint(
             the newest file of an abandoned run in the same directory.
         directories: consider distributed checkpoint directories too (``False``: files only, for a caller that
             loads the result with ``torch.load``).
+        module: the live module, for intended infinities (``verify_and_load``).
+        admit: ``admit(path, step)``: whether a verified Lightning checkpoint of that step may be chosen (a disk
+            rollback admits only its run's own past: ``recovery/lineage.py``). A file without a step is not.
 
     Example::
 
@@ -286,23 +332,27 @@ def last_good_checkpoint(
         >>> trainer.fit(model, ckpt_path=ckpt)
     """
     for path in checkpoint_candidates(os.fspath(dirpath), directories=directories):
-        reason, step = verified_step(path, require_sidecar=require_sidecar)
+        reason, step = verified_step(path, require_sidecar=require_sidecar, module=module)
         if reason is not None:
             continue
         if at_or_before_step is not None and (step is None or step > at_or_before_step):
+            continue
+        if admit is not None and (step is None or not admit(path, step)):
             continue
         return path
     return None
 
 
-def verified_step(path: str, *, require_sidecar: bool = True) -> tuple[str | None, int | None]:
+def verified_step(
+    path: str, *, require_sidecar: bool = True, module: nn.Module | None = None
+) -> tuple[str | None, int | None]:
     """``(why path fails verification, or None; its global_step, or None)``: a distributed checkpoint directory by
     its manifest (and the step it records), a file by ``verify_and_load`` (and ``checkpoint_step``)."""
     if os.path.isdir(path):
         reason = verify_directory(path)
         return reason, manifest_step(path) if reason is None else None
-    result, checkpoint = verify_and_load(path, require_sidecar=require_sidecar)
-    return (None, checkpoint_step(checkpoint)) if result.ok else (result.reason, None)
+    result = verify_and_load(path, require_sidecar=require_sidecar, module=module)[0]
+    return (None, result.step) if result.ok else (result.reason, None)
 
 
 def checkpoint_step(checkpoint: Any) -> int | None:

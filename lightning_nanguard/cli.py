@@ -129,6 +129,8 @@ def _verify(args: argparse.Namespace) -> int:
         else:
             failed += 1
             print(f"FAIL {path}: {result.reason}")
+        if result.note:
+            print(f"     note: {result.note}")
     if len(files) > 1:
         print(f"{len(files) - failed} of {len(files)} checkpoints verify")
     return 1 if failed else 0
@@ -196,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-require-sidecar",
         dest="require_sidecar",
         action="store_false",
-        help="accept a file without its .sha256 sidecar (its CRC-32s and contents are still checked)",
+        help="accept a file without its .checksum sidecar (its CRC-32s and contents are still checked)",
     )
     verify.add_argument(
         "--write-sidecar",

@@ -91,8 +91,18 @@ class Cause(_Value):
     GRADIENT_EXPLOSION = "gradient_explosion"  # divergence: loss/grad norm rising, non-finite in float32 too
     OPTIMIZER_NUMERICS = "optimizer_numerics"  # finite gradients, non-finite update (e.g. Adam eps underflow)
     CORRUPT_STATE = "corrupt_state"  # parameters, buffers or optimizer state already non-finite
+    CORRUPT_CHECKPOINT = "corrupt_checkpoint"  # a checkpoint to resume from failed verification (CheckpointGuard)
     TRANSIENT = "transient"  # the replay did not reproduce it
     UNKNOWN = "unknown"
+    # Decided from the origin of the first non-finite value (the op and line a traced replay names): a formula that
+    # fails on some valid records, not bad data and not a diverging model.
+    DIVISION_BY_ZERO = "division_by_zero"  # x / 0 (a normalisation or a mean without eps)
+    LOG_OF_ZERO = "log_of_zero"  # log(0) = -inf, log(< 0) = NaN
+    SQRT_AT_ZERO = "sqrt_at_zero"  # the gradient of sqrt (or a power < 1) at 0 is inf
+    MASKED_BRANCH_GRADIENT = "masked_branch_gradient"  # torch.where masks a non-finite branch: its gradient is NaN
+    FULLY_MASKED_SOFTMAX = "fully_masked_softmax"  # a softmax row whose every position is masked (-inf)
+    LOW_PRECISION_ROUNDING = "low_precision_rounding"  # a value rounded to 1.0 (or 0) in a half dtype, then log
+    EXP_OVERFLOW = "exp_overflow"  # exp of an argument past log(dtype max)
 
 
 class EvidenceKind(_Value):
@@ -107,6 +117,8 @@ class EvidenceKind(_Value):
     RANKS_DIVERGED = "ranks_diverged"  # named parameters whose copies differ across DDP ranks
     STATE_FROM_CHECKPOINT = "state_from_checkpoint"  # the state came non-finite from the resumed checkpoint
     HISTORY_RISING = "history_rising"  # loss / grad norm rising before the step
+    HISTORY = "history"  # loss / grad norm over the last finite steps, not rising
+    ORIGIN = "origin"  # the op (and line) that made the first non-finite value from finite inputs
     GRADS_FINITE_UPDATE_NOT = "grads_finite_update_not"  # the last update made finite state non-finite
     EPS_UNDERFLOW = "eps_underflow"  # an optimizer eps that is 0/subnormal in the parameter dtype
     LOSS_SCALE = "loss_scale"  # GradScaler overflow facts (scale, streak)
@@ -145,8 +157,13 @@ class Diagnosis:
         state_damaged: parameters, buffers or optimizer state are non-finite now (a rollback is needed).
         replayed: a replay ran; ``replay_ms`` its cost and ``replay_steps`` that cost as a multiple of one step.
         note: anything a reader must know (e.g. "replay skipped: gradient accumulation").
-        caused_by_data: the batch rows in ``rows`` caused a cause that is not itself a data cause (a forward on them
-            wrote non-finite BatchNorm statistics: ``corrupt_state``): quarantine them as well as restoring.
+        caused_by_data: the batch rows in ``rows`` caused the event: a data cause (``input_data``, ``targets``), or a
+            cause that is not itself one but their forward produced it (non-finite BatchNorm statistics:
+            ``corrupt_state``, then quarantined as well as restored; valid records that trigger a formula bug, such as
+            an all-zero record meeting a norm without eps, quarantined as the trigger). Never false next to a data
+            cause.
+        origin: the origin of the first non-finite value, as plain values (``policies.origin.Origin.to_dict()`` and
+            its verdict's ``kind``, ``data_at_fault`` and ``summary``), ``{}`` when no traced replay found one.
     """
 
     cause: Cause
@@ -165,6 +182,7 @@ class Diagnosis:
     note: str = ""
     caused_by_data: bool = False
     rank_rows: tuple[tuple[int, ...], ...] = ()  # the implicated rows on each rank (index = rank), under DDP
+    origin: Mapping[str, object] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         """Plain JSON-ready values (for incident records)."""
@@ -183,6 +201,7 @@ class Diagnosis:
             "replay_steps": self.replay_steps,
             "note": self.note,
             "caused_by_data": self.caused_by_data,
+            "origin": dict(self.origin),
             "evidence": [{"kind": e.kind.value, "summary": e.summary, **dict(e.values)} for e in self.evidence],
         }
 

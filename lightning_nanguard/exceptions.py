@@ -8,6 +8,7 @@ The hierarchy, so that a caller can catch as broadly or narrowly as it needs::
     ├── CheckpointVerificationError         a checkpoint failed its checksum / readability / finiteness check
     └── UnsupportedSetupError               a strategy or optimizer setup nanguard refuses rather than mishandle
     NanGuardConfigError (ValueError)        a constructor argument broke its rule (raised at construction)
+    NanGuardWarning (UserWarning)           the category of every warning nanguard gives (filter it by category)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ __all__ = [
     "CheckpointVerificationError",
     "NanGuardConfigError",
     "NanGuardError",
+    "NanGuardWarning",
     "NonFiniteTrainingError",
     "RankDivergenceError",
     "RecoveryBudgetExhausted",
@@ -50,3 +52,9 @@ class UnsupportedSetupError(NanGuardError):
 
 class NanGuardConfigError(ValueError):
     """A constructor argument is invalid. The message names the argument, its value and the rule."""
+
+
+class NanGuardWarning(UserWarning):
+    """Something a run should act on, said while it goes on (a hazard before step 1, an incident training continued
+    after). Attributed to the user's line that started the run, so ``warnings.filterwarnings("ignore",
+    category=NanGuardWarning)`` silences every one of them."""

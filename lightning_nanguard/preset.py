@@ -25,7 +25,9 @@ PRESET: dict[type[Callback], dict[str, Any]] = {
     AutoRollback: {},
     OptimizerBackoff: {},
     LossScaleWatchdog: {},  # on_collapse="auto": a collapse goes to AutoRollback
-    CheckpointGuard: {"fallback": True},  # a corrupt resume continues from the newest verified checkpoint
+    # A corrupt resume continues from a verified checkpoint; a checkpoint Lightning wrote without the guard (no
+    # sidecar) is checked by its zip CRC-32s, a weights-only load and finiteness instead of being refused.
+    CheckpointGuard: {"fallback": True, "require_sidecar": False},
     FP32Evaluation: {"mode": "on_nonfinite", "promote_after": 2},
 }
 

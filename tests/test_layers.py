@@ -19,12 +19,12 @@ ROOT = os.path.dirname(lightning_nanguard.__file__)
 # Bottom first. A module belongs to the layer of its top-level name ("engine.step" -> "engine"); "" is the package's
 # own __init__ (the public API).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("contract", "exceptions", "_validation", "_files"),  # the typed vocabulary every layer shares; file helpers
+    ("contract", "exceptions", "_validation", "_files", "_notices"),  # the shared vocabulary; files; notices
     ("_distributed",),  # every collective
     ("_lightning_compat", "precision"),  # every reach into Lightning's and torch's internals; the precision, typed
     ("signals",),  # pure tensor reductions and evidence readers
     ("policies",),  # pure decisions: facts in, verdicts out
-    ("checkpoint_manifest", "checkpoints"),  # verifying a checkpoint file or directory
+    ("checkpoint_manifest", "checkpoint_sidecar", "checkpoint_infinities", "checkpoints"),  # verifying checkpoints
     ("recovery", "forensics"),  # the mechanisms that act; the replay that investigates
     ("reporting",),  # keys, sentences, records, summary
     ("engine",),  # the per-Trainer engine

@@ -15,6 +15,7 @@ EXPECTED = {
     "LossScaleWatchdog",
     "NanGuardConfigError",
     "NanGuardError",
+    "NanGuardWarning",
     "NonFiniteTrainingError",
     "OptimizerBackoff",
     "RankDivergenceError",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import glob
 import inspect
 import os
 import re
@@ -72,3 +73,39 @@ def test_every_incident_action_is_documented() -> None:
 
     missing = [a.value for a in Action if a is not Action.NONE and f"`{a.value}`" not in README]
     assert not missing, f"README does not list the incident action(s) {missing}"
+
+
+def _nanguard_commands() -> list[str]:
+    """Every ``nanguard ...`` command the README shows: in bash blocks (comments cut) and in inline code."""
+    found = []
+    for block in re.findall(r"```bash\n(.*?)```", README, flags=re.S):
+        for line in block.splitlines():
+            for part in line.split("#")[0].split("&&"):
+                if part.strip().startswith("nanguard "):
+                    found.append(part.strip())
+    found += re.findall(r"`(nanguard [^`]+)`", README)
+    return sorted(set(found))
+
+
+@pytest.mark.parametrize("command", _nanguard_commands())
+def test_every_nanguard_command_parses(command: str) -> None:
+    from lightning_nanguard.cli import build_parser
+
+    argv = command.split()[1:]
+    if argv == ["--version"]:
+        return
+    build_parser().parse_args(argv)  # an unknown command or option exits with status 2
+
+
+def test_every_file_the_readme_names_exists() -> None:
+    names = set(re.findall(r"\b((?:examples|benchmarks|docs|tests|lightning_nanguard|\.ci)/[\w./*-]+)", README))
+    missing = [n for n in sorted(names) if not glob.glob(os.path.join(ROOT, n.rstrip(".")))]
+    assert not missing, f"README names files that do not exist: {missing}"
+
+
+def test_the_demo_incidents_listed_are_the_demo_tasks() -> None:
+    from lightning_nanguard.demo import task_names
+
+    sentence = README[README.index("`nanguard demo` trains") :].split("\n\n")[0]
+    listed = set(re.findall(r"`(?:--incident )?([a-z0-9]+(?:-[a-z0-9]+)+)`", sentence))
+    assert listed == set(task_names())

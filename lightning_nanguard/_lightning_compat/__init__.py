@@ -1,7 +1,8 @@
 """Every private or version-specific touch of Lightning/torch internals lives in this package, each with its public
 fallback where one exists: ``amp`` (the GradScaler and fused optimizers), ``loops`` (Lightning's loop counters),
 ``strategies`` (strategy settings, checkpoint layout), ``patches`` (instance patches of Lightning objects),
-``torch_ops`` (torch's private functions). Import the package; every name is here.
+``torch_ops`` (torch's private functions), ``metrics`` (torchmetrics' metric states). Import the package; every name
+is here.
 
 ``tests/test_fences.py`` holds the fence: a private attribute of a Lightning or torch object read or written outside
 this package fails it.
@@ -40,6 +41,7 @@ from lightning_nanguard._lightning_compat.loops import (
     train_batch_idx,
     train_loaders,
 )
+from lightning_nanguard._lightning_compat.metrics import MetricStates
 from lightning_nanguard._lightning_compat.patches import (
     EVAL_STEP_CONTEXT,
     AttributePatches,
@@ -80,6 +82,7 @@ __all__ = [
     "EVAL_STEP_CONTEXT",
     "AttributePatches",
     "LoggingSteps",
+    "MetricStates",
     "TorchDispatchMode",
     "accepts_found_inf",
     "active_scaler",

@@ -9,10 +9,17 @@ import lightning.pytorch as pl
 from lightning_nanguard import _lightning_compat
 from lightning_nanguard.contract import Action, Cause
 from lightning_nanguard.exceptions import UnsupportedSetupError
+from lightning_nanguard.recovery.eval_precision import RerunGroup, rerun_message, rerun_where
 from lightning_nanguard.reporting.incidents import Incident
 from lightning_nanguard.signals import fsdp1
 
-__all__ = ["check_strategy_supported", "fp32_evaluation_sharded_refusal", "make_incident", "refusal_reason"]
+__all__ = [
+    "check_strategy_supported",
+    "fp32_evaluation_sharded_refusal",
+    "make_incident",
+    "refusal_reason",
+    "rerun_incident",
+]
 
 # Why a strategy is refused, per strategy (its class name or a base's); ``"*"``: every callback.
 _REFUSED: dict[str, dict[str, str]] = {
@@ -126,6 +133,28 @@ def make_incident(
         actions=[action],
         cause=Cause(cause) if cause else None,
         where=where,
+    )
+
+
+def rerun_incident(trainer: pl.Trainer, group: RerunGroup, half: str, source: str) -> Incident:
+    """FP32Evaluation's incident for one evaluation epoch's re-run batches of one outcome (``half``: the dtype)."""
+    return make_incident(
+        trainer,
+        trigger="nonfinite_eval_output",
+        action=Action.RERUN,
+        source=source,
+        ranks=list(group.ranks),
+        values={
+            "stage": group.stage,
+            "count": len(group.batches),
+            "eval_batches": list(group.batches),
+            "fp32_finite": group.fp32_finite,
+        },
+        message=rerun_message(group, half),
+        batch_idx=-1,
+        step=_lightning_compat.log_step(trainer),  # the step the evaluation's metrics are plotted at
+        cause=(Cause.HALF_PRECISION_OVERFLOW if group.fp32_finite else Cause.UNKNOWN).value,
+        where=rerun_where(group),
     )
 
 

@@ -22,9 +22,8 @@ DeepSpeed's engine owns the optimizer step, so both read its outcome after ``eng
 from __future__ import annotations
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_nanguard import _lightning_compat
+from lightning_nanguard import _lightning_compat, _notices
 from lightning_nanguard.engine import Engine
 from lightning_nanguard.engine.deepspeed_sensing import (
     DeepSpeedGradWatch,
@@ -106,7 +105,7 @@ def install_grad_watch(
     )
     reader.subscribe("GradNormMonitor", watch.on_step)
     engine.add_metrics(watch.metrics)
-    rank_zero_info(
+    _notices.note(
         "GradNormMonitor under DeepSpeed: logs DeepSpeed's global grad norm and counts its overflow skips; per-layer "
         "norms, forensics and quarantine need the gradients before the update and are off."
     )

@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
-from lightning_nanguard import _lightning_compat
+from lightning_nanguard import _lightning_compat, _notices
 from lightning_nanguard.callbacks._common import make_incident
 from lightning_nanguard.contract import Action, Cause
 from lightning_nanguard.engine import get_engine
@@ -22,8 +21,9 @@ OnHazard = Literal["fix", "warn", "raise", "off"]
 _NOTES = frozenset({"half_master"})
 
 
-# What each preflight finding is, as a cause class (a hazard found before step 1, not an event).
-_CAUSES = {"eps_underflow": Cause.OPTIMIZER_NUMERICS.value, "half_master": Cause.HALF_PRECISION_OVERFLOW.value}
+# The cause a hazard would become if it struck (found before step 1, not an event). A note has none: nothing went
+# wrong, and "no float32 master copy" is not an overflow.
+_CAUSES = {"eps_underflow": Cause.OPTIMIZER_NUMERICS.value}
 
 
 def describe_optimizers(trainer: pl.Trainer) -> list[OptimizerInfo]:
@@ -83,7 +83,7 @@ def run_preflight(trainer: pl.Trainer, on_hazard: OnHazard, safe_eps: float, sou
             ),
         )
         # A note (true half precision is a legitimate choice) goes to the log; a hazard is a warning.
-        report = rank_zero_info if f.code in _NOTES else rank_zero_warn
+        report = _notices.note if f.code in _NOTES else _notices.warn
         report(f"{source} preflight: {message}")
     return findings
 

@@ -44,9 +44,10 @@ class AutoRollback(NanGuardCallback):
     ``recurrence_steps`` of the previous rollback, newer ones discarded, then ``skip_batches`` batches without an
     update. Parameters, buffers and the optimizer state roll back in place; param-group hyperparameters, schedulers,
     ``global_step``, the RNG and Lightning's loops do not; the GradScaler keeps the lower scale. A snapshot whose own
-    step's gradient norm and loss are both >10x the last sound snapshot's was taken mid-divergence
-    (``policies/snapshot_health.py``): a restore passes over it, and the one just taken being so is an event
-    (``diverging``). At the end of fit, non-finite weights left by the last update are restored too.
+    step's gradient norm and loss are both >10x the last sound snapshot's is a suspect (a restore passes over it); the
+    trend after it decides (``policies/snapshot_health.py``): growth that does not turn is a divergence, an event
+    (``diverging``); a jump that falls back or holds (a new data domain) is not. At the end of fit, non-finite weights
+    left by the last update are restored too.
 
     Args:
         every_n_steps: snapshot cadence in optimizer steps (its cost: docs/PERFORMANCE.md).
@@ -173,8 +174,7 @@ class AutoRollback(NanGuardCallback):
 
     # ------------------------------------------------------------------ the engine's Restorer
     def before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> bool:
-        book = self.book
-        if book.unscored:
+        if (book := self.book).busy:  # a snapshot to judge, or a suspect's trend to follow
             book.diverging = book.score(step, self._history(), self.ring.steps())
         due = self.ring.incomplete or (not step % self.every_n_steps and book.due(step, self.ring.steps()))
         if self.source != "memory" or not due:  # ring.incomplete: the last snapshot predates a lazy layer's forward
@@ -197,7 +197,7 @@ class AutoRollback(NanGuardCallback):
         return self.policy.budget_left_at(step)
 
     def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Restored | None:
-        self.book.settle(step, self._history(), self.ring.steps())  # passing over a snapshot judged mid-divergence
+        self.book.settle(step, self._history(), self.ring.steps())  # passing over a suspect snapshot
         decision = self.policy.decide(step)
         dirpath = checkpoint_dir(trainer, self.checkpoint_dir)
         unsound = self.book.judge.unsound
@@ -214,12 +214,12 @@ class AutoRollback(NanGuardCallback):
         return Restored(restored.step, restored.source, restored.path, recurrence, in_window)
 
     def diverging(self) -> bool:
-        """True once, right after the snapshot just taken was judged taken mid-divergence (``divergence`` says what
-        was seen). From the engine's rank-reduced history: every rank answers the same."""
+        """True once, when the readings after a suspect snapshot kept growing (``divergence``: that snapshot). From the
+        engine's rank-reduced history: every rank answers the same."""
         if not self.book.diverging:
             return False
         self.book.diverging = False
-        self.divergence = self.book.judge.last_divergence
+        self.divergence = self.book.reported
         return True
 
     def skip_batch(self) -> bool:

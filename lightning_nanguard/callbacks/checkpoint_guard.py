@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_nanguard import _notices
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._common import make_incident
 from lightning_nanguard.contract import Action, Cause
@@ -15,57 +15,57 @@ from lightning_nanguard.engine import Engine, get_engine
 from lightning_nanguard.exceptions import NanGuardConfigError
 from lightning_nanguard.recovery.checkpoint_events import CheckpointEvent, describe, incident_values
 from lightning_nanguard.recovery.checkpoint_io import install_verifying_io, remove_killed_saves
+from lightning_nanguard.recovery.lineage import Lineage
+from lightning_nanguard.recovery.verifying_io import VerifyingCheckpointIO
+from lightning_nanguard.signals.model_tensors import intended_infinities, record_intended_infinities
 
 __all__ = ["CheckpointGuard"]
 
 
 class CheckpointGuard(NanGuardCallback):
-    """Write every checkpoint atomically with a sha256 sidecar, refuse non-finite ones, verify before resuming.
+    """Write every checkpoint with a sha256 sidecar, refuse non-finite ones, verify before resuming.
 
     In ``setup`` the strategy's ``CheckpointIO`` is wrapped (``trainer.strategy.checkpoint_io``), so every checkpoint
     Lightning writes (ModelCheckpoint, ``trainer.save_checkpoint``, other callbacks) and every checkpoint it reads
     (``fit(ckpt_path=...)``, ``validate``/``test``/``predict``) goes through it:
 
     * **save** (global rank 0, the only rank that writes): a checkpoint whose weights or optimizer state hold NaN/inf
-      (complex tensors included) is not written at all (a ``refuse`` incident names the tensors), and removals in
-      that directory (ModelCheckpoint's top-k retention, which believes the refused file exists) wait until a finite
-      checkpoint is written there again, so the last good file is never deleted for a file that does not exist. A
-      good checkpoint is written to a temporary file in the same directory, fsynced, renamed onto the target, and
-      then gets ``<file>.sha256``; the directory's ``nanguard-last-good.ckpt`` (a hard link with its own sidecar) then
-      points at it. Temporary files left by a save that was killed (preemption, OOM killer) are removed by a later
-      run (only ours, and only when their writer is gone).
+      (complex tensors included; the infinities of a buffer that held them at train start, a mask of -inf, aside)
+      is not written at all (a ``refuse`` incident names the tensors), and removals in that directory
+      (ModelCheckpoint's top-k retention, which believes the refused file exists) wait until a finite checkpoint is
+      written there again. Lightning's ``TorchCheckpointIO`` writes a temporary file that is fsynced and renamed onto
+      the target; a custom ``CheckpointIO`` is handed the caller's path and ``storage_options``. Then
+      ``<file>.checksum`` (``sha256sum`` format, with nanguard's record: step, intended infinities, lineage) and the
+      directory's ``nanguard-last-good.ckpt`` (a hard link with its own sidecar). Temporary files of killed saves are
+      removed by a later run (only ours, and only when their writer is gone).
     * **load** (every rank, before any weight is used): checksum (without a sidecar, the zip CRC-32s torch stores),
-      ``torch.load(weights_only=True)``, finiteness. A missing file raises ``FileNotFoundError``, as in plain
+      ``torch.load(weights_only=True)``, finiteness (a buffer's infinities are intended where the sidecar records them
+      or the live module's buffer holds the same ones). A missing file raises ``FileNotFoundError``, as in plain
       Lightning. A failure raises ``CheckpointVerificationError`` naming the file, the reason and what to try; with
-      ``fallback=True`` the newest verified checkpoint of the same directory is loaded instead, always with
-      ``weights_only=True`` and never of a later step than the ``step=N`` in the requested name (resuming from an
-      older file is how one leaves a trajectory that went bad), and a ``fallback`` incident names both files
+      ``fallback=True`` a verified checkpoint of the same directory is loaded instead (``recovery/fallback.py``):
+      always with ``weights_only=True``, never of a later step than the requested file's (its recorded step) nor of
+      another run's trajectory, and a ``fallback`` incident (cause ``corrupt_checkpoint``) names both files
       (``trainer.ckpt_path`` still shows the requested one).
 
-    Under ``ModelParallelStrategy`` (FSDP2) the strategy's own ``save_checkpoint``/``load_checkpoint`` are wrapped too
-    (``recovery/sharded_checkpoint.py``): with ``save_distributed_checkpoint=True`` (its default) a checkpoint is a
-    directory; the state's finiteness is reduced across ranks before the save (a NaN in one rank's shard refuses the
-    save on every rank), the shards are written into a temporary directory, hashed by the ranks that wrote them, listed
-    with their sizes and sha256 in ``nanguard-manifest.json`` by rank 0 and published with one rename. With
-    ``save_distributed_checkpoint=False`` rank 0 writes one file with its sidecar, as under DDP. At resume rank 0
-    verifies the directory (manifest, every file's size and hash, no unlisted shard) or the file, and every rank
-    loads what it decided (the requested checkpoint, a fallback, or nothing: the same error on every rank). No
-    ``nanguard-last-good.ckpt`` tag is kept for directories; ``last_good_checkpoint`` lists them.
+    Under ``ModelParallelStrategy`` (FSDP2) and ``FSDPStrategy`` the strategy's own ``save_checkpoint`` and
+    ``load_checkpoint`` are wrapped too (``recovery/sharded_checkpoint.py``): a directory checkpoint's finiteness is
+    reduced across ranks before the save, its shards are hashed into ``nanguard-manifest.json`` and it is published
+    with one rename; at resume rank 0 verifies it and every rank loads what it decided (the same error on every rank
+    otherwise). No ``nanguard-last-good.ckpt`` tag is kept for directories; ``last_good_checkpoint`` lists them.
 
     ``weights_only=True`` refuses pickled custom objects in hyperparameters (``pathlib.Path``, ``argparse.Namespace``,
     numpy scalars): allow-list them with ``torch.serialization.add_safe_globals([...])``, or pass
     ``fit(..., weights_only=False)`` for the file you name and trust (a fallback file is still loaded weights-only).
     The wrapper stays installed after fit, so a final ``trainer.save_checkpoint(...)`` still gets its sidecar. To
     resume by hand, use ``lightning_nanguard.last_good_checkpoint(dirpath)``; to check files, ``nanguard verify``.
-    Refusals of single files happen on rank 0 only and are reported, never fed to a training decision, so they cannot
-    make ranks disagree; a refused distributed save is decided on every rank together.
+    Refusals of single files happen on rank 0 only and are reported, never fed to a training decision.
 
     Args:
-        require_sidecar: refuse to load a file without its ``.sha256`` sidecar (written by CheckpointGuard or by
-            ``nanguard verify --write-sidecar``). ``False`` checks such files for zip CRC-32s, readability and
-            finiteness only.
-        fallback: on a failed verification, resume from the newest verified checkpoint of the same directory, at or
-            before the requested file's step.
+        require_sidecar: refuse to load a file without its ``.checksum`` sidecar (written by CheckpointGuard or by
+            ``nanguard verify --write-sidecar``). ``False`` (the preset's) checks such files for zip CRC-32s,
+            readability and finiteness only.
+        fallback: on a failed verification, resume from the verified checkpoint of the same directory nearest to
+            the requested file's step and not after it.
         tag_last_good: keep ``nanguard-last-good.ckpt`` pointing at the newest good checkpoint of each directory.
 
     Logged keys:
@@ -110,15 +110,18 @@ class CheckpointGuard(NanGuardCallback):
         # Every stage, not only fit: validate/test/predict(ckpt_path=...) load through the wrapper too.
         self._unmute_hooks()
         self._check_environment(trainer)
-        install_verifying_io(
+        io = install_verifying_io(
             trainer,
             require_sidecar=self.require_sidecar,
             fallback=self.fallback,
             tag_last_good=self.tag_last_good,
             listener=self._on_event,
         )
+        io.intended, io.live_module = self._intended, self._live_module  # bound methods: the Trainer still pickles
         self._trainer = trainer
         self._fit = stage == "fit"
+        if self._fit:  # a new run: its own id; the resume (if any) extends the lineage of the file it loads
+            io.lineage, io.track_lineage = Lineage.fresh(), True
         self._pending = []
         if self._fit:
             # A member, never the driver: checkpoints are not training steps, and a guard alone must not make the
@@ -135,6 +138,10 @@ class CheckpointGuard(NanGuardCallback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
+        if get_engine(trainer).driver is None:  # no driver recorded them: the saves and the end of fit need them
+            record_intended_infinities(pl_module)
+        if isinstance(io := trainer.strategy.checkpoint_io, VerifyingCheckpointIO):
+            io.track_lineage = False  # the resume (if any) is done: a later load (validate, test) is not one
         self._flush(trainer)  # global_step is restored now, so a fallback incident names the step resumed at
         remove_killed_saves(trainer)
 
@@ -184,6 +191,16 @@ class CheckpointGuard(NanGuardCallback):
         self.refused_saves = int(state_dict.get("refused_saves", 0))
         self.last_saved = str(state_dict.get("last_saved", "")) or None
 
+    # ------------------------------------------------------------------ what the wrapper asks
+    def _intended(self) -> frozenset[str]:
+        """The buffers whose infinities are intended (recorded at train start), for the save check and the record."""
+        module = self._live_module()
+        return intended_infinities(module) if module is not None else frozenset()
+
+    def _live_module(self) -> pl.LightningModule | None:
+        trainer = self._trainer
+        return trainer.lightning_module if trainer is not None else None
+
     # ------------------------------------------------------------------ events from the wrapper
     def _on_event(self, event: CheckpointEvent) -> None:
         # File saves happen on global rank 0 only (a distributed save reports on every rank alike): what is done here
@@ -195,9 +212,9 @@ class CheckpointGuard(NanGuardCallback):
             self.refused_saves += 1
             self._report(event)
         elif event.kind == "unverified":
-            rank_zero_warn(f"CheckpointGuard: {event.path}: {event.reason}.")
+            _notices.warn(f"CheckpointGuard: {event.path}: {event.reason}.")
         elif event.kind == "fallback":
-            rank_zero_warn(describe(event))
+            _notices.warn(describe(event))
             self._pending.append(event)  # recorded at train start, when the resumed step is known
         elif event.kind == "refused_load":
             self._report(event)
@@ -211,18 +228,19 @@ class CheckpointGuard(NanGuardCallback):
         trainer = self._trainer
         message = describe(event, trainer.global_step if trainer is not None else None)
         if event.kind == "refused_save":
-            rank_zero_warn(message)
+            _notices.warn(message)
         if trainer is None or not self._fit:
             return  # outside fit there is no incident log; the warning above or the raised error says it all
+        saving = event.kind == "refused_save"
         incident = make_incident(
             trainer,
-            trigger="nonfinite_checkpoint" if event.kind == "refused_save" else "checkpoint_verification_failed",
+            trigger="nonfinite_checkpoint" if saving else "checkpoint_verification_failed",
             action=Action.FALLBACK if event.kind == "fallback" else Action.REFUSE,
             source=type(self).__name__,
             values=incident_values(event),
             message=message,
             # A refused save: the state is non-finite; a failed verification: the file is corrupt (or non-finite).
-            cause=Cause.CORRUPT_STATE.value,
+            cause=(Cause.CORRUPT_STATE if saving else Cause.CORRUPT_CHECKPOINT).value,
             where=", ".join(event.tensors[:3]) if event.tensors else event.path,
         )
         get_engine(trainer).sink.record(trainer, incident)

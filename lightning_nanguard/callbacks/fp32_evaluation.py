@@ -6,22 +6,24 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_nanguard import _distributed, _lightning_compat
+from lightning_nanguard import _distributed, _lightning_compat, _notices
 from lightning_nanguard._validation import check_choice, check_int
 from lightning_nanguard.callbacks._base import mute_idle_hooks, unmute_hooks
 from lightning_nanguard.callbacks._common import (
     check_strategy_supported,
     fp32_evaluation_sharded_refusal,
-    make_incident,
+    rerun_incident,
 )
-from lightning_nanguard.contract import Action, Cause
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.exceptions import UnsupportedSetupError
 from lightning_nanguard.precision import FULL_PRECISION, classify_precision
-from lightning_nanguard.recovery.eval_precision import Fp32Eval, autocast_device, merge_reruns, rerun_message
+from lightning_nanguard.recovery.eval_precision import (
+    Fp32Eval,
+    autocast_device,
+    group_reruns,
+)
 from lightning_nanguard.recovery.promote import promote, promote_submodule
 from lightning_nanguard.reporting import keys
 
@@ -45,12 +47,15 @@ class FP32Evaluation(Callback):
     * ``32-true``/``64-true``: nothing to do; a warning says so once.
 
     ``mode="on_nonfinite"`` evaluates in the training precision and re-runs in float32 only the batches whose returned
-    outputs or ``self.log``-ged values are non-finite; the float32 results replace the half-precision ones, and each
-    re-run is an incident (``"validation batch 3 overflowed in float16; finite in float32"``). A healthy evaluation
-    costs one host read per batch. Under DDP each rank decides its re-runs alone (no collective per batch, so ranks
-    with different numbers of batches cannot deadlock); they are gathered and recorded at the epoch end. Limits: a
-    step that runs collectives of its own (``self.all_gather``) or updates ``torchmetrics`` objects (they would see
-    both calls of a re-run batch) needs ``mode="always"``; a ``dataloader_iter`` step cannot be re-run (warned).
+    outputs or ``self.log``-ged values are non-finite; the float32 results replace the half-precision ones (logged
+    values, and the states of the module's ``torchmetrics`` metrics: put back before the re-run, so a metric counts
+    the batch once), and each evaluation epoch with re-runs is one incident with their count and batch indices
+    (``"2 validation batches (1, 3) overflowed in float16 and were re-run in float32, ..."``). A healthy evaluation
+    costs one host read per batch (plus one copy of each metric state, where the module has metrics). Under DDP each
+    rank decides its re-runs alone (no collective per batch, so ranks with different numbers of batches cannot
+    deadlock); they are gathered and recorded at the epoch end. Limits: a step that runs collectives of its own
+    (``self.all_gather``) needs ``mode="always"``; metrics held outside the module tree (a plain ``list``) are not
+    put back; a ``dataloader_iter`` step cannot be re-run (warned).
 
     Under ``ModelParallelStrategy`` (FSDP2) ``mode="always"`` runs under ``bf16-mixed`` (every rank runs the same
     steps, so FSDP2's all-gathers stay paired). A ``fully_shard(mp_policy=MixedPrecisionPolicy(param_dtype=
@@ -70,7 +75,7 @@ class FP32Evaluation(Callback):
 
     Logged keys (``mode="always"`` logs nothing):
         ``nanguard/eval/fp32_reruns``      batches re-run in float32 in this evaluation epoch (``"on_nonfinite"``)
-        ``nanguard/incident/rerun``        1.0 at each re-run incident (``"on_nonfinite"``)
+        ``nanguard/incident/rerun``        1.0 at each re-run incident, one per epoch with re-runs (``"on_nonfinite"``)
 
     Raises:
         NanGuardConfigError: at construction, for a ``mode`` outside its choices.
@@ -130,7 +135,7 @@ class FP32Evaluation(Callback):
                 self._warn_once(message + "; remove the callback or train in half precision.")
             elif not self._warned:  # "on_nonfinite" (the preset's) is a natural no-op in full precision
                 self._warned = True
-                rank_zero_info(message + ".")
+                _notices.note(message + ".")
         engine = get_engine(trainer)
         engine.join(trainer, self, fit=False)
         if stage == "fit" and self.promote_after is not None:
@@ -154,7 +159,7 @@ class FP32Evaluation(Callback):
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._eval.begin(trainer.precision_plugin, pl_module, "validation_step", self._warn_once)
+        self._begin(trainer, pl_module, "validation_step")
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -168,7 +173,7 @@ class FP32Evaluation(Callback):
 
     @override
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._eval.begin(trainer.precision_plugin, pl_module, "test_step", self._warn_once)
+        self._begin(trainer, pl_module, "test_step")
 
     @override
     def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -207,42 +212,28 @@ class FP32Evaluation(Callback):
         self.promoted = [str(p) for p in state_dict.get("promoted", [])]
 
     # ------------------------------------------------------------------ evaluation
+    def _begin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step_name: str) -> None:
+        get_engine(trainer).began = True  # an evaluation ran: the summary is due at its end
+        self._eval.begin(trainer.precision_plugin, pl_module, step_name, self._warn_once)
+
     def _epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.mode != "on_nonfinite" or self._eval.kind == "none":
             return
         # Every rank reaches the epoch end, whatever its number of batches: the one collective of the evaluation.
         pending, self._eval.pending = self._eval.pending, []
-        reruns = merge_reruns(_distributed.all_gather_objects(trainer, pending))  # type: ignore[arg-type]
+        groups = group_reruns(_distributed.all_gather_objects(trainer, pending))  # type: ignore[arg-type]
         half = self._precision.dtype_name
         sink = get_engine(trainer).sink
-        for (stage, batch_idx), (ranks, fp32_finite) in reruns.items():
-            incident = make_incident(
-                trainer,
-                trigger="nonfinite_eval_output",
-                action=Action.RERUN,
-                source=type(self).__name__,
-                ranks=ranks,
-                values={"stage": stage, "eval_batch_idx": batch_idx, "fp32_finite": fp32_finite},
-                message=rerun_message(stage, batch_idx, half, fp32_finite),
-                batch_idx=batch_idx,
-                step=_lightning_compat.log_step(trainer),  # the step the evaluation's metrics are plotted at
-                cause=(Cause.HALF_PRECISION_OVERFLOW if fp32_finite else Cause.UNKNOWN).value,
-                where=f"{stage} batch {batch_idx}",
-            )
-            sink.record(trainer, incident)
-        self.fp32_reruns += len(reruns)
+        for group in groups:  # one incident per outcome and epoch, with the count and the batches
+            sink.record(trainer, rerun_incident(trainer, group, half, type(self).__name__))
+        count = sum(len(group.batches) for group in groups)
+        self.fp32_reruns += count
         if trainer.sanity_checking:
             return
         # Identical on every rank (gathered); sync_dist with "max" keeps Lightning's DDP advice quiet.
-        pl_module.log(keys.EVAL_FP32_RERUNS, float(len(reruns)), reduce_fx="max", sync_dist=True)
-        if reruns:
-            stage = "test" if trainer.testing else "validation"
-            rank_zero_info(
-                f"FP32Evaluation re-ran {len(reruns)} {stage} batch(es) in float32 because they were non-finite "
-                f"in {half}; see the nanguard incidents. mode='always' avoids the double work if this happens often."
-            )
+        pl_module.log(keys.EVAL_FP32_RERUNS, float(count), reduce_fx="max", sync_dist=True)
 
     def _warn_once(self, message: str) -> None:
         if not self._warned:
             self._warned = True
-            rank_zero_warn(message)
+            _notices.warn(message)

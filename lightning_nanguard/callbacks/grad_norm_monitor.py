@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_nanguard import _notices
 from lightning_nanguard._validation import check_choice, check_float, check_int, check_path
 from lightning_nanguard.callbacks import _deepspeed
 from lightning_nanguard.callbacks._base import NanGuardCallback
@@ -66,6 +66,8 @@ class GradNormMonitor(NanGuardCallback):
         forensics: ``"first"`` replays the first incident of each kind of evidence and reuses that verdict for
             later ones; ``"every"`` replays each incident; ``"off"`` uses the cheap evidence only.
         max_replay_steps: replays stop once they have cost this many training steps' worth of time in this fit.
+        bundle_mb: size budget, in MB, of the bundle each replayed incident writes (``<log_dir>/nanguard/bundles/``:
+            the step, for ``nanguard replay``); ``0`` writes none.
 
     Logged keys (every logging step, one batched logger call):
         ``nanguard/grad_norm``                   total 2-norm of the gradients (unscaled, pre-clip), last step
@@ -104,6 +106,7 @@ class GradNormMonitor(NanGuardCallback):
         quarantine_file: str | None = None,
         forensics: Literal["first", "every", "off"] = "first",
         max_replay_steps: float = 20.0,
+        bundle_mb: float = 64.0,
     ) -> None:
         owner = type(self).__name__
         check_choice(owner, "on_nonfinite", on_nonfinite, ("warn", "skip", "stop"))
@@ -122,6 +125,7 @@ class GradNormMonitor(NanGuardCallback):
         check_path(owner, "quarantine_file", quarantine_file, must_exist=True)
         check_choice(owner, "forensics", forensics, ("first", "every", "off"))
         check_float(owner, "max_replay_steps", max_replay_steps, low=0.0)
+        check_float(owner, "bundle_mb", bundle_mb, low=0.0)
         self.on_nonfinite = on_nonfinite
         self.max_consecutive_skips = max_consecutive_skips
         self.layer_depth = layer_depth
@@ -129,7 +133,7 @@ class GradNormMonitor(NanGuardCallback):
         self.histogram = histogram
         self.spike_zscore, self.spike_warmup, self.on_spike = spike_zscore, spike_warmup, on_spike
         self.quarantine, self.quarantine_file = quarantine, None if quarantine_file is None else str(quarantine_file)
-        self.forensics, self.max_replay_steps = forensics, float(max_replay_steps)
+        self.forensics, self.max_replay_steps, self.bundle_mb = forensics, float(max_replay_steps), float(bundle_mb)
         self._quarantine = Quarantine(self.quarantine_file) if quarantine else None
         self._restored_skips = 0
         self._spike_state: dict[str, Any] = {}
@@ -153,7 +157,7 @@ class GradNormMonitor(NanGuardCallback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.on_spike == "rollback" and self.spike_zscore is not None and get_engine(trainer).restorer is None:
-            rank_zero_warn(
+            _notices.warn(
                 f"{type(self).__name__}(on_spike='rollback') hands a spike to AutoRollback, which is not installed: "
                 "a spike is only skipped. Add AutoRollback(), or use on_spike='skip'."
             )
@@ -180,6 +184,7 @@ class GradNormMonitor(NanGuardCallback):
             quarantine=self.quarantine,
             forensics=self.forensics,
             max_replay_steps=self.max_replay_steps,
+            bundle_mb=self.bundle_mb,
         )
         if self._quarantine is not None:
             self._quarantine.install()

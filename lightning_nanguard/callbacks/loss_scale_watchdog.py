@@ -11,10 +11,9 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_nanguard import _lightning_compat
+from lightning_nanguard import _lightning_compat, _notices
 from lightning_nanguard._validation import check_choice, check_float, check_int
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._deepspeed import install_scale_watch, is_deepspeed
@@ -145,7 +144,7 @@ class LossScaleWatchdog(NanGuardCallback):
         scaler = _lightning_compat.get_scaler(trainer)
         self._active = scaler is not None and bool(scaler.is_enabled())
         if not self._active:
-            rank_zero_info(
+            _notices.note(
                 f"{type(self).__name__} does nothing in this run: precision {trainer.precision!r} uses no GradScaler "
                 "(only '16-mixed' does; bf16 and 32-bit need no loss scaling)."
             )
@@ -163,7 +162,7 @@ class LossScaleWatchdog(NanGuardCallback):
             # The scaler's state is restored from a checkpoint before this hook: hold it to the floor from step 1.
             _lightning_compat.clamp_scale(_lightning_compat.get_scaler(trainer), self.min_scale, self.max_scale)
             if self.on_collapse == "rollback" and get_engine(trainer).restorer is None:
-                rank_zero_warn(
+                _notices.warn(
                     f"{type(self).__name__}(on_collapse='rollback') hands a collapse to AutoRollback, which is not "
                     "installed: a collapse will stop training instead. Add AutoRollback(), or use on_collapse='auto'."
                 )

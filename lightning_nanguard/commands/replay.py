@@ -4,7 +4,9 @@ The bundle (``forensics.bundle``) records the LightningModule's import path and 
 from the current directory or ``PYTHONPATH`` and built with those arguments, its parameters and buffers loaded, and
 the step replayed with the origin traced (``forensics.replay.trace_pass``): in the recorded precision, in float32,
 and in any precision asked for with ``--precision``. A bundle holding only part of the state re-runs the origin op
-alone from the inputs it recorded. Exit 0 when it ran, 2 on a usage error or an unreadable bundle.
+alone from the inputs it recorded. The cause is decided from what the replay found by the rules the incident used
+(``policies.diagnosis.classify``), and shown beside the cause the incident named. Exit 0 when it ran, 2 on a usage
+error or an unreadable bundle.
 """
 
 from __future__ import annotations
@@ -21,10 +23,14 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 
+from lightning_nanguard.contract import Diagnosis, Signal
 from lightning_nanguard.forensics.bundle import Bundle, BundleError, read_bundle
 from lightning_nanguard.forensics.bundle_codec import decode, restore_rng
 from lightning_nanguard.forensics.replay import trace_pass
+from lightning_nanguard.policies.diagnosis import classify
+from lightning_nanguard.policies.findings import Findings, PassResult, ReplayFindings
 from lightning_nanguard.policies.origin import Origin, explain
+from lightning_nanguard.signals.batch import read_batch
 
 __all__ = ["add_parser", "run"]
 
@@ -136,6 +142,25 @@ def _op(bundle: Bundle, precision: str, device: str) -> dict[str, Any]:
     return {"precision": precision, "mode": "op", "op": name, "reproduced": not finite, "origin": None}
 
 
+def _cause(bundle: Bundle, results: list[PassResult], precisions: list[str]) -> Diagnosis:
+    """The cause of the replayed step, by the incident's own rules: the recorded precision's pass (with its origin),
+    the float32 one, and the batch's evidence (the run's history is not in the bundle: a cause that rests on it, an
+    explosion, can read otherwise here)."""
+    recorded = precisions[0]
+    hooked = results[0]
+    fp32 = results[precisions.index("32-true")] if recorded != "32-true" else None
+    batch = read_batch(bundle.batch, hooked.out_size)
+    findings = Findings(
+        Signal.NONFINITE_LOSS_AND_GRADS,
+        batch=(batch,),
+        batch_idx=int(bundle.manifest.get("batch_idx", -1)),
+        half_precision=recorded.startswith(("16", "bf16")),
+        precision=recorded,
+        replay=(ReplayFindings(hooked=hooked, fp32=fp32),),
+    )
+    return classify(findings)
+
+
 def _line(o: Origin) -> str:
     return f"{o.op} ({o.phase}{', ' + o.node if o.node else ''})" + (
         f" at {o.frame.file}:{o.frame.line} in {o.frame.function}" if o.frame else ""
@@ -177,9 +202,11 @@ def run(args: argparse.Namespace) -> int:
                 f"{bundle.path} holds neither the module's state nor the origin op's inputs: nothing to re-run"
             )
         runs = []
+        results: list[PassResult] = []
         for precision in precisions:
             if by_step:
                 traced = _step(bundle, precision, args.device)
+                results.append(traced.result)
                 o = traced.origin
                 runs.append(
                     {
@@ -191,7 +218,9 @@ def run(args: argparse.Namespace) -> int:
                     }
                 )
             else:
-                runs.append(_op(bundle, precision, args.device))
+                run = _op(bundle, precision, args.device)
+                runs.append(run)
+                results.append(PassResult(reproduced=run["reproduced"], origin=bundle.origin if not results else None))
     except (BundleError, UsageError) as err:
         print(f"nanguard replay: {err}", file=sys.stderr)
         return 2
@@ -200,12 +229,12 @@ def run(args: argparse.Namespace) -> int:
     verdict = explain(origin)
     fp32 = next(r for r in runs if r["precision"] == "32-true")
     fixes = None if precisions[0] == "32-true" else not fp32["reproduced"]
+    diagnosis = _cause(bundle, results, precisions)
+    named = str((m.get("diagnosis") or {}).get("cause", ""))
     if args.json:
-        print(
-            json.dumps(
-                {"bundle": bundle.path, "runs": runs, "float32_fixes": fixes, "verdict": verdict.to_dict()}, indent=1
-            )
-        )
+        out = {"bundle": bundle.path, "runs": runs, "float32_fixes": fixes, "verdict": verdict.to_dict()}
+        out.update(cause=diagnosis.cause.value, where=diagnosis.where, hint=diagnosis.hint, incident_cause=named)
+        print(json.dumps(out, indent=1))
         return 0
     print(f"bundle: {bundle.path}")
     print(
@@ -225,8 +254,17 @@ def run(args: argparse.Namespace) -> int:
     if fixes is not None:
         print(f"float32 fixes it: {'yes' if fixes else 'no (non-finite in float32 too)'}")
     print(f"verdict: {verdict.kind.value}: {verdict.summary}")
-    if verdict.hint:
-        print(f"hint: {verdict.hint}")
+    same = (
+        ""
+        if not named
+        else " (as the incident named)"
+        if named == diagnosis.cause.value
+        else f" (the incident named {named})"
+    )
+    print(f"cause: {diagnosis.cause.value}{same}" + (f" at {diagnosis.where}" if diagnosis.where else ""))
+    hint = diagnosis.hint or verdict.hint
+    if hint:
+        print(f"hint: {hint}")
     print(f"data at fault: {'yes' if verdict.data_at_fault else 'no'}")
     return 0
 

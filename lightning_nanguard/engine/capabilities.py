@@ -45,6 +45,7 @@ class GuardSettings:
     quarantine: bool = True
     forensics: str = "first"  # "first" | "every" | "off"
     max_replay_steps: float = 20.0
+    bundle_mb: float = 64.0  # an incident bundle's size budget (0: none written)
 
 
 @dataclass(frozen=True)

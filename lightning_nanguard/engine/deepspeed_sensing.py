@@ -18,8 +18,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_nanguard import _notices
 from lightning_nanguard.contract import Action, Cause, Signal
 from lightning_nanguard.engine.engine import Engine
 from lightning_nanguard.engine.events import AfterStep, PendingEvent
@@ -133,7 +133,7 @@ class DeepSpeedScaleWatch:
         self.scaler = find_scaler(getattr(engine, "optimizer", None)) if engine is not None else None
         if self.scaler is None:
             self.active = False
-            rank_zero_info(
+            _notices.note(
                 f"LossScaleWatchdog does nothing in this run: DeepSpeed uses no dynamic loss scale under precision "
                 f"{trainer.precision!r} (only fp16 with 'loss_scale': 0, DeepSpeed's default, does)."
             )

@@ -5,7 +5,9 @@ The cheap evidence is gathered here (``gather_findings``): the batch's non-finit
 history (``signals.history``), the GradScaler's facts, the resumed checkpoint and, for a ``diverging`` event (which,
 like a non-finite state found at a snapshot, has no step reading), the restorer's verdict on the snapshot. Each rank
 reads its own and one all-gather makes it everyone's, so ``policies.diagnosis.classify`` decides the same on every
-rank. ``lightning_nanguard.forensics`` adds a replay of the batch when that evidence does not settle the cause.
+rank. ``lightning_nanguard.forensics`` adds a replay of the batch when that evidence does not settle the cause, and
+traces the origin of its first non-finite value; ``write_incident_bundle`` then keeps that step for ``nanguard
+replay``, and ``trigger_note`` says so where a formula bug's triggering records were quarantined.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ from collections.abc import Sequence
 from typing import cast
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_nanguard import _distributed
-from lightning_nanguard.contract import Diagnosis, Divergence, Signal
+from lightning_nanguard.contract import Action, Diagnosis, Divergence, Signal
 from lightning_nanguard.engine.accounting import FitLedger
 from lightning_nanguard.engine.events import EventFacts
 from lightning_nanguard.engine.registry import Registry
 from lightning_nanguard.forensics import ReplayRequest, investigate
+from lightning_nanguard.forensics.bundle import DEFAULT_BUDGET_MB, write_bundle
+from lightning_nanguard.policies.causes import CAUSES
 from lightning_nanguard.policies.diagnosis import classify, needs_replay
 from lightning_nanguard.policies.findings import Findings
 from lightning_nanguard.signals.batch import BatchFindings, read_batch
@@ -29,7 +34,7 @@ from lightning_nanguard.signals.history import read_history
 from lightning_nanguard.signals.model_tensors import nonfinite_names
 from lightning_nanguard.signals.state import StateFindings, read_state
 
-__all__ = ["diagnose", "gather_findings", "is_half", "precision_of"]
+__all__ = ["diagnose", "gather_findings", "is_half", "precision_of", "trigger_note", "write_incident_bundle"]
 
 
 def diagnose(
@@ -51,6 +56,62 @@ def diagnose(
         )
         findings = investigate(trainer, pl_module, findings, request, ledger.replays)
     return classify(findings)
+
+
+def write_incident_bundle(
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    facts: EventFacts,
+    diagnosis: Diagnosis,
+    registry: Registry,
+    ledger: FitLedger,
+    log_dir: str | None,
+) -> str:
+    """The incident's bundle (``forensics.bundle``: the batch, the random states, the precision, the optimizers, the
+    module's import path and state within ``GradNormMonitor(bundle_mb=...)``, the origin and this diagnosis) under
+    ``log_dir``, where a replay ran for this incident: its path, the same on every rank ("" when none was written).
+
+    Call it before any action changes the weights or the random state (a rollback restores both). The rank whose
+    replay reproduced first writes it; one all-gather tells every rank the outcome (every rank is here: whether a
+    replay ran, and which rank writes, come from gathered values)."""
+    book = ledger.replays
+    traced, book.traced = book.traced, None
+    budget = registry.guard.bundle_mb if registry.guard is not None else DEFAULT_BUDGET_MB
+    if not diagnosis.replayed or traced is None or budget <= 0 or not trainer.loggers:
+        return ""
+    mine: tuple[str, str] | None = None
+    if trainer.global_rank == book.bundle_rank:
+        if log_dir is None:
+            mine = ("", "no log dir")
+        else:
+            try:
+                written = write_bundle(
+                    log_dir,
+                    trainer,
+                    pl_module,
+                    facts.batch,
+                    facts.batch_idx,
+                    traced,
+                    budget_mb=budget,
+                    diagnosis=diagnosis.to_dict(),
+                    step=facts.step,
+                )
+                mine = (written.path or "", written.reason)
+            except Exception as exc:  # a bundle must never take training down, nor leave the other ranks waiting
+                mine = ("", f"writing it failed: {type(exc).__name__}: {exc}".splitlines()[0][:200])
+    outcome = cast(tuple[str, str], _distributed.all_gather_objects(trainer, mine)[book.bundle_rank])
+    path, reason = outcome
+    if not path:
+        rank_zero_info(f"nanguard: no incident bundle for step {facts.step}: {reason}")
+    return path
+
+
+def trigger_note(details: dict[Action, str], diagnosis: Diagnosis) -> None:
+    """Where the records quarantined are valid data that trigger a formula bug (``caused_by_data`` with a cause whose
+    data is not at fault, decided from the origin), the quarantine's sentence says so."""
+    done = details.get(Action.QUARANTINE)
+    if done and diagnosis.caused_by_data and diagnosis.origin and not CAUSES[diagnosis.cause].data_at_fault:
+        details[Action.QUARANTINE] = f"{done}, as the trigger of a formula bug (the fix is in the formula: the hint)"
 
 
 def precision_of(trainer: pl.Trainer) -> str:

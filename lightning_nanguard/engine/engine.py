@@ -18,9 +18,8 @@ from collections import deque
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_nanguard import _lightning_compat
+from lightning_nanguard import _lightning_compat, _notices
 from lightning_nanguard.contract import StateRestored
 from lightning_nanguard.engine.accounting import FitLedger
 from lightning_nanguard.engine.bus import EventBus
@@ -68,6 +67,8 @@ class Engine(StepFlow):
         self.train_ended = False  # the first end-of-fit check ran (``on_train_end``)
         self.fit_ended = False  # the second ran (the first member's ``teardown``)
         self._left: set[int] = set()  # ids of the members whose ``teardown`` has run
+        self.began = False  # training or an evaluation began (a fit refused at setup has no summary)
+        self.first_step = 0  # global_step when training began
         self._start_steps()
 
     # ------------------------------------------------------------------ membership
@@ -80,6 +81,7 @@ class Engine(StepFlow):
             self.sensor.reset()
             self.bus.clear()
             self.sink.start(trainer)
+        self.registry.admit(member)  # a second callback of one kind is refused here, before any step
         if member not in self.members:
             self.members.append(member)
         if fit and self.driver is None:
@@ -160,13 +162,14 @@ class Engine(StepFlow):
     # ------------------------------------------------------------------ hooks (driver only)
     def train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         registry = self.registry
+        self.began, self.first_step = True, trainer.global_step
         self.ledger.resumed_from = None if trainer.ckpt_path is None else str(trainer.ckpt_path)
         self.ledger.finite_steps = 0
         if registry.guard is not None:
             self.sensor.layer_depth = 1
         intended = record_intended_infinities(pl_module)
         if intended:
-            rank_zero_info(
+            _notices.note(
                 f"nanguard: buffer(s) {', '.join(intended[:5])}{' ...' if len(intended) > 5 else ''} hold infinities "
                 "(and no NaN) at the start of training, e.g. an attention mask of -inf: treated as intended, checked "
                 "for NaN only."
@@ -197,6 +200,7 @@ class Engine(StepFlow):
         FP32Evaluation), so that a fit with only those installed also never returns non-finite parameters. The
         summary and a pending stop error wait for ``end_fit``.
         """
+        self.began = True
         if not self.train_ended:
             self.train_ended = True
             # A collective: every rank reaches on_train_end.
@@ -227,8 +231,9 @@ class Engine(StepFlow):
         self.finish(trainer, raise_pending=False)
 
     def finish(self, trainer: pl.Trainer, *, raise_pending: bool) -> None:
-        """Print the summary once, then raise a pending stop error (once)."""
-        if not self.finished:
+        """Print the summary once, then raise a pending stop error (once). A fit refused at setup (nothing began,
+        nothing recorded) prints none: the refusal is the message."""
+        if not self.finished and (self.began or self.sink.records):
             self.finished = True
             quarantine = self.registry.quarantine
             self.sink.summary(
@@ -237,6 +242,7 @@ class Engine(StepFlow):
                 monitored=self.registry.monitors_steps or bool(self.registry.step_hooks),
                 final_state=self.ledger.final_state,
                 notes=quarantine.summary_lines() if quarantine is not None else [],
+                steps=trainer.global_step - self.first_step,
             )
         if raise_pending and self.ledger.pending_error is not None:
             error, self.ledger.pending_error = self.ledger.pending_error, None

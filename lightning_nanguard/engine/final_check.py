@@ -11,6 +11,8 @@ is NaN, so the second check restores the newest verified state or raises, as the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import lightning.pytorch as pl
 
 from lightning_nanguard import _distributed
@@ -71,28 +73,26 @@ def final_check(
     if verdict.finite:  # under DDP, finite parameters whose copies differ across the ranks
         names = list(verdict.diverged)
         signal, diagnosis = Signal.RANK_DIVERGENCE, divergence_diagnosis(verdict.diverged)
-        problem = f"the ranks' parameters differ at the end of fit ({', '.join(names[:5])}){late}"
+        problem = f"the ranks' parameters differ at the end of fit ({_listed(names, 5)}){late}"
         promise, error = "every rank returns the same model", messages.divergence_error
         restored_state = "finite and identical on every rank"
-        because = f"the ranks' copies of {', '.join(names[:3])} differed{late}"
-        unrestored = f"finite, but the ranks' copies of {', '.join(names[:3])} DIFFER"
+        because = f"the ranks' copies of {_listed(names)} differed{late}"
+        unrestored = f"finite, but the ranks' copies of {_listed(names)} DIFFER"
         add = "add AutoRollback() so the last state verified identical on every rank is restored"
     else:
         gathered = _distributed.all_gather_objects(trainer, nonfinite_names(pl_module))
         names = sorted({n for part in gathered for n in part})  # type: ignore[attr-defined]
         signal = Signal.NONFINITE_STATE
-        diagnosis = Diagnosis(
-            Cause.CORRUPT_STATE, where=", ".join(names[:3]), state_tensors=tuple(names), state_damaged=True
-        )
-        problem = f"non-finite parameters or buffers at the end of fit ({', '.join(names[:5])}){late}"
+        diagnosis = Diagnosis(Cause.CORRUPT_STATE, where=_listed(names), state_tensors=tuple(names), state_damaged=True)
+        problem = f"non-finite parameters or buffers at the end of fit ({_listed(names, 5)}){late}"
         promise, error = "the model fit() returns is finite", messages.final_state_error
         restored_state = "finite"
         because = (
-            f"{', '.join(names[:3])} became non-finite{late}"
+            f"{_listed(names)} became non-finite{late}"
             if again
-            else f"{', '.join(names[:3])} ended training non-finite (the last updates, or a callback's on_train_end)"
+            else f"{_listed(names)} ended training non-finite (the last updates, or a callback's on_train_end)"
         )
-        unrestored = f"NON-FINITE ({', '.join(names[:3])})"
+        unrestored = f"NON-FINITE ({_listed(names)})"
         add = "add AutoRollback() so the last verified state is restored"
     restored = _restore_at_end(
         trainer, pl_module, signal, diagnosis, restorer, sink, bus, problem=problem, promise=promise
@@ -151,12 +151,17 @@ def _restore_at_end(
     return restored
 
 
+def _listed(names: Sequence[str], shown: int = 3) -> str:
+    """``"a, b, c and 4 more"``: the count of the names left out, so a line never reads as the whole list."""
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
 def divergence_diagnosis(names: tuple[str, ...]) -> Diagnosis:
     """The diagnosis of a rank divergence: the state is damaged (the ranks no longer train one model)."""
     listed = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
     return Diagnosis(
         Cause.CORRUPT_STATE,
-        where=f"{', '.join(names[:3])}: the ranks' copies differ",
+        where=f"{_listed(names)}: the ranks' copies differ",
         evidence=(Evidence(EvidenceKind.RANKS_DIVERGED, f"differ across ranks: {listed}", {"tensors": names}),),
         hint=(
             "something changed one rank's copy only (a rank-local write, a fault after the gradient all-reduce); "

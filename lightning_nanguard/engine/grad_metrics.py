@@ -1,7 +1,8 @@
 """GradNormMonitor's logged values on a logging step: the interval's, the clipped norm, the per-layer norms.
 
 Host floats the engine already has, plus, only where due, the per-layer norms (one ``index_add_`` and one host read
-of the last step's per-tensor norms) and, under value clipping, the clipped norm (one fused pass).
+of the last step's per-tensor norms), the histogram of the finite per-tensor norms and, under value clipping, the
+clipped norm (one fused pass).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import math
 
 import lightning.pytorch as pl
+import torch
 
 from lightning_nanguard import _lightning_compat
 from lightning_nanguard.engine.accounting import Interval
@@ -51,7 +53,12 @@ def grad_metrics(
         names, values = layer_norms(reading.index, reading.norms)
         out.update({f"{keys.LAYER_GRAD_NORM}/{n}": v for n, v in zip(names, values.tolist(), strict=True)})
         if histogram:
-            emit.log_histogram(trainer, keys.GRAD_NORM_HIST, reading.norms.tensor_norms)
+            # Only the finite norms: a histogram of NaN/inf has no bins (TensorBoard refuses it), and a non-finite
+            # step is counted in nanguard/nonfinite_steps already. A step with none finite has no histogram.
+            norms = reading.norms.tensor_norms
+            finite = norms[torch.isfinite(norms)]
+            if finite.numel():
+                emit.log_histogram(trainer, keys.GRAD_NORM_HIST, finite)
     return out
 
 

@@ -14,15 +14,14 @@ from collections.abc import Mapping
 from typing import cast
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_nanguard import _distributed
+from lightning_nanguard import _distributed, _notices
 from lightning_nanguard.contract import Action, Plan, Signal, StopReason
 from lightning_nanguard.engine.accounting import FitLedger
 from lightning_nanguard.engine.act import carry_out
 from lightning_nanguard.engine.bus import EventBus
 from lightning_nanguard.engine.decide import remedy_facts
-from lightning_nanguard.engine.diagnose import diagnose
+from lightning_nanguard.engine.diagnose import diagnose, trigger_note, write_incident_bundle
 from lightning_nanguard.engine.events import AfterStep, EventFacts, PendingEvent
 from lightning_nanguard.engine.final_check import divergence_diagnosis
 from lightning_nanguard.engine.reading import Reading
@@ -38,6 +37,7 @@ from lightning_nanguard.exceptions import (
 from lightning_nanguard.policies.remedy import plan_after_step, plan_remedy
 from lightning_nanguard.reporting import messages
 from lightning_nanguard.reporting.incidents import Incident
+from lightning_nanguard.signals.model_tensors import nonfinite_names
 
 __all__ = ["STOP_ERRORS", "EventHandled", "IncidentPath", "stop_error"]
 
@@ -134,8 +134,11 @@ class IncidentPath:
             diagnosis = divergence_diagnosis(state_verdict(trainer, pl_module).diverged)
         else:
             diagnosis = diagnose(trainer, pl_module, facts, registry, ledger)
+        # Forensics: the incident bundle, before any action changes the weights or the random state.
+        bundle = write_incident_bundle(trainer, pl_module, facts, diagnosis, registry, ledger, self.sink.run_dir)
         plan = plan_remedy(remedy_facts(trainer, facts, diagnosis, registry, ledger))
         out = carry_out(trainer, pl_module, plan, diagnosis, facts, registry, ledger, self.bus)
+        trigger_note(out.details, diagnosis)  # forensics: a formula bug's trigger, quarantined, is said to be one
         restore_failed = Action.ROLLBACK in plan.actions and not out.restored and plan.stop is None
         if restore_failed and (not facts.state_ok or diagnosis.state_damaged):
             plan = Plan(
@@ -172,7 +175,7 @@ class IncidentPath:
                 ranks=list(facts.ranks),
                 trigger=event.signal,
                 action=_primary(plan.actions),
-                source=self._sources(plan.actions),
+                source=self._sources(plan.actions, plan.stop),
                 values=values,
                 budget_left=self._budget_left(step),
                 message=message,
@@ -180,6 +183,7 @@ class IncidentPath:
                 cause=diagnosis.cause,
                 where=diagnosis.where,
                 diagnosis=diagnosis.to_dict(),
+                bundle=bundle,
             ),
             plan,
         )
@@ -210,7 +214,7 @@ class IncidentPath:
         if plan.stop is not None:
             self.ledger.request_stop(trainer, stop_error(plan.stop, cast(Signal, incident.trigger))(incident.message))
         if warn or Action.WARN in plan.actions:
-            rank_zero_warn(incident.message)
+            _notices.warn(incident.message)
         self.sink.record(trainer, incident)
         self.bus.emit(trainer, EventHandled(incident.step, incident))
 
@@ -220,10 +224,24 @@ class IncidentPath:
         scale = getattr(self.registry.backoff, "lr_scale", None)
         return messages.tried_phrase(counts, float(scale) if isinstance(scale, (int, float)) else None)
 
-    def _sources(self, actions: tuple[Action, ...]) -> str:
-        """Whose remedies acted, each once, in the order of the actions."""
+    def _sources(self, actions: tuple[Action, ...], stop: StopReason | None = None) -> str:
+        """Whose remedies acted, each once, in the order of the actions (a stop: the callback whose rule or budget
+        ended training; ``"nanguard"`` only where no callback's remedy acted)."""
         r = self.registry
         guard = r.guard.owner if r.guard is not None else ""
+        restorer = getattr(r.restorer, "owner", "")
+        stopper = (
+            {
+                StopReason.ROLLBACK_BUDGET: restorer,
+                StopReason.NOTHING_VERIFIED: restorer,
+                StopReason.RESTORE_FAILED: restorer,
+                StopReason.COLLAPSE_BUDGET: getattr(r.scale_watch, "owner", ""),
+                StopReason.STOP_ON_COLLAPSE: getattr(r.scale_watch, "owner", ""),
+                StopReason.COLLAPSE_UNRESTORABLE: getattr(r.scale_watch, "owner", ""),
+            }.get(stop, guard)
+            if stop is not None
+            else ""
+        )
         owners: Mapping[Action, str] = {
             Action.SKIP: guard or getattr(r.restorer, "owner", ""),
             Action.SCALER_SKIP: "GradScaler",
@@ -233,7 +251,7 @@ class IncidentPath:
             Action.EPS_BACKOFF: getattr(r.backoff, "owner", ""),
             Action.PROMOTE: getattr(r.promoter, "owner", ""),
             Action.WARN: guard or "nanguard",
-            Action.STOP: "nanguard",
+            Action.STOP: stopper or guard or restorer,
         }
         found: list[str] = []
         for a in actions:
@@ -252,7 +270,7 @@ class IncidentPath:
 
 
 def _bad_ranks(trainer: pl.Trainer, event: PendingEvent) -> list[int]:
-    """The ranks whose own reading was non-finite (an all-gather; every rank is here)."""
+    """The ranks whose own reading (for a state check: own state) was non-finite (an all-gather; every rank is here)."""
     if trainer.world_size <= 1:
         return [0]
     local = [
@@ -262,6 +280,9 @@ def _bad_ranks(trainer: pl.Trainer, event: PendingEvent) -> list[int]:
     # rank sees another rank's NaN gradient; a gradient that went bad after the reduction is this rank's own.
     loss_bad = any(len(vec) > at and not math.isfinite(vec[at]) for at, vec in local)
     any_bad = any(not all(math.isfinite(v) for v in vec) for _, vec in local)
+    if not event.readings and event.signal is Signal.NONFINITE_STATE:
+        # A state check (no step reading): the ranks whose own parameters or buffers are non-finite.
+        any_bad = bool(nonfinite_names(trainer.lightning_module, limit=1))
     gathered = [cast(tuple[bool, bool], g) for g in _distributed.all_gather_objects(trainer, (loss_bad, any_bad))]
     ranks = [i for i, g in enumerate(gathered) if g[0]] or [i for i, g in enumerate(gathered) if g[1]]
     return ranks or list(range(trainer.world_size))

@@ -1,14 +1,17 @@
 """What the callbacks brought to this fit: each capability registered once, in the callbacks' ``setup``.
 
-A capability that is not registered is never planned (ablation = what is registered); a conflicting duplicate is
-refused with ``NanGuardConfigError``.
+A capability that is not registered is never planned (ablation = what is registered). One callback of each kind:
+a second one (other settings or the same) is refused with ``NanGuardConfigError`` when it joins, in its ``setup``,
+before any step (``admit``).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
 
 from lightning_nanguard.engine.capabilities import Backoff, GuardSettings, MetricSource, Promoter, Restorer, ScaleWatch
 from lightning_nanguard.exceptions import NanGuardConfigError
@@ -16,7 +19,7 @@ from lightning_nanguard.policies.remedy import Installed
 from lightning_nanguard.recovery.quarantine import Quarantine
 from lightning_nanguard.signals.spike import RunningZScore
 
-__all__ = ["Registry"]
+__all__ = ["Registry", "settings_text"]
 
 
 class Registry:
@@ -36,6 +39,18 @@ class Registry:
         self.monitors_steps = False  # some member watches training steps (sensing runs)
         self.spikes: tuple[RunningZScore, RunningZScore] | None = None  # (grad norm, loss)
         self.host_only = False  # a decision needs host values before the update: no device path
+        self.kinds: dict[str, Callback] = {}  # one member per kind (its nanguard class's name)
+
+    def admit(self, member: Callback) -> None:
+        """Let ``member`` join this fit, unless a callback of its kind already has.
+
+        Raises:
+            NanGuardConfigError: a second callback of one kind, naming both and what to do.
+        """
+        kind = _kind(member)
+        first = self.kinds.setdefault(kind.__name__, member)
+        if first is not member:
+            raise _second_of_a_kind(kind, first, member)
 
     def set_guard(self, settings: GuardSettings, quarantine: Quarantine | None) -> None:
         if self.guard is not None and self.guard != settings:
@@ -98,6 +113,54 @@ class Registry:
             eps_backoff=backoff is not None and backoff.eps_applies(trainer),
             promote=self.promoter is not None,
         )
+
+
+def _kind(member: Callback) -> type:
+    """The nanguard class ``member`` is (a user's subclass of GradNormMonitor is a GradNormMonitor)."""
+    for cls in type(member).__mro__:
+        if cls.__module__.startswith("lightning_nanguard.callbacks."):
+            return cls
+    return type(member)
+
+
+def _settings(kind: type, member: Callback) -> dict[str, object]:
+    """``member``'s constructor arguments that differ from ``kind``'s defaults (read back from its attributes)."""
+    out: dict[str, object] = {}
+    for name, param in inspect.signature(kind).parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or not hasattr(member, name):
+            continue
+        value, default = getattr(member, name), param.default
+        if isinstance(value, (set, frozenset)):  # kept parsed (OptimizerBackoff's triggers="a,b")
+            same = isinstance(default, str) and set(default.split(",")) == set(value)
+            value = ",".join(sorted(value))
+        else:
+            same = value == default
+        if not same:
+            out[name] = value
+    return out
+
+
+def settings_text(member: Callback) -> str:
+    """``member`` as the call that builds it: ``"GradNormMonitor(layer_depth=2)"``."""
+    kind = _kind(member)
+    args = ", ".join(f"{k}={v!r}" for k, v in _settings(kind, member).items())
+    return f"{kind.__name__}({args})"
+
+
+def _second_of_a_kind(kind: type, first: Callback, second: Callback) -> NanGuardConfigError:
+    name, a, b = kind.__name__, settings_text(first), settings_text(second)
+    same = " (the same settings)" if a == b else ""
+    override = _settings(kind, second)
+    how = (
+        f"to change the one default_callbacks() builds, pass the settings there: default_callbacks({name}="
+        f"{override!r}), instead of adding a second {name}"
+        if override
+        else "remove one of them"
+    )
+    return NanGuardConfigError(
+        f"Two {name} callbacks are installed on one Trainer: {a} and {b}{same}. nanguard runs one callback of each "
+        f"kind per Trainer (the second would be ignored or would conflict with the first). Keep one: {how}."
+    )
 
 
 def _duplicate(obj: object) -> NanGuardConfigError:

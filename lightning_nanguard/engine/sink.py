@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_nanguard import _notices
+from lightning_nanguard._files import is_local_path
 from lightning_nanguard.reporting import emit
 from lightning_nanguard.reporting.dashboard import write_layout
 from lightning_nanguard.reporting.incidents import Incident, IncidentLog
@@ -28,20 +29,24 @@ class IncidentSink:
 
     def __init__(self) -> None:
         self.log = IncidentLog()
-        self.log_dir: str | None = None
+        self.log_dir: str | None = None  # rank 0's only (the files it writes)
+        self.run_dir: str | None = None  # the same on every rank
 
     @property
     def records(self) -> list[Incident]:
         return self.log.records
 
     def start(self, trainer: pl.Trainer) -> None:
-        """New fit: a fresh log. Files are written only where a logger writes (never into the working directory)."""
+        """New fit: a fresh log. Files are written only where a logger writes on the local filesystem (never into the
+        working directory)."""
         self.log = IncidentLog()
-        self.log_dir = None
+        self.log_dir = self.run_dir = None
         if not trainer.loggers:
             return
         log_dir = trainer.log_dir  # a broadcast: every rank calls it here
-        if trainer.is_global_zero and log_dir is not None:
+        self.run_dir = log_dir  # every rank's: incident bundles go there, whichever rank writes one
+        # Local directories only: a remote one (s3://, memory://) would be created as a local folder of that name.
+        if trainer.is_global_zero and log_dir is not None and is_local_path(log_dir):
             self.log_dir = log_dir
             self.log.path = os.path.join(log_dir, INCIDENTS_FILE)
             self.log.touch()
@@ -56,7 +61,14 @@ class IncidentSink:
         emit.log_text(trainer, key("incidents"), incident_markdown(incident))
 
     def summary(
-        self, trainer: pl.Trainer, callbacks: list[str], *, monitored: bool, final_state: str, notes: list[str]
+        self,
+        trainer: pl.Trainer,
+        callbacks: list[str],
+        *,
+        monitored: bool,
+        final_state: str,
+        notes: list[str],
+        steps: int | None = None,
     ) -> str:
         text = format_summary(
             self.records,
@@ -65,8 +77,9 @@ class IncidentSink:
             monitored=monitored,
             final_state=final_state,
             notes=notes,
+            steps=steps,
         )
-        rank_zero_info(text)
+        _notices.note(text)
         if self.log_dir is not None and trainer.is_global_zero:
             path = os.path.join(self.log_dir, SUMMARY_FILE)
             os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -4,7 +4,8 @@ One directory per incident, ``<log_dir>/nanguard/bundles/step-<global step>[-ran
 
 * ``manifest.json``: the LightningModule's import path (module and qualname) and its ``hparams``, the precision
   (and the loss scale), the optimizers (class and every param group's hyperparameters, with its parameters' names),
-  the step and batch index, the origin with its verdict, and what was stored or left out (and why);
+  the step and batch index, the origin with its verdict, the incident's diagnosis, and what was stored or left out
+  (and why);
 * ``step.pt``: the batch as ``training_step`` received it, the random states (torch, CUDA, Python, NumPy: those
   the in-process replay ran with), and the module's parameters and buffers;
 * ``op.pt``: the origin op's name and a copy of its inputs, for an op-level replay (when the trace kept them).
@@ -150,10 +151,14 @@ def write_bundle(
     *,
     budget_mb: float = DEFAULT_BUDGET_MB,
     name: str | None = None,
+    diagnosis: dict[str, Any] | None = None,
+    step: int | None = None,
 ) -> BundleWritten:
     """Write the bundle of one step under ``log_dir`` (call it right after ``trace_pass``: the random states it
-    stores are then those the traced pass ran with). Never raises for a full disk or an oversized state: the
-    returned value says what was written, or why nothing was."""
+        stores are then those the traced pass ran with). ``diagnosis`` is the incident's (``Diagnosis.to_dict()``),
+        kept in the manifest so ``nanguard replay`` can show the cause the incident named; ``step`` the incident's (the
+    Trainer's ``global_step`` when not given). Never raises for a full disk
+        or an oversized state: the returned value says what was written, or why nothing was."""
     origin = traced.origin if traced is not None else None
     call = traced.call if traced is not None else None
     budget = int(budget_mb * _MB)
@@ -195,7 +200,7 @@ def write_bundle(
             reason=f"{free / _MB:.0f} MB free: a {total / _MB:.1f} MB bundle would leave less than "
             f"{DISK_RESERVE_MB:g} MB",
         )
-    step = int(getattr(trainer, "global_step", 0) or 0)
+    step = int(getattr(trainer, "global_step", 0) or 0) if step is None else step
     rank = int(getattr(trainer, "global_rank", 0) or 0)
     world = int(getattr(trainer, "world_size", 1) or 1)
     name = name or (f"step-{step}" + (f"-rank-{rank}" if world > 1 else ""))
@@ -216,6 +221,7 @@ def write_bundle(
         "device": str(pl_module.device),
         "origin": origin.to_dict() if origin is not None else None,
         "verdict": explain(origin).to_dict() if origin is not None else None,
+        "diagnosis": diagnosis,
         "state": kind,
         "state_module": prefix,
         "batch_pickled": pickled_batch is not None,

@@ -1,9 +1,11 @@
 """One event's replay, when the cheap evidence does not settle its cause: the findings completed, or a note why not.
 
-Every rank runs this with the same rank-consistent findings and makes the same collectives in the same order: one
-all-gather of each replay pass (and one of the batch's targets when the replay's output size says a label may not
-fit). Whether to replay, and whether to add the float32 pass, is decided from gathered values only, so no rank can
-wait on a collective another rank skipped.
+The first pass is traced (``replay.trace_pass``): besides the modules and the loss, it finds the origin of the first
+non-finite value (the op, its line, the statistics that explain it), which the evidence rules read first. Every rank
+runs this with the same rank-consistent findings and makes the same collectives in the same order: one all-gather
+of each replay pass, the origin with it (and one of the batch's targets when the replay's output size says a label
+may not fit). Whether to replay, and whether to add the float32 pass, is decided from gathered values only, so no
+rank can wait on a collective another rank skipped.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ from dataclasses import dataclass, field
 import lightning.pytorch as pl
 
 from lightning_nanguard import _distributed, _lightning_compat
-from lightning_nanguard.forensics.replay import run_pass
+from lightning_nanguard.forensics.replay import TracedPass, run_pass, trace_pass
 from lightning_nanguard.policies.diagnosis import replay_steps, signature
 from lightning_nanguard.policies.findings import Findings, PassResult, ReplayFindings
 from lightning_nanguard.signals.batch import BatchFindings, read_batch
 
-__all__ = ["ReplayBook", "ReplayRequest", "investigate"]
+__all__ = ["TRACE_S", "ReplayBook", "ReplayRequest", "investigate"]
+
+TRACE_S = 60.0  # the origin trace's longest run, in seconds (and never past the replay budget left)
 
 
 @dataclass
@@ -30,6 +34,10 @@ class ReplayBook:
 
     spent_ms: float = 0.0
     kept: dict[tuple[object, ...], tuple[int, tuple[ReplayFindings, ...]]] = field(default_factory=dict)
+    # This rank's traced pass of the replay just run, and the rank whose bundle is written (the first that
+    # reproduced): read once by the incident's bundle (``engine.diagnose.write_incident_bundle``), then cleared.
+    traced: TracedPass | None = None
+    bundle_rank: int = 0
 
     def forget(self) -> None:
         """The model or the optimizer changed (a rollback, a promotion, an eps backoff): a kept replay no longer
@@ -65,19 +73,28 @@ def investigate(
 ) -> Findings:
     """``findings`` with a replay of the event's batch (run now, or the one kept for the same evidence), or with a
     note saying why there is none."""
+    book.traced = None
     if request.mode == "off":
         return dataclasses.replace(findings, note="forensics='off': cheap evidence only")
-    why_not = _why_not(trainer, pl_module, findings, request, book)
+    why_not = _why_not(trainer, pl_module, findings, request)
     if why_not:
         return dataclasses.replace(findings, note=f"replay skipped ({why_not}): cheap evidence only")
     key = signature(findings)
     kept = book.kept.get(key) if request.mode == "first" else None
-    if kept is not None:
+    spent = book.spent_ms >= _budget_ms(findings, request)
+    # A kept replay costs nothing. One whose records triggered the fault is traced again while the budget allows:
+    # they were that batch's, and a quarantine needs this batch's own.
+    if kept is not None and (spent or not _triggers(kept[1])):
         step, replays = kept
+        note = f"reused the replay of step {step} (forensics='first')"
+        if _triggers(replays):
+            replays = tuple(_without_rows(r) for r in replays)
+            note += ": the records that triggered it were that batch's, this batch's are not known"
         findings = _check_targets(trainer, findings, replays, request.batch)
-        return dataclasses.replace(
-            findings, replay=replays, note=f"reused the replay of step {step} (forensics='first')"
-        )
+        return dataclasses.replace(findings, replay=replays, note=note)
+    if spent:
+        why_not = f"the replay budget is spent: {book.spent_ms:.0f} ms, max_replay_steps={request.max_replay_steps:g}"
+        return dataclasses.replace(findings, note=f"replay skipped ({why_not}): cheap evidence only")
     replays, ms = _replay(trainer, pl_module, findings, request, book)
     findings = _check_targets(trainer, findings, replays, request.batch)
     ms = round(ms, 3)  # the slowest rank's time, the same number on every rank
@@ -93,6 +110,19 @@ def investigate(
         replay_steps=replay_steps(ms, findings.step_seconds),
         note="the update was applied: replayed on the post-update weights" if request.update_applied else "",
     )
+
+
+def _triggers(replays: tuple[ReplayFindings, ...]) -> bool:
+    """Some replay's origin names the records that trigger it (``Origin.trigger_rows``)."""
+    return any(r.hooked is not None and r.hooked.origin is not None and r.hooked.origin.trigger_rows for r in replays)
+
+
+def _without_rows(r: ReplayFindings) -> ReplayFindings:
+    """``r`` with its origin's rows left out (another batch's rows name nothing in this one)."""
+    if r.hooked is None or r.hooked.origin is None:
+        return r
+    origin = dataclasses.replace(r.hooked.origin, rows=())
+    return dataclasses.replace(r, hooked=dataclasses.replace(r.hooked, origin=origin))
 
 
 def _check_targets(trainer: pl.Trainer, f: Findings, replays: tuple[ReplayFindings, ...], batch: object) -> Findings:
@@ -120,10 +150,9 @@ def _budget_ms(f: Findings, request: ReplayRequest) -> float:
     return request.max_replay_steps * f.step_seconds * 1000.0
 
 
-def _why_not(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, f: Findings, request: ReplayRequest, book: ReplayBook
-) -> str:
-    """Why this event cannot be replayed ("" when it can). Rank-consistent inputs only."""
+def _why_not(trainer: pl.Trainer, pl_module: pl.LightningModule, f: Findings, request: ReplayRequest) -> str:
+    """Why this event cannot be replayed, nor a kept replay reused ("" when it can; the budget is checked apart, as
+    a kept replay costs nothing). Rank-consistent inputs only."""
     accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
     if accumulate > 1:
         return f"gradient accumulation: accumulate_grad_batches={accumulate}, only the last micro-batch is at hand"
@@ -133,22 +162,27 @@ def _why_not(
         return "no training step at hand"
     if not f.batch or not all(b.replayable for b in f.batch):
         return "the batch cannot be replayed"
-    if book.spent_ms >= _budget_ms(f, request):
-        return f"the replay budget is spent: {book.spent_ms:.0f} ms, max_replay_steps={request.max_replay_steps:g}"
     return ""
 
 
 def _replay(
     trainer: pl.Trainer, pl_module: pl.LightningModule, f: Findings, request: ReplayRequest, book: ReplayBook
 ) -> tuple[tuple[ReplayFindings, ...], float]:
-    """The hooked pass on every rank, then the float32 pass on every rank where a half-precision run reproduced."""
+    """The traced pass on every rank, then the float32 pass on every rank where a half-precision run reproduced."""
     scale = f.scale if _lightning_compat.get_scaler(trainer) is not None else None
-    hooked = run_pass(trainer, pl_module, request.batch, request.batch_idx, float32=False, scale=scale)
-    first: list[PassResult] = _distributed.all_gather_objects(trainer, hooked)  # type: ignore[assignment]
+    left_s = (_budget_ms(f, request) - book.spent_ms) / 1000.0  # the trace stops there (the pass runs on)
+    traced = trace_pass(
+        trainer, pl_module, request.batch, request.batch_idx, scale=scale, time_budget_s=min(TRACE_S, left_s)
+    )
+    book.traced = traced
+    first: list[PassResult] = _distributed.all_gather_objects(trainer, traced.result)  # type: ignore[assignment]
+    book.bundle_rank = next((r for r, p in enumerate(first) if p.reproduced), 0)
     ms = max(p.ms for p in first)
     fp32: list[PassResult | None] = [None] * len(first)
-    # The float32 pass costs about what the first did: run it only when that still fits the budget.
-    if f.half_precision and any(p.reproduced for p in first) and book.spent_ms + 2 * ms <= _budget_ms(f, request):
+    # The float32 pass costs about a training step (the traced pass, more: it checks every op): run it only when
+    # that still fits the budget.
+    step_ms = f.step_seconds * 1000.0 if math.isfinite(f.step_seconds) and f.step_seconds > 0 else ms
+    if f.half_precision and any(p.reproduced for p in first) and book.spent_ms + ms + step_ms <= _budget_ms(f, request):
         mine = run_pass(trainer, pl_module, request.batch, request.batch_idx, float32=True)
         gathered: list[PassResult] = _distributed.all_gather_objects(trainer, mine)  # type: ignore[assignment]
         fp32 = list(gathered)

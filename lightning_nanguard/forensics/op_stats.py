@@ -20,17 +20,19 @@ from torch import Tensor
 
 from lightning_nanguard.policies.origin import SourceFrame, Stat
 
-__all__ = ["ROWS_LISTED", "frame_from_stack", "frame_from_traceback", "module_from_stack", "op_stats", "rows_of"]
-
-ROWS_LISTED = 32
+__all__ = ["frame_from_stack", "frame_from_traceback", "module_from_stack", "op_stats", "rows_of"]
 
 
 def _library_dirs() -> tuple[str, ...]:
+    import importlib.util
+
     import lightning
-    import lightning_fabric
 
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # lightning_nanguard/
-    dirs = [os.path.dirname(m.__file__ or "") for m in (torch, lightning, lightning_fabric)] + [package]
+    dirs = [os.path.dirname(m.__file__ or "") for m in (torch, lightning)] + [package]
+    # Located, never imported: importing the standalone lightning_fabric re-points Lightning's rank-zero logger.
+    fabric = importlib.util.find_spec("lightning_fabric")
+    dirs += list(fabric.submodule_search_locations or []) if fabric is not None else []
     dirs += [sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
     return tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
 
@@ -81,11 +83,12 @@ def frame_from_traceback(entries: Iterable[str]) -> SourceFrame | None:
 
 
 def rows_of(mask: Tensor, batch_size: int | None) -> tuple[int, ...]:
-    """The leading-dim indices where ``mask`` holds, when that dim is the batch's (else none)."""
+    """The leading-dim indices where ``mask`` holds, when that dim is the batch's (else none). Every one: the
+    quarantine of a formula bug's triggering records reads them."""
     if batch_size is None or mask.dim() == 0 or mask.shape[0] != batch_size:
         return ()
     hit = mask.reshape(mask.shape[0], -1).any(dim=1)
-    return tuple(int(i) for i in hit.nonzero().flatten()[:ROWS_LISTED].tolist())
+    return tuple(int(i) for i in hit.nonzero().flatten().tolist())
 
 
 def _num(x: Tensor) -> float:

@@ -14,7 +14,8 @@ Infinities are often intended, so every non-finite tensor carries the event its 
 * *birth*: finite inputs, non-finite output by arithmetic (``exp``, ``log(0)``, ``x / 0``, an ``mm`` overflow),
   or a NaN made from infinities (``inf - inf``, a softmax row of all -inf): its parent is the event those
   infinities came from;
-* *input* / *state*: a batch field holding NaN or +inf, a non-finite parameter or buffer.
+* *input* / *state*: a batch field holding NaN or +inf, a parameter or buffer holding NaN or +inf (a buffer of
+  finite values and -inf, a registered causal mask, is intended).
 
 At the end, the step's non-finite results (the loss, the gradients) name their events; the origin is the earliest
 root among them: a chain of births is followed back through arithmetic infinities and stops at intended ones (so a
@@ -28,10 +29,11 @@ The cost is bounded: ``max_ops`` ops checked and ``time_budget_s`` seconds, then
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -112,6 +114,7 @@ class OriginTracer:
         self._births = 0
         self._start = 0.0
         self._stopped = False
+        self._aside = 0  # > 0 while the replay's own bookkeeping runs (``aside``): its ops are not the pass's
         self._mode: Any = None
         self._anomaly: Any = None
 
@@ -130,12 +133,21 @@ class OriginTracer:
         if self._anomaly is not None:
             self._anomaly.__exit__(None, None, None)
 
+    @contextlib.contextmanager
+    def aside(self) -> Iterator[None]:
+        """Ops run in this block (the replay's own hooks) pass through unchecked: they are not the model's."""
+        self._aside += 1
+        try:
+            yield
+        finally:
+            self._aside -= 1
+
     def _stop(self, why: str) -> None:
         self._stopped = True
         self.truncated = self.truncated or why
 
     def dispatch(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self._stopped:
+        if self._stopped or self._aside:
             return func(*args, **kwargs)
         self.ops_checked += 1
         if self.ops_checked > self.max_ops:
@@ -181,7 +193,11 @@ class OriginTracer:
             rows = rows_of(bad, self._batch_size)
             return self._add(Event(0, kind, produced=produced, fields=(self._batch[id(t)],), stats=stats, rows=rows))
         if id(t) in self._state:
-            return self._add(Event(0, "state", produced="nan" if nan else "inf", fields=(self._state[id(t)],)))
+            # A buffer of finite values and -inf (a causal or padding mask) is intended, like such a batch field.
+            name = self._state[id(t)]
+            if not nan and bool((t.detach()[~torch.isfinite(t.detach())] == -math.inf).all()):
+                return self._add(Event(0, "intended", produced="-inf", fields=(name,)))
+            return self._add(Event(0, "state", produced="nan" if nan else "inf", fields=(name,)))
         return self._add(Event(0, "intended", produced="nan" if nan else "inf", fields=("a constant",)))
 
     def _add(self, ev: Event) -> int:
@@ -336,7 +352,9 @@ class OriginTracer:
         chain = self._root_chain(results)
         if chain is None:
             return None, None
-        origin = to_origin(chain, self._events, ops_checked=self.ops_checked, truncated=self.truncated)
+        origin = to_origin(
+            chain, self._events, ops_checked=self.ops_checked, truncated=self.truncated, batch_size=self._batch_size
+        )
         return origin, chain[-1].call
 
 

@@ -145,7 +145,9 @@ def chain_of(events: list[Event], tag: int) -> list[Event]:
     return chain
 
 
-def to_origin(chain: list[Event], events: list[Event], *, ops_checked: int, truncated: str) -> Origin:
+def to_origin(
+    chain: list[Event], events: list[Event], *, ops_checked: int, truncated: str, batch_size: int | None = None
+) -> Origin:
     """The ``Origin`` of a chain (its root; where it surfaced, when that is another op)."""
     root, top = chain[-1], chain[0]
     phase = root.phase if root.kind == "birth" else "state" if root.kind == "state" else "input"
@@ -166,6 +168,7 @@ def to_origin(chain: list[Event], events: list[Event], *, ops_checked: int, trun
         module=root.module,
         stats=tuple(root.stats.items()),
         rows=root.rows,
+        batch_size=batch_size or 0,
         fields=root.fields,
         masked_by=root.masked_by,
         masked_frame=root.masked_frame,

@@ -107,6 +107,7 @@ class _Recorder:
 
     def __init__(self, root: nn.Module) -> None:
         self.root = root
+        self.aside: Any = contextlib.nullcontext  # an origin trace's ``aside``: the hooks' own ops are not traced
         self.names = {id(m): n for n, m in root.named_modules()}
         self.out_size: int | None = None
         self._root_ran = False
@@ -117,6 +118,10 @@ class _Recorder:
         self._backward: list[tuple[str, str, Tensor]] = []
 
     def forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        with self.aside():
+            self._forward_hook(module, args, output)
+
+    def _forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         outs = _floats(output)
         if not outs:
             return
@@ -143,7 +148,8 @@ class _Recorder:
 
     def _grad_hook(self, kind: str, name: str) -> Any:
         def hook(grad: Tensor) -> None:
-            self._backward.append((kind, name, _finite_flag([grad])))
+            with self.aside():
+                self._backward.append((kind, name, _finite_flag([grad])))
 
         return hook
 
@@ -248,6 +254,7 @@ class TracedPass(NamedTuple):
     origin: Origin | None
     call: tuple[str, Any, Any] | None
     note: str = ""  # why the trace stopped early ("" it did not)
+    ops: int = 0  # the aten ops the trace checked
 
 
 def run_pass(
@@ -330,6 +337,7 @@ def _pass(
                 data = batch
             if trace is not None:
                 tracer = traced.enter_context(OriginTracer(pl_module, data, **trace))
+                recorder.aside = tracer.aside
             loss = _loss_of(pl_module.training_step(data, batch_idx))
             stack.close()  # leave the precision context before the backward, as Lightning does
             if loss is None:
@@ -384,5 +392,7 @@ def _pass(
         max_abs_module=max_abs_module,
         ms=ms,
         error=error,
+        origin=origin,
+        trace_note=tracer.truncated if tracer is not None else "",
     )
-    return TracedPass(result, origin, call, tracer.truncated if tracer is not None else "")
+    return TracedPass(result, origin, call, result.trace_note, tracer.ops_checked if tracer is not None else 0)

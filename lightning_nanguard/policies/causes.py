@@ -16,7 +16,7 @@ from enum import Enum
 
 from lightning_nanguard.contract import Cause, Diagnosis
 from lightning_nanguard.policies.findings import Findings
-from lightning_nanguard.policies.rules import history, replay, state, step
+from lightning_nanguard.policies.rules import history, origin, replay, state, step
 
 __all__ = ["CAUSES", "EVIDENCE", "CauseSpec", "Remedy", "Rule", "Stage", "spec", "trusts_state"]
 
@@ -48,6 +48,8 @@ class CauseSpec:
         routine_under_scaler: an update of this cause the GradScaler dropped itself is its routine: it does not count
             toward the backoff (a run of them is LossScaleWatchdog's collapse, which backs off).
         counts_module_overflow: the module the diagnosis names counts one overflow toward ``promote_after``.
+        diagnosed: decided by the evidence rules of ``EVIDENCE``; ``False`` for a cause the callback that saw it
+            names directly (CheckpointGuard's verification of a checkpoint to resume from).
     """
 
     cause: Cause
@@ -59,6 +61,7 @@ class CauseSpec:
     counts_toward_backoff: bool = True
     routine_under_scaler: bool = False
     counts_module_overflow: bool = False
+    diagnosed: bool = True
 
 
 CAUSES: dict[Cause, CauseSpec] = {
@@ -116,6 +119,15 @@ CAUSES: dict[Cause, CauseSpec] = {
             counts_toward_backoff=False,
         ),
         CauseSpec(
+            Cause.CORRUPT_CHECKPOINT,
+            "the checkpoint to resume from failed verification",
+            "resume from an earlier verified checkpoint (CheckpointGuard(fallback=True) does it); check the storage "
+            "the file was written to and how the run that wrote it ended",
+            remedy=Remedy.RESTORE,
+            counts_toward_backoff=False,
+            diagnosed=False,
+        ),
+        CauseSpec(
             Cause.TRANSIENT,
             "the fault did not reproduce",
             "the same batch on the same weights was finite: a one-off (hardware, race, injected fault)",
@@ -124,7 +136,60 @@ CAUSES: dict[Cause, CauseSpec] = {
         CauseSpec(
             Cause.UNKNOWN,
             "",
-            "check the data and the model at this step (forensics='every' replays each incident)",
+            "check the data and the model at this step",
+        ),
+        # Decided from the origin (``policies.rules.origin``): a formula that fails on some valid records. Its update
+        # is dropped, the records that trigger it are quarantined as its trigger (``Diagnosis.caused_by_data``), and
+        # neither a rollback nor a lower learning rate is called for: no skip of theirs counts toward the backoff.
+        CauseSpec(
+            Cause.DIVISION_BY_ZERO,
+            "a division by zero in the model's formula, on valid data; the model and optimizer are not at fault",
+            "add eps to the denominator: F.normalize(h, dim=-1, eps=1e-6), or clamp_min the norm (a value "
+            "representable in the dtype: 1e-6 in float16)",
+            counts_toward_backoff=False,
+        ),
+        CauseSpec(
+            Cause.LOG_OF_ZERO,
+            "a log of zero in the model's formula; the model and optimizer are not at fault",
+            "take the log of a quantity that cannot be 0 (clamp_min(torch.finfo(dtype).tiny)), or compute it from "
+            "the logits (F.log_softmax, F.logsigmoid, F.binary_cross_entropy_with_logits)",
+            counts_toward_backoff=False,
+        ),
+        CauseSpec(
+            Cause.SQRT_AT_ZERO,
+            "the gradient of sqrt at zero in the model's formula; the model and optimizer are not at fault",
+            "add eps inside the root (torch.sqrt(x + eps)), or use torch.linalg.vector_norm (its gradient at 0 is 0)",
+            counts_toward_backoff=False,
+        ),
+        CauseSpec(
+            Cause.MASKED_BRANCH_GRADIENT,
+            "torch.where masks a non-finite branch whose gradient is NaN; the model and optimizer are not at fault",
+            "make the masked branch finite before the where: p * torch.log(p.clamp_min(tiny)), or "
+            "torch.special.xlogy(p, p) for p * log(p)",
+            counts_toward_backoff=False,
+        ),
+        CauseSpec(
+            Cause.FULLY_MASKED_SOFTMAX,
+            "a softmax row with every position masked; the model and optimizer are not at fault",
+            "give every row an unmasked position, mask with torch.finfo(dtype).min instead of -inf, or zero those "
+            "rows after the softmax",
+            counts_toward_backoff=False,
+        ),
+        CauseSpec(
+            Cause.LOW_PRECISION_ROUNDING,
+            "a formula unsafe in low precision (a value rounds to 1.0 or 0, then log); the model is not at fault",
+            "compute the loss from the logits (F.binary_cross_entropy_with_logits, F.logsigmoid, F.log_softmax): "
+            "clamping p to 1 - 1e-7 does not help in bfloat16 or float16, where it rounds to 1.0",
+            counts_toward_backoff=False,
+        ),
+        CauseSpec(
+            Cause.EXP_OVERFLOW,
+            "an exp overflows its dtype in the model's formula",
+            "subtract the row max before exp (torch.softmax and torch.logsumexp do), or run the op in float32",
+            remedy=Remedy.PROMOTE_WHEN_RECURRING,
+            counts_toward_backoff=False,
+            routine_under_scaler=True,
+            counts_module_overflow=True,
         ),
     )
 }
@@ -158,26 +223,40 @@ class Rule:
 
 
 # The evidence rules in the order they are tried, first match wins (docs/FORENSICS.md has the table): the state
-# first (a damaged state decides the remedy whatever else the event shows), then the step's own evidence, cheapest
-# first; a replay only when none of those decided (``policies.diagnosis.needs_replay``).
+# first (a damaged state decides the remedy whatever else the event shows), then the step's own signals; then, where a
+# replay ran, the origin of the first non-finite value (the op and line: a certain cause); then the batch's evidence;
+# then the coarse replay (modules, float32); the history last. The cheap rules before the first replay rule settle an
+# event without a replay (``policies.diagnosis.needs_replay``); the cheap ones after it decide when no replay ran.
 EVIDENCE: tuple[Rule, ...] = (
     Rule(Cause.CORRUPT_STATE, Stage.CHEAP, state.loaded_from_checkpoint),
     Rule(Cause.OPTIMIZER_NUMERICS, Stage.CHEAP, state.optimizer_update),
     Rule(Cause.CORRUPT_STATE, Stage.CHEAP, state.corrupt_state),
     Rule(Cause.GRADIENT_EXPLOSION, Stage.CHEAP, step.spike_or_collapse),
     Rule(Cause.GRADIENT_EXPLOSION, Stage.CHEAP, step.diverging),
-    Rule(Cause.INPUT_DATA, Stage.CHEAP, step.nonfinite_inputs),
-    Rule(Cause.TARGETS, Stage.CHEAP, step.nonfinite_targets),
-    Rule(Cause.TARGETS, Stage.CHEAP, step.targets_out_of_range),
-    Rule(Cause.INPUT_DATA, Stage.CHEAP, step.outsized_inputs),
     Rule(Cause.GRADIENT_EXPLOSION, Stage.CHEAP, step.scaler_overflow_climbing),
     Rule(Cause.HALF_PRECISION_OVERFLOW, Stage.CHEAP, step.scaler_overflow),
+    Rule(Cause.TARGETS, Stage.CHEAP, step.targets_out_of_range),  # the output size comes from a replay
+    Rule(Cause.INPUT_DATA, Stage.REPLAY, origin.nonfinite_input),
+    Rule(Cause.TARGETS, Stage.REPLAY, origin.nonfinite_target),
+    Rule(Cause.DIVISION_BY_ZERO, Stage.REPLAY, origin.division_by_zero),
+    Rule(Cause.LOG_OF_ZERO, Stage.REPLAY, origin.log_of_zero),
+    Rule(Cause.SQRT_AT_ZERO, Stage.REPLAY, origin.sqrt_at_zero),
+    Rule(Cause.MASKED_BRANCH_GRADIENT, Stage.REPLAY, origin.masked_branch_gradient),
+    Rule(Cause.FULLY_MASKED_SOFTMAX, Stage.REPLAY, origin.fully_masked_softmax),
+    Rule(Cause.LOW_PRECISION_ROUNDING, Stage.REPLAY, origin.low_precision_rounding),
+    Rule(Cause.EXP_OVERFLOW, Stage.REPLAY, origin.exp_overflow),
+    Rule(Cause.HALF_PRECISION_OVERFLOW, Stage.REPLAY, origin.half_precision_overflow),
+    Rule(Cause.GRADIENT_EXPLOSION, Stage.REPLAY, origin.overflow_past_float32),
+    Rule(Cause.INPUT_DATA, Stage.CHEAP, step.nonfinite_inputs),
+    Rule(Cause.TARGETS, Stage.CHEAP, step.nonfinite_targets),
+    Rule(Cause.INPUT_DATA, Stage.CHEAP, step.outsized_inputs),
     Rule(Cause.GRADIENT_EXPLOSION, Stage.REPLAY, replay.finite_but_huge),
     Rule(Cause.TRANSIENT, Stage.REPLAY, replay.not_reproduced),
     Rule(Cause.GRADIENT_EXPLOSION, Stage.REPLAY, replay.loss_of_huge_outputs),
     Rule(Cause.LOSS_FUNCTION, Stage.REPLAY, replay.loss_of_finite_outputs),
     Rule(Cause.HALF_PRECISION_OVERFLOW, Stage.REPLAY, replay.half_precision_module),
     Rule(Cause.GRADIENT_EXPLOSION, Stage.REPLAY, replay.nonfinite_in_float32),
+    Rule(Cause.UNKNOWN, Stage.REPLAY, replay.nonfinite_without_growth),
     Rule(Cause.UNKNOWN, Stage.REPLAY, replay.no_float32_pass),
     Rule(Cause.GRADIENT_EXPLOSION, Stage.LAST, history.rising_history),
     Rule(Cause.UNKNOWN, Stage.LAST, history.nothing_decided),

@@ -32,8 +32,14 @@ def _decide(f: Findings, stages: tuple[Stage, ...]) -> Diagnosis | None:
 
 
 def needs_replay(f: Findings) -> bool:
-    """The cheap evidence does not settle the cause."""
-    return _decide(f, (Stage.CHEAP,)) is None
+    """The cheap evidence does not settle the cause: no cheap rule placed before the first replay rule decides (the
+    batch's own evidence comes after the origin, so a batch with a NaN is replayed too, to trace where it went)."""
+    for rule in EVIDENCE:
+        if rule.stage is not Stage.CHEAP:
+            return True
+        if rule.decide(f) is not None:
+            return False
+    return True
 
 
 def signature(f: Findings) -> tuple[object, ...]:
@@ -66,8 +72,9 @@ def classify(f: Findings) -> Diagnosis:
         replay_ms=f.replay_ms,
         replay_steps=f.replay_steps,
         note="; ".join(x for x in (d.note, f.note) if x),
-        caused_by_data=d.caused_by_data,
-        rank_rows=_rank_rows(f, d.rows),
+        caused_by_data=d.caused_by_data or CAUSES[d.cause].data_at_fault,  # never "input_data, not by data"
+        rank_rows=d.rank_rows or _rank_rows(f, d.rows),
+        origin=d.origin,
     )
 
 
@@ -88,6 +95,8 @@ def _with_magnitude_rows(f: Findings, d: Diagnosis) -> Diagnosis:
     if found is None or CAUSES[d.cause].data_at_fault or d.cause in (Cause.CORRUPT_STATE, Cause.OPTIMIZER_NUMERICS):
         return d
     ranks, rows = rows_by_rank(f, "magnitude_rows")
+    if d.origin:  # the origin named the op: the outsized rows are its trigger, not a cause of their own
+        return replace(d, evidence=(*d.evidence, found))
     if d.cause is Cause.HALF_PRECISION_OVERFLOW:
         return replace(d, evidence=(*d.evidence, found), rows=rows)
     return Diagnosis(

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from lightning_nanguard.contract import Divergence, Evidence, EvidenceKind, Signal
+from lightning_nanguard.policies.origin import Origin
 from lightning_nanguard.signals.batch import BatchFindings
 from lightning_nanguard.signals.history import HistoryFindings
 from lightning_nanguard.signals.state import StateFindings
@@ -49,6 +50,8 @@ class PassResult:
     max_abs_grad: float = 0.0  # the largest finite |gradient| of any parameter (unscaled)
     ms: float = 0.0
     error: str = ""  # the pass raised: the exception, in one line
+    origin: Origin | None = None  # the op and line that made the first non-finite value (a traced pass only)
+    trace_note: str = ""  # why the origin trace stopped early ("" it did not, or no trace ran)
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,9 @@ def at(f: Findings, ranks: tuple[int, ...], rows: tuple[int, ...]) -> str:
 
 
 def history_evidence(f: Findings) -> Evidence:
-    return Evidence(EvidenceKind.HISTORY_RISING, f.history.summary())
+    """The recent history, as ``history_rising`` only where it was rising (``history`` otherwise)."""
+    kind = EvidenceKind.HISTORY_RISING if f.history.rising else EvidenceKind.HISTORY
+    return Evidence(kind, f.history.summary())
 
 
 def batch_evidence(f: Findings) -> list[Evidence]:

@@ -90,6 +90,7 @@ class Origin:
     module: str = ""  # the innermost module whose forward ran the op ("" the LightningModule, forward only)
     stats: tuple[tuple[str, Stat], ...] = ()
     rows: tuple[int, ...] = ()  # batch rows that trigger it (when the op's first dim is the batch's)
+    batch_size: int = 0  # the batch's rows (0: unknown), to tell a few triggering records from the whole batch
     fields: tuple[str, ...] = ()  # batch fields ("['mask']", "[0]") or state tensors ("encoder.weight")
     masked_by: str = ""
     masked_frame: SourceFrame | None = None
@@ -99,6 +100,14 @@ class Origin:
     note: str = ""
     ops_checked: int = 0
     truncated: str = ""  # why the trace stopped before the step's end ("" it did not)
+
+    @property
+    def trigger_rows(self) -> tuple[int, ...]:
+        """The rows that trigger it when they single out some records of the batch, not all of them (a record-level
+        trigger); ``()`` when no row, or every row, is named."""
+        if not self.rows or (self.batch_size and len(self.rows) >= self.batch_size):
+            return ()
+        return self.rows
 
     def stat(self, key: str, default: Stat | None = None) -> Stat | None:
         return next((v for k, v in self.stats if k == key), default)
@@ -182,7 +191,7 @@ def explain(origin: Origin | None) -> OriginVerdict:
         return OriginVerdict(
             OriginKind.NONFINITE_INPUT,
             True,
-            f"{what} already in the step's inputs: {where}{_rows(o)}, first used by {op}{at}",
+            f"{what} already in the step's batch: field {where}{_rows(o)}, first used by {op}{at}",
             "check the data pipeline for these records (quarantine skips them)",
             o.rows,
         )
@@ -246,11 +255,17 @@ def explain(origin: Origin | None) -> OriginVerdict:
             )
         negatives = int(o.stat("input_negatives", 0) or 0)
         what = "a negative input" if negatives and o.produced == "nan" else "0"
+        saturated = ones and "sigmoid" in producer  # 1 - sigmoid(z) with z past ~17: 1.0 even in float32
         return OriginVerdict(
             OriginKind.LOG_OF_ZERO,
             False,
-            f"{op} of {what} (input min {o.stat('input_min')}){_rows(o)}{at}",
-            "take the log of a quantity that cannot be 0: clamp_min(tiny) in the input's dtype "
+            f"{op} of {what} (input min {o.stat('input_min')})"
+            + (f": {ones} value(s) of p = sigmoid(z) are 1.0, so 1 - p = 0" if saturated else "")
+            + f"{_rows(o)}{at}",
+            "compute the loss from the logits: F.binary_cross_entropy_with_logits (or F.logsigmoid(z) and "
+            "F.logsigmoid(-z)) is exact where sigmoid saturates"
+            if saturated
+            else "take the log of a quantity that cannot be 0: clamp_min(tiny) in the input's dtype "
             "(torch.finfo(dtype).tiny), or compute it from logits (F.log_softmax, F.logsigmoid)",
             o.rows,
         )
@@ -278,8 +293,7 @@ def explain(origin: Origin | None) -> OriginVerdict:
                 if norm
                 else "add eps to the denominator, or clamp_min it (a value representable in "
                 f"{_dtype(o) or 'the dtype'}: 1e-6 in float16)"
-            )
-            + "; the records that trigger it are valid data, the formula is not",
+            ),
             o.rows,
         )
     if op.startswith(_EXPS):

@@ -9,8 +9,11 @@ state). Schedulers are not rewound, as for the in-memory path.
 The file is read here, with ``torch.load(weights_only=True)`` and the full verification (sidecar, finiteness), not
 through the strategy's ``CheckpointIO``: nanguard chose this file, so nothing in it is unpickled beyond weights, and a
 ``CheckpointGuard(fallback=True)`` wrapper cannot swap in another file (possibly a later step) behind the caller's
-back. A checkpoint of a step after the current ``global_step`` is refused: a rollback never restores the future of
-an abandoned run. The verdict is reduced across ranks, so every rank loads or every rank raises.
+back. A checkpoint of a step after the current ``global_step`` is refused, and so is one that is not the run's own
+past (``recovery/lineage.py``: under CheckpointGuard each file records the runs it descends from; after a resume from
+step 32, the step-40 file the abandoned first run wrote is not this run's past). The verdict is reduced across
+ranks, so every rank loads or every rank raises. Buffers whose infinities are intended (a mask of -inf the module
+builds itself) are checked for NaN only (``checkpoint_infinities.py``).
 """
 
 from __future__ import annotations
@@ -24,8 +27,18 @@ import torch
 from lightning_nanguard import _distributed, _lightning_compat
 from lightning_nanguard.checkpoints import checkpoint_step, last_good_checkpoint, verify_and_load
 from lightning_nanguard.exceptions import CheckpointVerificationError
+from lightning_nanguard.recovery.fallback import meta_of
+from lightning_nanguard.recovery.lineage import Lineage, lineage_of
+from lightning_nanguard.recovery.verifying_io import VerifyingCheckpointIO
 
-__all__ = ["DiskRestore", "has_rollback_checkpoint", "load_rollback_checkpoint", "restore_from_checkpoint"]
+__all__ = [
+    "DiskRestore",
+    "has_rollback_checkpoint",
+    "load_rollback_checkpoint",
+    "restore_from_checkpoint",
+    "rollback_checkpoint",
+    "run_lineage",
+]
 
 
 @dataclass(frozen=True)
@@ -36,17 +49,49 @@ class DiskRestore:
     scale: float | None  # the GradScaler scale saved in the file (applied only downward by the caller)
 
 
-def load_rollback_checkpoint(path: str, *, at_or_before_step: int, require_sidecar: bool = True) -> dict[str, Any]:
+def run_lineage(trainer: pl.Trainer) -> Lineage | None:
+    """The fit's lineage, kept by CheckpointGuard's IO; ``None`` without CheckpointGuard (nothing is known)."""
+    io = trainer.strategy.checkpoint_io
+    return io.lineage if isinstance(io, VerifyingCheckpointIO) else None
+
+
+def rollback_checkpoint(trainer: pl.Trainer, dirpath: str, *, at_or_before_step: int) -> str | None:
+    """The checkpoint file a disk rollback to ``at_or_before_step`` takes from ``dirpath`` (rank-local: reads files,
+    no collective): the newest that verifies, of that step or earlier, and the run's own past."""
+    lineage = run_lineage(trainer)
+
+    def admit(path: str, step: int) -> bool:
+        return lineage is None or lineage.admits(lineage_of(meta_of(path)), step, at_or_before_step)
+
+    module = trainer.lightning_module
+    return last_good_checkpoint(
+        dirpath, at_or_before_step=at_or_before_step, directories=False, module=module, admit=admit
+    )
+
+
+def load_rollback_checkpoint(
+    path: str,
+    *,
+    at_or_before_step: int,
+    require_sidecar: bool = True,
+    module: torch.nn.Module | None = None,
+    lineage: Lineage | None = None,
+) -> dict[str, Any]:
     """Read and verify ``path`` for a rollback to ``at_or_before_step`` (weights-only); raise if it does not qualify.
 
+    Args:
+        module: the live module (its buffers say which infinities are intended).
+        lineage: the run's lineage; a file it does not admit (another run's trajectory) is refused.
+
     Raises:
-        CheckpointVerificationError: the file fails verification, is not a Lightning checkpoint, or is of a later
-            step.
+        CheckpointVerificationError: the file fails verification, is not a Lightning checkpoint, is of a later
+            step, or is not the run's own past.
     """
     result, checkpoint = verify_and_load(
         path,
         require_sidecar=require_sidecar,
         load=lambda p: torch.load(p, map_location="cpu", weights_only=True),
+        module=module,
     )
     if not result.ok:
         raise CheckpointVerificationError(
@@ -62,6 +107,11 @@ def load_rollback_checkpoint(path: str, *, at_or_before_step: int, require_sidec
             f"nanguard: cannot roll back from {path}: it holds global_step={step}, after the step being restored to "
             f"({at_or_before_step}); it belongs to another (abandoned) run in the same directory."
         )
+    if lineage is not None and not lineage.admits(lineage_of(meta_of(path)), step, at_or_before_step):
+        raise CheckpointVerificationError(
+            f"nanguard: cannot roll back from {path}: it is not this run's past (its sidecar records another run's "
+            "trajectory, abandoned by this run's resume)."
+        )
     return checkpoint  # type: ignore[no-any-return]
 
 
@@ -72,7 +122,7 @@ def has_rollback_checkpoint(trainer: pl.Trainer, dirpath: str | None, *, at_or_b
     found = (
         dirpath is not None
         and trainer.is_global_zero
-        and last_good_checkpoint(dirpath, at_or_before_step=at_or_before_step, directories=False)
+        and rollback_checkpoint(trainer, dirpath, at_or_before_step=at_or_before_step)
     )
     return bool(_distributed.broadcast_object(trainer, bool(found)))
 
@@ -88,7 +138,12 @@ def restore_from_checkpoint(trainer: pl.Trainer, path: str) -> DiskRestore:
     error: CheckpointVerificationError | None = None
     checkpoint: dict[str, Any] = {}
     try:
-        checkpoint = load_rollback_checkpoint(path, at_or_before_step=int(trainer.global_step))
+        checkpoint = load_rollback_checkpoint(
+            path,
+            at_or_before_step=int(trainer.global_step),
+            module=trainer.lightning_module,
+            lineage=run_lineage(trainer),
+        )
     except CheckpointVerificationError as err:
         error = err
     if _distributed.any_rank(trainer, error is not None):  # every rank loads, or none does

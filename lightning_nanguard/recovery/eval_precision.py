@@ -10,7 +10,8 @@ and ``*_end``, through ``_lightning_compat.AttributePatches`` (what was there be
   ``"on_nonfinite"`` casts it itself);
 * under ``mode="on_nonfinite"`` the step is wrapped: its ``self.log`` calls are deferred (``DeferredLog``) until its
   outputs are known finite; a non-finite batch is re-run in float32, what the bad call logged is dropped and the
-  re-run's values are logged instead.
+  re-run's values are logged instead. The module's ``torchmetrics`` states are saved before each half-precision call
+  (only where the module has metrics) and put back before a re-run, so a metric counts a re-run batch once.
 
 The pieces it assembles:
 
@@ -29,25 +30,34 @@ import functools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
-from lightning_nanguard._lightning_compat import EVAL_STEP_CONTEXT, AttributePatches, takes_dataloader_iter
+from lightning_nanguard._lightning_compat import (
+    EVAL_STEP_CONTEXT,
+    AttributePatches,
+    MetricStates,
+    takes_dataloader_iter,
+)
 
 __all__ = [
     "DeferredLog",
     "Fp32Eval",
     "Fp32Weights",
     "Rerun",
+    "RerunGroup",
     "autocast_device",
     "autocast_disabled",
+    "batch_list",
     "default_dtype",
     "floating_tensors",
-    "merge_reruns",
+    "group_reruns",
     "nonfinite_flag",
     "rerun_message",
+    "rerun_where",
 ]
 
 # One batch this rank re-ran in float32: (stage, batch_idx, finite in float32).
@@ -217,6 +227,7 @@ class Fp32Eval:
         self.pending: list[Rerun] = []
         self._patches = AttributePatches()
         self._weights: Fp32Weights | None = None
+        self._metrics: MetricStates | None = None
 
     def begin(self, plugin: Any, pl_module: Any, step_name: str, warn: Callable[[str], None]) -> None:
         """Patch ``pl_module``'s ``step_name`` (``"validation_step"`` or ``"test_step"``) and ``plugin``; a step that
@@ -247,11 +258,13 @@ class Fp32Eval:
         deferred = DeferredLog(pl_module.log) if self.mode == "on_nonfinite" else None
         if deferred is not None:
             self._patches.set(pl_module, "log", deferred)
+            self._metrics = MetricStates(pl_module) or None
         self._patches.set(pl_module, step_name, self._wrap(plugin, step, _STAGE[step_name], deferred, convert))
 
     def end(self) -> None:
         """Put back every patch and free the float32 copies."""
         self._patches.restore()
+        self._metrics = None
         if self._weights is not None:
             self._weights.release()
             self._weights = None
@@ -262,6 +275,8 @@ class Fp32Eval:
             if deferred is None:  # mode="always", true half precision
                 return self._fp32_call(plugin, step, args, kwargs)
             first_args = (convert(args[0]), *args[1:]) if self.kind == "true" and args else args
+            metrics = self._metrics
+            saved = metrics.save() if metrics is not None else None
             deferred.begin()
             try:
                 output = step(*first_args, **kwargs)
@@ -275,6 +290,8 @@ class Fp32Eval:
                 deferred.replay()
                 return output
             deferred.discard()  # the bad call's logged values must not reach Lightning's epoch accumulation
+            if saved is not None:
+                MetricStates.restore(saved)  # nor its metric updates: the re-run updates them once
             output = self._fp32_call(plugin, step, args, kwargs)
             batch_idx = int(args[1]) if len(args) > 1 and isinstance(args[1], int) else int(kwargs.get("batch_idx", -1))
             self.pending.append((stage, batch_idx, not bool(nonfinite_flag(output))))
@@ -295,21 +312,60 @@ def _identity(data: Any) -> Any:
     return data
 
 
-def merge_reruns(gathered: Sequence[Sequence[Rerun]]) -> dict[tuple[str, int], tuple[list[int], bool]]:
-    """Every rank's re-runs (``gathered[rank]``), by ``(stage, batch_idx)`` in order: the ranks that re-ran the
-    batch, and whether it was finite in float32 on all of them."""
-    merged: dict[tuple[str, int], list[tuple[int, bool]]] = {}
+@dataclass(frozen=True)
+class RerunGroup:
+    """The batches of one evaluation epoch re-run in float32 with one outcome: one incident."""
+
+    stage: str  # "validation" | "test"
+    fp32_finite: bool  # finite in float32 on every rank that re-ran them
+    batches: tuple[int, ...]  # batch indices, in order
+    ranks: tuple[int, ...]  # the ranks that re-ran any of them
+
+
+def group_reruns(gathered: Sequence[Sequence[Rerun]]) -> list[RerunGroup]:
+    """Every rank's re-runs (``gathered[rank]``) as groups: by stage, then batches finite in float32 before the
+    ones that were not (a batch counts as finite only where every rank that re-ran it found it finite)."""
+    merged: dict[tuple[str, int], tuple[list[int], bool]] = {}
     for rank, part in enumerate(gathered):
         for stage, batch_idx, fp32_finite in part:
-            merged.setdefault((stage, batch_idx), []).append((rank, fp32_finite))
-    return {key: ([r for r, _ in seen], all(ok for _, ok in seen)) for key, seen in sorted(merged.items())}
+            ranks, finite = merged.get((stage, batch_idx), ([], True))
+            merged[(stage, batch_idx)] = ([*ranks, rank], finite and fp32_finite)
+    groups: dict[tuple[str, bool], tuple[list[int], set[int]]] = {}
+    for (stage, batch_idx), (ranks, finite) in sorted(merged.items()):
+        batches, seen = groups.setdefault((stage, not finite), ([], set()))
+        batches.append(batch_idx)
+        seen.update(ranks)
+    return [
+        RerunGroup(stage, not failed, tuple(batches), tuple(sorted(seen)))
+        for (stage, failed), (batches, seen) in sorted(groups.items())
+    ]
 
 
-def rerun_message(stage: str, batch_idx: int, half: str, fp32_finite: bool) -> str:
-    """The incident's sentence for one re-run batch (``half``: the dtype's name, ``"float16"``/``"bfloat16"``)."""
-    if not fp32_finite:
+def batch_list(batches: Sequence[int], limit: int = 8) -> str:
+    """``"0, 1, 2"``; past ``limit`` the first ones and ``"and N more"``."""
+    shown = ", ".join(str(b) for b in batches[:limit])
+    return shown + (f" and {len(batches) - limit} more" if len(batches) > limit else "")
+
+
+def rerun_where(group: RerunGroup) -> str:
+    """Where the incident happened: ``"validation batch 3"``, ``"4 validation batches: 0, 1, 2, 3"``."""
+    if len(group.batches) == 1:
+        return f"{group.stage} batch {group.batches[0]}"
+    return f"{len(group.batches)} {group.stage} batches: {batch_list(group.batches)}"
+
+
+def rerun_message(group: RerunGroup, half: str) -> str:
+    """The incident's sentence for one epoch's re-run batches (``half``: ``"float16"``/``"bfloat16"``)."""
+    n, stage, listed = len(group.batches), group.stage, batch_list(group.batches)
+    them = f"{n} {stage} batch{'es' if n > 1 else ''} ({listed})"
+    if not group.fp32_finite:
+        data = "these batches' data" if n > 1 else "this batch's data"
         return (
-            f"{stage} batch {batch_idx} is non-finite in {half} and in float32 too: not a precision overflow. "
-            "Check this batch's data and the model's weights."
+            f"{them} {'are' if n > 1 else 'is'} non-finite in {half} and in float32 too: not a precision overflow. "
+            f"Check {data} and the model's weights."
         )
-    return f"{stage} batch {batch_idx} overflowed in {half}; finite in float32"
+    return (
+        f"{them} overflowed in {half} and {'were' if n > 1 else 'was'} re-run in float32, where "
+        f"{'they are' if n > 1 else 'it is'} finite: the float32 results replace the {half} ones. If this happens "
+        "every epoch, mode='always' saves the double work."
+    )

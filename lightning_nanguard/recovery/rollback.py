@@ -12,10 +12,9 @@ from dataclasses import dataclass, replace
 import lightning.pytorch as pl
 
 from lightning_nanguard import _distributed, _lightning_compat
-from lightning_nanguard.checkpoints import last_good_checkpoint
 from lightning_nanguard.exceptions import CheckpointVerificationError
 from lightning_nanguard.policies.rollback import RollbackDecision, choose_sound
-from lightning_nanguard.recovery.disk_restore import restore_from_checkpoint
+from lightning_nanguard.recovery.disk_restore import restore_from_checkpoint, rollback_checkpoint
 from lightning_nanguard.recovery.snapshot import SnapshotRing
 
 __all__ = ["Restored", "keep_lower_scale", "restore_state"]
@@ -90,9 +89,10 @@ def _from_ring(
 
 
 def _from_disk(trainer: pl.Trainer, dirpath: str | None, at_or_before_step: int | None) -> Restored | None:
+    step = int(trainer.global_step) if at_or_before_step is None else at_or_before_step
     local = (
-        # Files only: a distributed checkpoint directory is not something ``torch.load`` can restore.
-        last_good_checkpoint(dirpath, at_or_before_step=at_or_before_step, directories=False)
+        # Files only, of the run's own past (``disk_restore.rollback_checkpoint``).
+        rollback_checkpoint(trainer, dirpath, at_or_before_step=step)
         if dirpath is not None and trainer.is_global_zero
         else None
     )

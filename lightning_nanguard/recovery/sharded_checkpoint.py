@@ -50,23 +50,14 @@ import lightning.pytorch as pl
 
 from lightning_nanguard import _distributed, _lightning_compat
 from lightning_nanguard._files import fsync_dir, hash_file
-from lightning_nanguard.checkpoint_manifest import (
-    directory_files,
-    files_of_rank,
-    manifest_step,
-    write_manifest,
-)
-from lightning_nanguard.checkpoints import (
-    SIDECAR_SUFFIX,
-    checkpoint_candidates,
-    nonfinite_tensors,
-    step_in_name,
-    verified_step,
-)
+from lightning_nanguard.checkpoint_manifest import directory_files, files_of_rank, write_manifest
+from lightning_nanguard.checkpoint_sidecar import remove_sidecars
+from lightning_nanguard.checkpoints import checkpoint_candidates, nonfinite_tensors, verified_step
 from lightning_nanguard.exceptions import CheckpointVerificationError
 from lightning_nanguard.recovery.checkpoint_events import CheckpointEvent
+from lightning_nanguard.recovery.fallback import fallback_bound, find_fallback
 from lightning_nanguard.recovery.tmp_files import tmp_name
-from lightning_nanguard.recovery.verifying_io import VerifyingCheckpointIO, find_fallback
+from lightning_nanguard.recovery.verifying_io import VerifyingCheckpointIO
 from lightning_nanguard.signals.fsdp1 import is_fsdp1
 from lightning_nanguard.signals.sharded import is_sharded, local_tensor
 
@@ -163,7 +154,8 @@ class _GuardedSave(_Bound):
             "state_dict": _local(checkpoint.get("state_dict", {})),
             "optimizer_states": _local(checkpoint.get("optimizer_states", [])),
         }
-        bad = nonfinite_tensors(local)
+        intended = sorted(self.io.intended()) if self.io.intended is not None else ()
+        bad = nonfinite_tensors(local, intended)
         if not _distributed.any_rank(trainer, bool(bad)):
             return False
         named: list[str] = []
@@ -197,17 +189,19 @@ class _GuardedSave(_Bound):
                 return f"no rank hashed {', '.join(missing) or 'any file'} (the strategy wrote no shard files?)"
             step = checkpoint.get("global_step", trainer.global_step)
             epoch = checkpoint.get("epoch", trainer.current_epoch)
+            step = int(step) if isinstance(step, int) else None
+            intended = sorted(self.io.intended()) if self.io.intended is not None else None
             write_manifest(
                 tmp,
                 files,
-                step=int(step) if isinstance(step, int) else None,
+                step=step,
                 epoch=int(epoch) if isinstance(epoch, int) else None,
                 world_size=trainer.world_size,
+                record=self.io.record(step, intended),
             )
             fsync_dir(tmp)
             _publish_dir(tmp, target)
-            with contextlib.suppress(FileNotFoundError):  # a single-file save of this name had a sidecar
-                os.remove(target + SIDECAR_SUFFIX)
+            remove_sidecars(target)  # a single-file save of this name had a sidecar
             fsync_dir(os.path.dirname(target))
         except OSError as err:
             return f"{type(err).__name__}: {err}"
@@ -250,7 +244,7 @@ def _publish_dir(tmp: str, target: str) -> None:
         return
     if _exchange(tmp, target):
         return  # the old checkpoint is now at tmp, removed by the caller
-    aside = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.replaced-{os.path.basename(tmp)}")
+    aside = tmp_name(target + "-replaced")  # hidden, and without the target's name (see tmp_files)
     os.replace(target, aside)
     os.replace(tmp, target)
     _remove_tree(aside)
@@ -270,6 +264,7 @@ class LoadDecision:
     """Rank 0's verdict on a resume, broadcast to every rank: load ``path`` or raise (``missing``/``error``)."""
 
     path: str = ""
+    step: int | None = None  # the chosen checkpoint's global_step, where known
     missing: bool = False
     error: str = ""
     events: tuple[CheckpointEvent, ...] = field(default=())
@@ -284,24 +279,24 @@ def decide_load(io: VerifyingCheckpointIO, requested: str) -> LoadDecision:
     requested = requested.removeprefix("file://")
     if not os.path.lexists(requested):
         return LoadDecision(missing=True, error=f"Checkpoint file not found: {requested}")
-    reason = verified_step(requested, require_sidecar=io.require_sidecar)[0]
+    module = io.live_module() if io.live_module is not None else None
+    reason, step = verified_step(requested, require_sidecar=io.require_sidecar, module=module)
     if reason is None:
-        return LoadDecision(requested, events=(CheckpointEvent("loaded", requested),))
+        return LoadDecision(requested, step, events=(CheckpointEvent("loaded", requested),))
     later: list[str] = []
+    bound = fallback_bound(requested)  # a directory's manifest still says which step it was
     if io.fallback:
-        limit = step_in_name(requested)
-        if limit is None and os.path.isdir(requested):
-            limit = manifest_step(requested)  # the manifest still says which step this directory was
 
-        def verify(candidate: str) -> tuple[bool, int | None, None]:
-            why, step = verified_step(candidate, require_sidecar=io.require_sidecar)
-            return why is None, step, None
+        def verify(candidate: str) -> tuple[bool, int | None, int | None]:
+            why, found = verified_step(candidate, require_sidecar=io.require_sidecar, module=module)
+            return why is None, found, found
 
         candidates = checkpoint_candidates(os.path.dirname(os.path.abspath(requested)))
-        chosen, _, later = find_fallback(requested, candidates, verify, limit)
+        chosen, step, later = find_fallback(requested, candidates, verify, bound)
         if chosen is not None:
-            return LoadDecision(chosen, events=(CheckpointEvent("fallback", requested, reason, substitute=chosen),))
-    message = io.load_error(requested, reason, later)
+            event = CheckpointEvent("fallback", requested, reason, substitute=chosen, step=step, bound=bound.step)
+            return LoadDecision(chosen, step, events=(event,))
+    message = io.load_error(requested, reason, later, bound)
     return LoadDecision(error=message, events=(CheckpointEvent("refused_load", requested, reason),))
 
 
@@ -327,4 +322,6 @@ class _GuardedLoad(_Bound):
             raise CheckpointVerificationError(decision.error)
         # The file the caller named: the caller's weights_only; a fallback nanguard chose: weights only.
         allowed = weights_only if decision.path == requested else True
-        return self.original(decision.path, weights_only=allowed)
+        loaded = self.original(decision.path, weights_only=allowed)
+        self.io.resumed(decision.path, decision.step)
+        return loaded

@@ -8,8 +8,7 @@ into a disk restore or a stop; the message says what one snapshot needs and the 
 
 from __future__ import annotations
 
-from lightning.pytorch.utilities import rank_zero_warn
-
+from lightning_nanguard import _notices
 from lightning_nanguard.exceptions import NanGuardConfigError
 
 __all__ = ["slots_that_fit"]
@@ -36,7 +35,7 @@ def slots_that_fit(max_bytes: int | None, need: int, slots: int, *, world: int, 
             "(source='disk'), or train on more DDP ranks (each keeps 1/world of a snapshot)."
         )
     if fits < slots:
-        rank_zero_warn(
+        _notices.warn(
             f"nanguard: AutoRollback(max_snapshot_bytes={max_bytes}) holds {fits} of the {slots} snapshots of {need} "
             f"bytes each (per rank): keeping {fits}. Set max_snapshot_bytes >= {need * slots} to keep them all, or "
             "lower num_snapshots."

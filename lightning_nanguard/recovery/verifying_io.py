@@ -1,4 +1,4 @@
-"""A CheckpointIO wrapper: atomic, checksummed, finite-only saves; verified loads with an optional fallback.
+"""A CheckpointIO wrapper: checksummed, finite-only saves at the caller's path; verified loads with an optional fallback.
 
 Lightning calls ``save_checkpoint`` and ``remove_checkpoint`` on global rank 0 only and ``load_checkpoint`` on every
 rank that restores. Every rank that loads reads the same file (a shared filesystem, as Lightning's own resume assumes)
@@ -9,42 +9,52 @@ wrapped IO.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from torch import nn
 from typing_extensions import override
 
-from lightning_nanguard._files import fsync_dir, hash_file, is_local_path
+from lightning_nanguard._files import fsync_dir, is_local_path
+from lightning_nanguard.checkpoint_sidecar import remove_sidecars
 from lightning_nanguard.checkpoints import (
     LAST_GOOD_NAME,
-    SIDECAR_SUFFIX,
     checkpoint_files,
     checkpoint_step,
     nonfinite_tensors,
-    step_in_name,
     verify_and_load,
     write_sidecar,
 )
 from lightning_nanguard.exceptions import CheckpointVerificationError
 from lightning_nanguard.recovery.checkpoint_events import CheckpointEvent, load_error
-from lightning_nanguard.recovery.tmp_files import remove_stale_tmp_files, tmp_name
+from lightning_nanguard.recovery.checkpoint_write import tag, write_at_path, write_through_tmp, writes_one_file
+from lightning_nanguard.recovery.fallback import FallbackBound, fallback_bound, find_fallback, meta_of
+from lightning_nanguard.recovery.lineage import Lineage, lineage_of
+from lightning_nanguard.recovery.tmp_files import remove_stale_tmp_files
 
-__all__ = ["VerifyingCheckpointIO", "find_fallback"]
+__all__ = ["VerifyingCheckpointIO"]
 
 
 class VerifyingCheckpointIO(CheckpointIO):
     """Wrap a ``CheckpointIO`` so that no non-finite or half-written checkpoint is ever taken for a good one.
 
-    Save: refuse a checkpoint whose weights or optimizer state hold NaN/inf (nothing is written); otherwise let the
-    wrapped IO write a temporary file in the same directory, fsync it, hash it, ``os.replace`` it onto the target,
-    then write the sha256 sidecar; then point the directory's ``nanguard-last-good.ckpt`` hard link at it.
-    A crash at any point leaves either the old verified file or a file that fails verification. The first save into
-    a directory removes the temporary files earlier killed saves left there (ours only, and only when not in use).
+    Save: refuse a checkpoint whose weights or optimizer state hold NaN/inf (intended infinities aside: ``intended``)
+    and write nothing. Otherwise:
+
+    * Lightning's own ``TorchCheckpointIO`` writes into a temporary file in the same directory, which is fsynced,
+      hashed and renamed onto the target (a crash leaves the old file or the new one, whole);
+    * any other ``CheckpointIO`` (a plugin, a subclass that overrides ``save_checkpoint``) is handed the caller's path
+      and ``storage_options`` unchanged, after the target's old sidecar is removed (and the target's name, when the
+      tag shares its content, so that a writer that rewrites files in place cannot overwrite the tag); the file it
+      wrote is then fsynced and hashed. An IO that writes no regular file at that path (a directory, another
+      store) is told about once: that checkpoint has no sidecar.
+
+    Then the sidecar (``checkpoint_sidecar.py``: the digest and the record: step, intended infinities, lineage) and
+    the directory's ``nanguard-last-good.ckpt`` hard link. The first save into a directory removes the temporary
+    files earlier killed saves left there (ours only, and only when not in use).
 
     Retention: after a refused save, ``remove_checkpoint`` in that directory is deferred until a finite checkpoint is
     written there again, so ModelCheckpoint's top-k retention (which believes the refused file exists) never deletes
@@ -52,16 +62,23 @@ class VerifyingCheckpointIO(CheckpointIO):
 
     Load: a missing file raises ``FileNotFoundError`` (as Lightning does). Otherwise verify the sidecar checksum (the
     zip CRC-32s without one), load with ``weights_only=True`` (unless the caller passed ``False`` for the file it
-    named), check finiteness; on failure raise ``CheckpointVerificationError`` or, with ``fallback``, load the newest
-    verified checkpoint of the same directory instead: always with ``weights_only=True``, whatever the caller
-    allowed for its own file, and never one of a later step than the ``step=N`` in the requested file's name.
+    named), check finiteness (intended infinities aside: ``live_module``); on failure raise
+    ``CheckpointVerificationError`` or, with ``fallback``, load a verified checkpoint of the same directory instead
+    (``recovery/fallback.py``: never of a later step than the requested file's, of its lineage's past), always with
+    ``weights_only=True``, whatever the caller allowed for its own file.
 
     Args:
-        checkpoint_io: the IO to wrap (Lightning's ``TorchCheckpointIO`` or a user plugin that writes one file).
+        checkpoint_io: the IO to wrap (Lightning's ``TorchCheckpointIO`` or a user plugin).
         require_sidecar: refuse to load a file without a sidecar.
-        fallback: on a failed load, use the newest verified checkpoint of the same directory.
+        fallback: on a failed load, use a verified checkpoint of the same directory.
         tag_last_good: keep the ``nanguard-last-good.ckpt`` hard link (a copy where links are unsupported).
         listener: called with a ``CheckpointEvent`` after each save/load decision (and before a raise).
+
+    Attributes set by CheckpointGuard (``None`` when used alone):
+        intended: the buffer names whose infinities are intended now (recorded at each save).
+        live_module: the module a load is for (its own buffers say which infinities in a checkpoint are intended).
+        lineage: the run's lineage (``recovery/lineage.py``), recorded at each save; ``track_lineage``: the next
+            load is a resume, which extends it.
     """
 
     def __init__(
@@ -78,7 +95,11 @@ class VerifyingCheckpointIO(CheckpointIO):
         self.fallback = fallback
         self.tag_last_good = tag_last_good
         self.listener = listener
-        self._told_remote = False
+        self.intended: Callable[[], Collection[str]] | None = None
+        self.live_module: Callable[[], nn.Module | None] | None = None
+        self.lineage: Lineage | None = None
+        self.track_lineage = False
+        self._told: set[str] = set()  # the kinds of "unverified" notices already given (once each)
         self._cleaned: set[str] = set()  # directories whose stale temporary files were removed
         self._writing: set[str] = set()  # temporary files this process is writing now
         self._newest: dict[str, str] = {}  # directory -> the newest good checkpoint written there by this wrapper
@@ -94,7 +115,8 @@ class VerifyingCheckpointIO(CheckpointIO):
             return
         local = is_local_path(target)
         directory = os.path.dirname(os.path.abspath(target)) if local else ""
-        bad = nonfinite_tensors(checkpoint)
+        intended = sorted(self.intended()) if self.intended is not None else None
+        bad = nonfinite_tensors(checkpoint, intended or ())
         if bad:
             if local:
                 self._refused.add(directory)
@@ -111,33 +133,40 @@ class VerifyingCheckpointIO(CheckpointIO):
             return
         if not local:
             self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
-            self._tell_remote(target, "not a local file: written without a sidecar (checksums are local-only)")
+            self._tell("remote", target, "not a local file: written without a sidecar (checksums are local-only)")
             return
         os.makedirs(directory, exist_ok=True)
         if directory not in self._cleaned:
             self._cleaned.add(directory)
             remove_stale_tmp_files(directory, in_use=self._writing)
-        tmp = tmp_name(target)
-        self._writing.add(tmp)
-        try:
-            self.checkpoint_io.save_checkpoint(checkpoint, tmp, storage_options=storage_options)
-            if not os.path.isfile(tmp):
-                raise CheckpointVerificationError(
-                    f"nanguard: {type(self.checkpoint_io).__name__} did not write a single file for {target}; "
-                    "CheckpointGuard supports file checkpoints only. Remove CheckpointGuard or use TorchCheckpointIO."
-                )
-            digest = hash_file(tmp, fsync=True)[1]
-            os.replace(tmp, target)
-        finally:
-            self._writing.discard(tmp)
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(tmp)
+        if writes_one_file(self.checkpoint_io):
+            digest: str | None = write_through_tmp(
+                self.checkpoint_io, checkpoint, target, storage_options, self._writing
+            )
+        else:
+            digest = write_at_path(self.checkpoint_io, checkpoint, path, target, storage_options)
+        if digest is None:
+            name = type(self.checkpoint_io).__name__
+            self._tell("not_a_file", target, f"{name} wrote no new file at this path: it has no sidecar")
+            return
         fsync_dir(directory)
-        # The sidecar comes last: until it is written, the new file fails verification (missing or stale digest).
-        write_sidecar(target, digest=digest)
+        # The sidecar comes last: until it is written, the new file fails verification (no or a stale digest).
+        meta = self.record(checkpoint_step(checkpoint), intended)
+        write_sidecar(target, digest=digest, meta=meta)
         if self.tag_last_good and os.path.basename(target) != LAST_GOOD_NAME:
-            _tag(target, os.path.join(directory, LAST_GOOD_NAME), digest, self._writing)
+            tag(target, os.path.join(directory, LAST_GOOD_NAME), digest, meta, self._writing)
         self.note_saved(target)
+
+    def record(self, step: int | None, intended: Sequence[str] | None) -> dict[str, Any]:
+        """nanguard's record of a checkpoint saved now (a sidecar's comment, a manifest's keys)."""
+        meta: dict[str, Any] = {}
+        if step is not None:
+            meta["step"] = step
+        if intended is not None:
+            meta["intended_infinities"] = list(intended)
+        if self.lineage is not None:
+            meta["lineage"] = self.lineage.to_meta()
+        return meta
 
     def note_saved(self, target: str) -> None:
         """A good checkpoint (a file, or a directory published by ``sharded_checkpoint``) is now at ``target``:
@@ -178,26 +207,43 @@ class VerifyingCheckpointIO(CheckpointIO):
             # Lightning's own error type for a missing ckpt_path, so `except FileNotFoundError` keeps working. (A
             # dangling symlink, such as save_last="link" to a refused save, is a failed verification: fallback applies.)
             raise FileNotFoundError(f"Checkpoint file not found: {requested}")
-        result, checkpoint = verify_and_load(requested, require_sidecar=self.require_sidecar, load=load)
+        module = self.live_module() if self.live_module is not None else None
+        result, checkpoint = verify_and_load(requested, require_sidecar=self.require_sidecar, load=load, module=module)
         if result.ok:
+            self.resumed(requested, checkpoint_step(checkpoint))
             self._notify(CheckpointEvent("loaded", requested))
             return checkpoint
         later: list[str] = []
+        bound = fallback_bound(requested, result.step)
         if self.fallback:
 
             def verify(candidate: str) -> tuple[bool, int | None, Any]:
-                found, loaded = verify_and_load(candidate, require_sidecar=self.require_sidecar, load=load_safe)
+                found, loaded = verify_and_load(
+                    candidate, require_sidecar=self.require_sidecar, load=load_safe, module=module
+                )
                 return found.ok, checkpoint_step(loaded), loaded
 
             # Files only: this IO loads a candidate with torch.load (a directory is loaded by the strategy).
             candidates = checkpoint_files(os.path.dirname(os.path.abspath(requested)))
-            chosen, checkpoint, later = find_fallback(requested, candidates, verify, step_in_name(requested))
+            chosen, checkpoint, later = find_fallback(requested, candidates, verify, bound)
             if chosen is not None:
-                self._notify(CheckpointEvent("fallback", requested, result.reason, substitute=chosen))
+                step = checkpoint_step(checkpoint)
+                self.resumed(chosen, step)
+                self._notify(
+                    CheckpointEvent(
+                        "fallback", requested, result.reason, substitute=chosen, step=step, bound=bound.step
+                    )
+                )
                 return checkpoint
-        message = self.load_error(requested, result.reason, later)
+        message = self.load_error(requested, result.reason, later, bound)
         self._notify(CheckpointEvent("refused_load", requested, result.reason))
         raise CheckpointVerificationError(message)
+
+    def resumed(self, loaded: str, step: int | None) -> None:
+        """A checkpoint was loaded: where this is the fit's resume, the lineage now descends from ``loaded``'s."""
+        if self.track_lineage and self.lineage is not None:
+            self.lineage = self.lineage.resumed_from(lineage_of(meta_of(loaded)), step or 0)
+        self.track_lineage = False
 
     # ------------------------------------------------------------------ delegated
     @override
@@ -222,8 +268,7 @@ class VerifyingCheckpointIO(CheckpointIO):
     # ------------------------------------------------------------------ internals
     def _remove(self, target: str) -> None:
         self.checkpoint_io.remove_checkpoint(target)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(target + SIDECAR_SUFFIX)
+        remove_sidecars(target)
         for directory, newest in list(self._newest.items()):
             if newest == target:
                 del self._newest[directory]
@@ -249,14 +294,22 @@ class VerifyingCheckpointIO(CheckpointIO):
         if self.listener is not None:
             self.listener(event)
 
-    def _tell_remote(self, path: str, reason: str) -> None:
-        if not self._told_remote:  # once per wrapper: a warning per save would drown the log
-            self._told_remote = True
+    def _tell(self, kind: str, path: str, reason: str) -> None:
+        if kind not in self._told:  # once per wrapper and kind: a warning per save would drown the log
+            self._told.add(kind)
             self._notify(CheckpointEvent("unverified", path, reason))
 
-    def load_error(self, path: str, reason: str, later: Sequence[str] = ()) -> str:
+    def load_error(self, path: str, reason: str, later: Sequence[str] = (), bound: FallbackBound | None = None) -> str:
         """The message of a refused load, with this wrapper's settings (``checkpoint_events.load_error``)."""
-        return load_error(path, reason, later, require_sidecar=self.require_sidecar, fallback=self.fallback)
+        return load_error(
+            path,
+            reason,
+            later,
+            require_sidecar=self.require_sidecar,
+            fallback=self.fallback,
+            bound=bound.describe() if bound is not None else "",
+            step=bound.step if bound is not None else None,
+        )
 
     def _load_remote(self, path: str, load: Callable[[str], Any]) -> Any:
         checkpoint = load(path)
@@ -265,57 +318,8 @@ class VerifyingCheckpointIO(CheckpointIO):
             reason = f"non-finite values in {', '.join(bad[:3])}"
             self._notify(CheckpointEvent("refused_load", path, reason))
             raise CheckpointVerificationError(self.load_error(path, reason))
-        self._tell_remote(path, "not a local file: finiteness checked, checksum not (checksums are local-only)")
+        self._tell("remote", path, "not a local file: finiteness checked, checksum not (checksums are local-only)")
         return checkpoint
-
-
-def find_fallback(
-    requested: str,
-    candidates: Iterable[str],
-    verify: Callable[[str], tuple[bool, int | None, Any]],
-    limit: int | None,
-) -> tuple[str | None, Any, list[str]]:
-    """The first of ``candidates`` (newest first) that ``verify`` passes as a Lightning checkpoint (``(ok, its
-    global_step, what it loaded)``) of a step at or before ``limit``: ``(path, what it loaded, the newer verified
-    ones passed over)``, or ``(None, None, those passed over)``.
-
-    Only ``requested`` itself is skipped: a hard link to the same content (the tag) has its own sidecar, and
-    re-verifying it is what lets a file that merely lost its sidecar fall back to its tag. A fallback never moves
-    forward past ``limit``: resuming from an older file is how a user leaves a trajectory that went bad, and its
-    newer files are that trajectory.
-    """
-    later: list[str] = []
-    for candidate in candidates:
-        if os.path.abspath(candidate) == os.path.abspath(requested):
-            continue
-        ok, step, loaded = verify(candidate)
-        if not ok or step is None:  # failed, or not a Lightning checkpoint: nothing to resume from
-            continue
-        if limit is not None and step > limit:
-            later.append(candidate)
-            continue
-        return candidate, loaded, later
-    return None, None, later
-
-
-def _tag(source: str, tag: str, digest: str, writing: set[str]) -> None:
-    """Point ``tag`` at ``source``'s content: a hard link (no extra disk), a copy where links are unsupported."""
-    tmp = tmp_name(tag)
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(tmp)
-    writing.add(tmp)
-    try:
-        try:
-            os.link(source, tmp)
-        except OSError:
-            shutil.copyfile(source, tmp)
-            hash_file(tmp, fsync=True)  # the copy's data on disk before the rename
-        os.replace(tmp, tag)
-    finally:
-        writing.discard(tmp)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-    write_sidecar(tag, digest=digest)
 
 
 def _is_spawn_transfer(path: str) -> bool:

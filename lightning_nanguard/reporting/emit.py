@@ -28,7 +28,7 @@ def log_event(trainer: pl.Trainer, metrics: Mapping[str, float], step: int | Non
     at = log_step(trainer) if step is None else step
     for logger in trainer.loggers:
         if not tensorboard_one_event(logger, metrics, at):
-            logger.log_metrics(dict(metrics), step=at)
+            logger.log_metrics(metrics=dict(metrics), step=at)  # by keyword, as Lightning calls it
 
 
 @rank_zero_only

@@ -38,6 +38,8 @@ class Incident:
         cause: the diagnosed ``Cause`` (``None`` for events with no diagnosis, written ``""``).
         where: the location the diagnosis names (module, tensors, batch rows, checkpoint).
         diagnosis: the full diagnosis as plain values (``Diagnosis.to_dict()``), ``{}`` when none.
+        bundle: the incident bundle's directory (``<log_dir>/nanguard/bundles/step-N``: re-run the step offline with
+            ``nanguard replay``), ``""`` when none was written (no replay ran, or it was over its budget).
 
     The enum fields accept their plain values too (a record read back from ``incidents.jsonl``); a value this version
     does not know (a log written by another version) is kept as its string. ``to_dict`` writes the plain values.
@@ -57,6 +59,7 @@ class Incident:
     cause: Cause | None = None
     where: str = ""
     diagnosis: dict[str, object] = field(default_factory=dict)
+    bundle: str = ""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen
@@ -81,6 +84,7 @@ class Incident:
             "cause": "" if self.cause is None else str(self.cause),
             "where": self.where,
             "diagnosis": _json_safe(self.diagnosis),
+            "bundle": self.bundle,
         }
 
     @classmethod

@@ -96,11 +96,12 @@ def tried_phrase(counts: Mapping[str, int], lr_scale: float | None) -> str:
         "backoff": "lowered the learning rate {n} time(s)",
         "eps_backoff": "raised eps {n} time(s)",
         "promote": "moved {n} module(s) to float32",
+        "warn": "only warned, {n} time(s)",
     }
     parts = [names[a].format(n=n) for a, n in counts.items() if a in names and n]
     if lr_scale is not None and lr_scale < 1.0:
         parts.append(f"the learning rate is at {lr_scale:g}x its schedule")
-    return "; ".join(parts) or "nothing yet"
+    return "; ".join(parts) or "nothing"
 
 
 def stop_message(

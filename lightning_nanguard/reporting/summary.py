@@ -19,6 +19,7 @@ def format_summary(
     final_state: str = "",
     notes: Sequence[str] = (),
     limit: int = 8,
+    steps: int | None = None,
 ) -> str:
     """A fixed-width summary: counts by cause and action, the first and last incidents, what was checked.
 
@@ -31,11 +32,16 @@ def format_summary(
         final_state: one phrase on the end-of-fit check of parameters and buffers, ``""`` when not checked.
         notes: extra lines (quarantined data, promoted modules, ...).
         limit: incidents listed; ``0`` lists all of them.
+        steps: training steps run in this fit (``None``: not known, as for ``nanguard report``).
     """
     head = f"nanguard summary ({', '.join(callbacks) or 'no callbacks'})"
     lines = [head, "-" * len(head)]
     if not incidents:
-        if monitored:
+        if monitored and steps == 0:
+            lines.append("no incidents; no training step ran.")
+        elif monitored and steps is not None and steps > 1:
+            lines.append(f"no incidents: all {steps} training steps were checked and were finite.")
+        elif monitored:
             lines.append("no incidents: every training step was checked and was finite.")
         else:
             lines.append(

@@ -12,6 +12,11 @@ magnitudes would cost a host read on every healthy step.
   are inputs;
 * anything else (one tensor, a one-element tuple): inputs only.
 
+**Masks.** An input tensor whose only non-finite values are -inf (finite values and -inf, no NaN, no +inf) is an
+additive mask (an attention or padding mask: ``scores + mask``), intended, not bad data: its rows are never
+``nonfinite_rows`` (``is_additive_mask``). The origin tracer (``forensics.origin``) takes such a field the same way.
+A NaN, or a +inf, in an input is bad data.
+
 A NaN/inf in a target row is ``nonfinite_target_rows`` (a target problem), one in an input row ``nonfinite_rows``;
 magnitude outliers are looked for in the inputs only. Class targets are the integer tensors among the targets; they
 are checked against the model's output size only where that output can be a class-index head (two or more outputs):
@@ -20,6 +25,7 @@ a single output is a binary logit or a regression, whose integer targets (0/1 la
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +42,7 @@ __all__ = [
     "TARGET_KEYS",
     "BatchFindings",
     "integer_tensors",
+    "is_additive_mask",
     "magnitude_outliers",
     "read_batch",
     "split_batch",
@@ -121,13 +128,26 @@ def magnitude_outliers(batch: Any, ratio: float = MAGNITUDE_RATIO) -> tuple[list
     return rows, top, median
 
 
+def is_additive_mask(t: Tensor) -> bool:
+    """A floating tensor whose only non-finite values are -inf (at least one): an additive mask."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return False
+    bad = ~torch.isfinite(t.detach())
+    return bool(bad.any()) and bool((t.detach()[bad] == -math.inf).all())
+
+
+def _unmasked(inputs: list[Any]) -> list[Any]:
+    """The inputs without their additive masks (tensors only: the rows of the others are what is checked)."""
+    return [t for t in iter_tensors(inputs) if not is_additive_mask(t)]
+
+
 def read_batch(batch: Any, out_size: int | None = None) -> BatchFindings:
     """All the batch evidence of one rank. Targets are checked only against ``out_size``, the model's output size as
     a replay saw it: guessing it from the modules (a tied head has no output Linear) would blame good labels."""
     if batch is None:
         return BatchFindings(replayable=False)
     inputs, targets = split_batch(batch)
-    bad = nonfinite_rows(inputs)
+    bad = nonfinite_rows(_unmasked(inputs))
     bad_targets = nonfinite_rows(targets)
     mag, top, median = magnitude_outliers(inputs)
     target = target_tensor(batch)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -37,13 +38,15 @@ class HistoryFindings:
 
 
 def _rising(values: list[float], factor: float) -> bool:
-    """The last values climb: each of the last three above the one before, and the last ``factor`` x the first."""
+    """The last values climb: each of the last three above the one before, and the last ``factor`` x the level they
+    climbed from (the median of the values before the last two; not the minimum, which one small early value, a
+    first step or a dip, would make a flat history's)."""
     vals = [v for v in values if math.isfinite(v)]
     if len(vals) < 3:
         return False
     tail = vals[-3:]
     climbing = all(b > a for a, b in itertools.pairwise(tail))
-    return climbing and vals[-1] >= factor * max(min(vals), 1e-12)
+    return climbing and vals[-1] >= factor * max(statistics.median(vals[:-2]), 1e-12)
 
 
 def read_history(

@@ -17,7 +17,7 @@ from lightning_nanguard import (
     RecoveryBudgetExhausted,
     UnsupportedSetupError,
 )
-from lightning_nanguard.checkpoints import verify_checkpoint, write_sidecar
+from lightning_nanguard.checkpoints import SIDECAR_SUFFIX, verify_checkpoint, write_sidecar
 from lightning_nanguard.contract import RestoreSource, StateRestored
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.testing import FaultInjector
@@ -200,7 +200,7 @@ def test_disk_source_restores_the_newest_verified_checkpoint_at_or_before_the_st
     torch.save({"not": "a checkpoint"}, str(ckpt_dir / "newer-unverified.ckpt"))  # no sidecar: must be ignored
     future = _good_checkpoint(tmp_path / "other", steps=9)  # verified, but from a step after the fault
     os.replace(future, ckpt_dir / "future.ckpt")
-    os.replace(future + ".sha256", str(ckpt_dir / "future.ckpt") + ".sha256")
+    os.replace(future + SIDECAR_SUFFIX, str(ckpt_dir / "future.ckpt") + SIDECAR_SUFFIX)
     saved = torch.load(good, weights_only=True)
 
     spy, model = StateSpy(), TinyModel(lr=0.01)

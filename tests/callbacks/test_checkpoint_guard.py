@@ -195,7 +195,7 @@ def test_save_checkpoint_is_atomic_with_sidecar_and_tag(tmp_path: pathlib.Path) 
     assert verify_checkpoint(str(target)).ok
     assert sorted(os.listdir(target.parent)) == [
         "final.ckpt",
-        "final.ckpt.sha256",
+        "final.ckpt" + SIDECAR_SUFFIX,
         LAST_GOOD_NAME,
         LAST_GOOD_NAME + SIDECAR_SUFFIX,
     ]

@@ -21,8 +21,8 @@ from lightning_nanguard import (
     NanGuardConfigError,
     NonFiniteTrainingError,
     RecoveryBudgetExhausted,
+    _notices,
 )
-from lightning_nanguard.callbacks import loss_scale_watchdog
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.testing import FaultInjector
 from tests.helpers import TinyModel, csv_metrics, make_trainer, params_of
@@ -263,7 +263,7 @@ def test_without_a_grad_scaler_it_says_so_once_and_does_nothing(
 ) -> None:
     # Asserts what is said, not how logging propagates (which differs across pytest versions).
     said: list[str] = []
-    monkeypatch.setattr(loss_scale_watchdog, "rank_zero_info", lambda message, *a, **k: said.append(str(message)))
+    monkeypatch.setattr(_notices, "note", lambda message, *a, **k: said.append(str(message)))
     watchdog = LossScaleWatchdog()
     trainer = make_trainer(tmp_path, precision, max_steps=3, callbacks=[watchdog])
     trainer.fit(TinyModel())

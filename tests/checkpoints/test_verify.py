@@ -85,7 +85,7 @@ def test_verify_good_and_each_failure(tmp_path: pathlib.Path) -> None:
     assert (missing.ok, missing.reason) == (False, "file does not exist")
 
     nosidecar = _save(tmp_path / "nosidecar.ckpt", _ckpt(), sidecar=False)
-    assert "no checksum sidecar nosidecar.ckpt.sha256" in verify_checkpoint(nosidecar).reason
+    assert "no checksum sidecar nosidecar.ckpt.checksum" in verify_checkpoint(nosidecar).reason
     assert verify_checkpoint(nosidecar, require_sidecar=False).ok
 
     nan = _save(tmp_path / "nan.ckpt", _ckpt(float("nan")))
@@ -138,7 +138,7 @@ def test_write_sidecar_is_sha256sum_format(tmp_path: pathlib.Path, digest: str |
     path = _save(tmp_path / "x.ckpt", _ckpt(), sidecar=False)
     written = write_sidecar(path, digest=digest)
     assert written == (digest or hash_file(path)[1])
-    assert (tmp_path / "x.ckpt.sha256").read_text() == f"{written}  x.ckpt\n"
+    assert (tmp_path / "x.ckpt.checksum").read_text() == f"{written}  x.ckpt\n"
     assert not list(tmp_path.glob("*.tmp"))
 
 

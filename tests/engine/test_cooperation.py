@@ -15,7 +15,10 @@ from tests.helpers import HostReadsPerStep, TinyModel, all_finite, make_trainer,
 
 
 def _suite() -> list[pl.Callback]:
-    return [ng.GradNormMonitor(), ng.AutoRollback(every_n_steps=2, quiet_steps=0), ng.OptimizerBackoff()]
+    # Every incident replayed (a traced replay costs several of this tiny model's millisecond steps: the default
+    # budget, in steps' worth of time, would run out at a time-dependent incident).
+    monitor = ng.GradNormMonitor(max_replay_steps=1e9)
+    return [monitor, ng.AutoRollback(every_n_steps=2, quiet_steps=0), ng.OptimizerBackoff()]
 
 
 def _run(

@@ -93,17 +93,21 @@ class MaskedEntropy(_Base):
 
 class MaskedAttention(_Base):
     """Self-attention with an additive padding mask of -inf in the batch. With ``fully_masked``, one row of the bad
-    batch masks every position: its softmax is 0 / 0."""
+    batch masks every position: its softmax is 0 / 0. With ``nan_record``, one record of the bad batch holds a NaN
+    feature (a fault unrelated to the mask)."""
 
-    def __init__(self, fully_masked: bool = False) -> None:
+    def __init__(self, fully_masked: bool = False, nan_record: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
         x = torch.randn(N, 6, 8, generator=torch.Generator().manual_seed(0))
+        y = x.mean(dim=(1, 2))
         mask = torch.zeros(N, 6, 6)
         mask[:, :, 4:] = -math.inf  # the last two positions are padding: intended, not bad data
         if fully_masked:
             mask[BAD_BATCH * BATCH + BAD_ROW, 2, :] = -math.inf
-        self.data = _Dicts(x=x, mask=mask, y=x.mean(dim=(1, 2)))
+        if nan_record:
+            x[BAD_BATCH * BATCH + BAD_ROW, 1, 3] = math.nan
+        self.data = _Dicts(x=x, mask=mask, y=y)
         self.qkv = nn.Linear(8, 24)
         self.head = nn.Linear(8, 1)
 

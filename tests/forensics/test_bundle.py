@@ -104,7 +104,7 @@ def test_a_bundle_reads_back_weights_only(tmp_path: Path) -> None:
     bundle = read_bundle(written.path)
     assert bundle.manifest["module"] == "tests.forensics.origin_models"
     assert bundle.manifest["qualname"] == "MaskedAttention"
-    assert bundle.manifest["hparams"] == {"fully_masked": True}
+    assert bundle.manifest["hparams"] == {"fully_masked": True, "nan_record": False}
     assert bundle.manifest["optimizers"][0]["class"] == "torch.optim.sgd:SGD"
     assert bundle.manifest["optimizers"][0]["param_groups"][0]["lr"] == 0.01
     assert set(bundle.batch) == {"x", "mask", "y"}

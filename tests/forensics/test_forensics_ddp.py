@@ -7,6 +7,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
+from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import GradNormMonitor
@@ -34,7 +35,10 @@ class DumpDiagnoses(pl.Callback):
         self.out_dir = out_dir
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        records = [{**r.diagnosis, "step": r.step, "batch_idx": r.batch_idx} for r in get_engine(trainer).sink.records]
+        records = [
+            {**r.diagnosis, "step": r.step, "batch_idx": r.batch_idx, "bundle": r.bundle}
+            for r in get_engine(trainer).sink.records
+        ]
         with open(f"{self.out_dir}/rank{trainer.global_rank}.json", "w") as f:
             json.dump(records, f)
 
@@ -47,6 +51,7 @@ def test_replay_on_both_ranks_same_verdict_naming_the_rank(tmp_path: Any) -> Non
         devices=2,
         max_steps=4,
         use_distributed_sampler=False,
+        logger=CSVLogger(str(tmp_path), name="csv", version=0),
         callbacks=[GradNormMonitor(), DumpDiagnoses(str(tmp_path))],
     )
     trainer.fit(ShardedBCE())
@@ -57,7 +62,13 @@ def test_replay_on_both_ranks_same_verdict_naming_the_rank(tmp_path: Any) -> Non
     [d0], [d1] = per_rank
     assert d0 == d1  # replay_ms included: the slowest rank's time, gathered
     assert (d0["step"], d0["batch_idx"]) == (BAD_BATCH, BAD_BATCH)
-    assert d0["cause"] == "loss_function"
+    # The origin on rank 1 decides it: log(1 - p) with p = sigmoid(z) saturated at 1.0, the row that triggers it
+    # named on its rank (and quarantined there only), the bundle written by rank 1 and named alike on both ranks.
+    assert d0["cause"] == "log_of_zero"
     assert d0["ranks"] == [1]
-    assert d0["where"] == "the loss of training_step on rank 1 (every module output finite)"
+    assert d0["where"].endswith(f"in training_step, rank 1 batch {BAD_BATCH} rows [2]")
+    assert d0["origin"]["op"] == "aten.log.default"
+    assert d0["origin"]["rank"] == 1
+    assert "binary_cross_entropy_with_logits" in d0["hint"]
     assert d0["replayed"]
+    assert d0["bundle"].endswith(f"step-{BAD_BATCH}-rank-1")

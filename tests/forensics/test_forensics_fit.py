@@ -48,12 +48,15 @@ def test_fp16_overflow_names_the_layer_finite_in_float32(tmp_path: Any, precisio
     [d] = _fit(tmp_path, model, precision=precision)
     assert d["cause"] == "half_precision_overflow"
     assert d["module"] == "power"
-    assert d["where"] == "power (finite in float32)"
+    assert d["where"].startswith("power: aten.mul.Tensor (forward) at ")
+    assert d["where"].endswith(" in forward (finite in float32)")
+    assert d["origin"]["module"] == "power"
     assert d["replayed"]
     assert d["replay_ms"] > 0
-    first = next(e for e in d["evidence"] if e["kind"] == "replay_first_module")
-    assert first["dtype"] == "torch.float16"
-    assert first["input_max"] > 256
+    origin = next(e for e in d["evidence"] if e["kind"] == "origin")
+    assert origin["pattern"] == "overflow"
+    assert list(d["origin"]["input_dtypes"]) == ["torch.float16", "torch.float16"]
+    assert 256 < origin["stats"]["max_abs_input"] < 65504  # its square overflows float16's max
     assert "replay_fp32_finite" in _kinds(d)
 
 
@@ -62,7 +65,11 @@ def test_nan_row_in_the_input_is_input_data(tmp_path: Any) -> None:
     assert d["cause"] == "input_data"
     assert d["rows"] == [3]
     assert d["where"] == f"batch {BAD_BATCH} rows [3]"
-    assert not d["replayed"]  # the cheap evidence settled it
+    origin = next(e for e in d["evidence"] if e["kind"] == "origin")
+    assert origin["summary"].startswith("NaN already in the step's batch: field [0] (batch rows [3]), first used by ")
+    assert d["replayed"]  # traced: which field, and where it was first used
+    [off] = _fit(tmp_path, RegressionNet(bad_rows=(BAD_BATCH * BATCH + 3,)), monitor=GradNormMonitor(forensics="off"))
+    assert (off["cause"], off["rows"], off["where"]) == ("input_data", [3], f"batch {BAD_BATCH} rows [3]")
 
 
 def test_labels_beyond_the_head_are_targets(tmp_path: Any) -> None:
@@ -74,11 +81,14 @@ def test_labels_beyond_the_head_are_targets(tmp_path: Any) -> None:
     assert (ev["target_max"], ev["output_size"]) == (9, 5)
 
 
-def test_log_of_zero_is_the_loss_function(tmp_path: Any) -> None:
+def test_a_saturated_sigmoid_under_a_hand_written_bce_is_a_log_of_zero(tmp_path: Any) -> None:
     [d] = _fit(tmp_path, HandBCE(hot_rows=(BAD_BATCH * BATCH + 2,)))
-    assert d["cause"] == "loss_function"
-    assert "every module output finite" in d["where"]
-    assert _kinds(d) == ["replay_loss_only"]
+    assert d["cause"] == "log_of_zero"
+    assert d["origin"]["op"] == "aten.log.default"
+    assert d["origin"]["frame"]["code"] == "return -(y * torch.log(p) + (1 - y) * torch.log(1 - p)).mean()"
+    assert d["rows"] == [2]
+    assert "binary_cross_entropy_with_logits" in d["hint"]  # the fix for a sigmoid saturated at 1.0
+    assert _kinds(d) == ["origin"]
     assert d["replayed"]
 
 
@@ -128,13 +138,27 @@ def test_one_off_fault_that_does_not_reproduce_is_transient(tmp_path: Any) -> No
 
 
 def test_first_reuses_a_reproduced_cause_every_replays_each_off_never(tmp_path: Any) -> None:
-    hot = (1 * BATCH + 2, 3 * BATCH + 5)  # the same mechanism at steps 1 and 3
-    first = _fit(tmp_path / "first", HandBCE(hot_rows=hot), max_steps=5)
-    assert [d["cause"] for d in first] == ["loss_function", "loss_function"]
+    first = _fit(tmp_path / "first", OverflowNet(bad_batches=(1, 3)), max_steps=5, precision="16-mixed")
+    assert [d["cause"] for d in first] == ["half_precision_overflow", "half_precision_overflow"]
     assert [d["replayed"] for d in first] == [True, False]
     assert "reused the replay of step 1" in first[1]["note"]
-    every = _fit(tmp_path / "every", HandBCE(hot_rows=hot), monitor=GradNormMonitor(forensics="every"), max_steps=5)
-    assert [(d["cause"], d["replayed"]) for d in every] == [("loss_function", True)] * 2
+    hot = (1 * BATCH + 2, 3 * BATCH + 5)  # the same mechanism at steps 1 and 3, triggered by one record each
+    # An origin that names the records triggering it is traced again while the budget allows: they are each batch's.
+    again = _fit(tmp_path / "again", HandBCE(hot_rows=hot), monitor=GradNormMonitor(max_replay_steps=1e9), max_steps=5)
+    assert [(d["cause"], d["replayed"], d["rows"]) for d in again] == [
+        ("log_of_zero", True, [2]),
+        ("log_of_zero", True, [5]),
+    ]
+    # Past the budget it is reused for its cause, without the other batch's rows.
+    spent = _fit(tmp_path / "spent", HandBCE(hot_rows=hot), monitor=GradNormMonitor(max_replay_steps=1e-9), max_steps=5)
+    assert [(d["cause"], d["replayed"], d["rows"]) for d in spent] == [
+        ("log_of_zero", True, [2]),
+        ("log_of_zero", False, []),
+    ]
+    assert "this batch's are not known" in spent[1]["note"]
+    monitor = GradNormMonitor(forensics="every", max_replay_steps=1e9)
+    every = _fit(tmp_path / "every", HandBCE(hot_rows=hot), monitor=monitor, max_steps=5)
+    assert [(d["cause"], d["replayed"]) for d in every] == [("log_of_zero", True)] * 2
     off = _fit(tmp_path / "off", HandBCE(hot_rows=hot), monitor=GradNormMonitor(forensics="off"), max_steps=5)
     assert [(d["cause"], d["replayed"]) for d in off] == [("unknown", False)] * 2
     assert "forensics='off'" in off[0]["note"]
@@ -142,7 +166,8 @@ def test_first_reuses_a_reproduced_cause_every_replays_each_off_never(tmp_path: 
 
 def test_first_replays_again_after_a_transient(tmp_path: Any) -> None:
     # A replay that did not reproduce establishes no cause: the next event of the same kind is replayed too.
-    ds = _fit(tmp_path, RegressionNet(), callbacks=[FaultInjector("loss", steps=[1, 3])], max_steps=5)
+    monitor = GradNormMonitor(max_replay_steps=1e9)  # a traced replay costs several of this tiny model's steps
+    ds = _fit(tmp_path, RegressionNet(), callbacks=[FaultInjector("loss", steps=[1, 3])], monitor=monitor, max_steps=5)
     assert [(d["cause"], d["replayed"]) for d in ds] == [("transient", True)] * 2
 
 
@@ -165,6 +190,7 @@ def test_healthy_fit_never_replays(tmp_path: Any, monkeypatch: pytest.MonkeyPatc
         raise AssertionError("a healthy step was replayed")
 
     monkeypatch.setattr(inv, "run_pass", boom)
+    monkeypatch.setattr(inv, "trace_pass", boom)
     monkeypatch.setattr(diagnose, "gather_findings", boom)
     assert _fit(tmp_path, RegressionNet(), max_steps=6) == []
 

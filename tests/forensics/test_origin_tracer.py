@@ -98,3 +98,26 @@ def test_no_bundle_when_the_disk_is_nearly_full(tmp_path: Path, monkeypatch: pyt
     written = write_bundle(str(tmp_path), TRAINER, model, _bad_batch(model), m.BAD_BATCH)
     assert written.path is None
     assert "100 MB free" in written.reason
+
+
+def test_a_buffer_mask_of_minus_inf_is_intended_not_a_corrupt_state() -> None:
+    """A registered mask buffer of -inf that fully masks one row: the softmax is the origin, not the buffer."""
+    from lightning_nanguard.policies.origin import OriginKind, explain
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            mask = torch.zeros(4, 4)
+            mask[2, :] = -math.inf
+            self.register_buffer("mask", mask)
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+    model = Attention()
+    with OriginTracer(model) as tracer:
+        loss = torch.softmax(model.w + model.mask, dim=-1).sum()
+        (grad,) = torch.autograd.grad(loss, [model.w])
+    origin = tracer.origin([loss, grad])
+    assert origin is not None
+    assert (origin.op, origin.phase) == ("aten._softmax.default", "forward")
+    assert explain(origin).kind is OriginKind.FULLY_MASKED_SOFTMAX
+    assert "mask" in origin.note

@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_every_cause_has_a_spec_and_an_evidence_rule() -> None:
     assert set(CAUSES) == set(Cause)
     assert all(spec.cause is cause for cause, spec in CAUSES.items())
-    assert {rule.cause for rule in EVIDENCE} == set(Cause)
+    assert {rule.cause for rule in EVIDENCE} == {c for c in Cause if CAUSES[c].diagnosed}
 
 
 def test_every_cause_has_a_row_in_the_forensics_table() -> None:
@@ -40,4 +40,7 @@ def test_the_state_is_trusted_again_only_where_the_data_or_a_one_off_was_to_blam
 
 def test_the_data_is_at_fault_only_for_data_causes_and_the_state_is_restored_for_corrupt_state() -> None:
     assert {c for c, s in CAUSES.items() if s.data_at_fault} == {Cause.INPUT_DATA, Cause.TARGETS}
-    assert {c for c, s in CAUSES.items() if s.remedy is Remedy.RESTORE} == {Cause.CORRUPT_STATE}
+    assert {c for c, s in CAUSES.items() if s.remedy is Remedy.RESTORE} == {
+        Cause.CORRUPT_STATE,
+        Cause.CORRUPT_CHECKPOINT,
+    }

@@ -55,15 +55,20 @@ def test_a_snapshot_never_read_is_given_up_on_and_counts_as_sound() -> None:
     assert book.judge.unsound == set()
 
 
+RISING = {s: 30.0 ** (s - 5) for s in range(6, 30)}  # a divergence: growing 30x per step from step 6
+
+
 def test_a_snapshot_taken_mid_divergence_is_passed_over_and_kept_out_of_the_ring() -> None:
     book = SnapshotBook(every_n_steps=10, quiet_steps=0)
     kept: list[int] = []
-    rising = dict.fromkeys(range(6, 21), 1000.0)
     _take(book, kept, 0)
-    book.score(1, _readings(rising, 1), kept)
+    book.score(1, _readings(RISING, 1), kept)
     _take(book, kept, 10)
-    diverging = book.score(11, _readings(rising, 11), kept)
-    assert diverging  # the steps up to it are all far above the steps after the last sound snapshot
+    diverging = book.score(11, _readings(RISING, 11), kept)
+    assert diverging  # the steps up to it passed the factor and kept growing
+    assert book.reported is not None
+    assert book.reported.step == 10
+    assert book.watch is None  # decided
     assert book.judge.unsound == {10}
     assert book.keep(kept) == 0  # the ring must not evict the last sound snapshot for the unsound one
     _take(book, kept, 20)
@@ -76,20 +81,44 @@ def test_one_odd_batch_at_the_snapshot_is_not_a_divergence_to_act_on() -> None:
     _take(book, kept, 0)
     book.score(1, _readings({}, 1), kept)
     _take(book, kept, 10)
-    assert not book.score(11, _readings({10: 1000.0}, 11), kept)  # unsound, but not confirmed by the steps around
+    assert not book.score(11, _readings({10: 1000.0}, 11), kept)  # a suspect, passed over by a restore meanwhile
     assert book.judge.unsound == {10}
+    assert book.busy  # its trend is followed at each batch start
+    for now in range(12, 15):
+        assert not book.score(now, _readings({10: 1000.0}, now), kept)
+        assert book.judge.unsound == {10}
+    assert not book.score(15, _readings({10: 1000.0}, 15), kept)  # five readings from it on, none far up
+    assert book.judge.unsound == set()  # sound after all
+    assert not book.busy
+
+
+def test_a_jump_that_falls_or_holds_is_never_acted_on_and_its_snapshot_is_sound_once_it_falls() -> None:
+    # A new data domain at step 7: the loss and grad norm 100x, holding until step 14, then falling back.
+    jump = {**dict.fromkeys(range(7, 15), 100.0), **{s: 100.0 / 3 ** (s - 14) for s in range(15, 30)}}
+    book = SnapshotBook(every_n_steps=10, quiet_steps=0)
+    kept: list[int] = []
+    _take(book, kept, 0)
+    book.score(1, _readings(jump, 1), kept)
+    _take(book, kept, 10)
+    verdicts = {now: book.score(now, _readings(jump, now), kept) for now in range(11, 20) if book.busy}
+    assert not any(verdicts.values())
+    assert max(verdicts) == 18  # turned: the median of steps 13-17 fell below half its peak
+    assert book.judge.unsound == set()
+    assert book.judge.reference == CALM  # the top of a jump is no yardstick for the next snapshot
+    _take(book, kept, 20)
+    assert not book.score(21, _readings(jump, 21), kept)
+    assert not book.busy  # the step-20 snapshot is sound: nothing to follow
 
 
 def test_settle_answers_a_pending_divergence_and_a_restore_forgets_the_abandoned_trajectory() -> None:
     book = SnapshotBook(every_n_steps=10, quiet_steps=5)
     kept: list[int] = []
-    rising = dict.fromkeys(range(6, 30), 1000.0)
     _take(book, kept, 0)
-    book.score(1, _readings(rising, 1), kept)
+    book.score(1, _readings(RISING, 1), kept)
     _take(book, kept, 10)
-    book.diverging = book.score(11, _readings(rising, 11), kept)
+    book.diverging = book.score(11, _readings(RISING, 11), kept)
     assert book.diverging
-    book.settle(18, _readings(rising, 18), kept)
+    book.settle(18, _readings(RISING, 18), kept)
     assert not book.diverging  # the restore answers it: it passes over the snapshot judged so
     assert book.judge.unsound == {10}
     book.restored(18, 0)
@@ -115,3 +144,27 @@ def test_batches_after_a_rollback_are_skipped_counted_and_kept_across_a_resume()
     older = RollbackPolicy()
     older.load_state_dict({"rollbacks": 1})  # a state without the newer keys
     assert (older.total, older.history, older.last_restored_step, older.skip_left) == (1, [], None, 0)
+
+
+def test_after_a_rollback_the_trend_reads_only_the_trajectory_that_goes_on() -> None:
+    # A divergence at step 6 is rolled back at step 12 to the step-0 snapshot; the run then goes on at a level 100x
+    # the old one (a new domain) and holds. The readings of steps 6-12 (the abandoned trajectory, far higher) must
+    # neither make the new level look turned nor be taken for growth.
+    book = SnapshotBook(every_n_steps=10, quiet_steps=0)
+    kept: list[int] = []
+    _take(book, kept, 0)
+    book.score(1, _readings(RISING, 1), kept)
+    _take(book, kept, 10)
+    assert book.score(11, _readings(RISING, 11), kept)
+    book.restored(12, 0)
+    kept.remove(10)
+    level = {**RISING, **dict.fromkeys(range(12, 40), 100.0)}
+    _take(book, kept, 20)
+    assert not book.score(21, _readings(level, 21), kept)
+    assert book.watch is not None
+    assert book.watch.since == 12
+    for now in range(22, 30):
+        assert not book.score(now, _readings(level, now), kept)
+        assert book.judge.unsound == {20}  # a suspect while the level holds: neither turned nor growing
+    grows = {**level, **{s: 100.0 * 3 ** (s - 29) for s in range(30, 40)}}
+    assert any(book.score(now, _readings(grows, now), kept) for now in range(30, 40))  # then it grows: diverging

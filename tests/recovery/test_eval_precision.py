@@ -7,15 +7,20 @@ from typing import Any
 
 import pytest
 import torch
+import torchmetrics
 from torch import nn
 
-from lightning_nanguard._lightning_compat import AttributePatches
+from lightning_nanguard._lightning_compat import AttributePatches, MetricStates
 from lightning_nanguard.recovery.eval_precision import (
     DeferredLog,
     Fp32Weights,
+    RerunGroup,
     autocast_disabled,
     default_dtype,
+    group_reruns,
     nonfinite_flag,
+    rerun_message,
+    rerun_where,
 )
 
 
@@ -128,3 +133,42 @@ def test_contexts_restore_what_was_there() -> None:
         assert lin(torch.ones(1, 2)).dtype == torch.bfloat16
         with autocast_disabled("cpu"):
             assert lin(torch.ones(1, 2)).dtype == torch.float32
+
+
+def test_group_reruns_one_group_per_stage_and_outcome() -> None:
+    # Rank 0 re-ran batches 2 and 0 (finite in float32); rank 1 re-ran 2 (not finite there) and 5 (finite).
+    gathered = [[("validation", 2, True), ("validation", 0, True)], [("validation", 2, False), ("validation", 5, True)]]
+    groups = group_reruns(gathered)
+    assert groups == [
+        RerunGroup("validation", True, (0, 5), (0, 1)),
+        RerunGroup("validation", False, (2,), (0, 1)),  # finite only where every rank that re-ran it found it so
+    ]
+    assert rerun_where(groups[1]) == "validation batch 2"
+    assert rerun_message(groups[1], "float16") == (
+        "1 validation batch (2) is non-finite in float16 and in float32 too: not a precision overflow. Check this "
+        "batch's data and the model's weights."
+    )
+    many = RerunGroup("test", True, tuple(range(11)), (0,))
+    assert rerun_where(many) == "11 test batches: 0, 1, 2, 3, 4, 5, 6, 7 and 3 more"
+    assert group_reruns([[], []]) == []
+
+
+def test_metric_states_put_back_in_place() -> None:
+    module = nn.Module()
+    module.total = torchmetrics.SumMetric()
+    module.seen = torchmetrics.CatMetric()
+    module.total.update(torch.tensor(2.0))
+    module.seen.update(torch.tensor([1.0]))
+    total_state, seen_state = module.total.sum_value, module.seen.value
+    states = MetricStates(module)
+    assert bool(states)
+    assert not MetricStates(nn.Linear(1, 1))
+    saved = states.save()
+    module.total.update(torch.tensor(5.0))
+    module.seen.update(torch.tensor([7.0]))
+    MetricStates.restore(saved)
+    assert float(module.total.compute()) == 2.0
+    assert module.total.update_count == 1
+    assert module.seen.compute().flatten().tolist() == [1.0]
+    assert module.total.sum_value is total_state
+    assert module.seen.value is seen_state

@@ -22,36 +22,51 @@ from lightning_nanguard.recovery.checkpoint_events import CheckpointEvent
 from lightning_nanguard.recovery.verifying_io import VerifyingCheckpointIO
 
 
+def _slow_write(checkpoint: dict[str, Any], path: Any, signal_fd: int) -> None:
+    """Write in small flushed chunks; on the save of ``global_step == 1`` signal the parent midway and stall."""
+    buf = io.BytesIO()
+    torch.save(checkpoint, buf)
+    data, chunk = buf.getvalue(), 1 << 16
+    with open(path, "wb") as f:
+        for i in range(0, len(data), chunk):
+            f.write(data[i : i + chunk])
+            f.flush()
+            if i == 4 * chunk and checkpoint["global_step"] == 1:
+                os.write(signal_fd, b"M")
+                time.sleep(30)  # SIGKILLed here, with half the file written
+
+
 class SlowIO(TorchCheckpointIO):
-    """Writes in small flushed chunks; on the save of ``global_step == 1`` it signals the parent midway and stalls."""
+    """A plugin that writes in place at the path it is given (as ``torch.save(checkpoint, path)`` does)."""
 
     def __init__(self, signal_fd: int) -> None:
         self.signal_fd = signal_fd
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
-        buf = io.BytesIO()
-        torch.save(checkpoint, buf)
-        data, chunk = buf.getvalue(), 1 << 16
-        with open(path, "wb") as f:
-            for i in range(0, len(data), chunk):
-                f.write(data[i : i + chunk])
-                f.flush()
-                if i == 4 * chunk and checkpoint["global_step"] == 1:
-                    os.write(self.signal_fd, b"M")
-                    time.sleep(30)  # SIGKILLed here, with half the file written
+        _slow_write(checkpoint, path, self.signal_fd)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork and SIGKILL (POSIX)")
-def test_sigkill_mid_save_never_leaves_a_file_that_verifies_unless_complete(tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("writer", ["lightning_io", "plugin_in_place"])
+def test_sigkill_mid_save_never_leaves_a_file_that_verifies_unless_complete(
+    tmp_path: pathlib.Path, writer: str
+) -> None:
     # A forked child (no second interpreter start-up: well under a second) saves a complete checkpoint, then
-    # overwrites it through a slow write and is SIGKILLed halfway through.
+    # overwrites it through a slow write and is SIGKILLed halfway through. Lightning's own TorchCheckpointIO writes
+    # through nanguard's temporary name; a plugin is handed the path itself and writes over the file in place.
     target = tmp_path / "last.ckpt"
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: never return into pytest
         try:
             os.close(read_fd)
-            guarded = VerifyingCheckpointIO(SlowIO(write_fd))
+            if writer == "lightning_io":
+                from lightning.fabric.plugins.io import torch_io
+
+                torch_io._atomic_save = lambda ckpt, path: _slow_write(ckpt, path, write_fd)  # type: ignore[assignment]
+                guarded = VerifyingCheckpointIO(TorchCheckpointIO())
+            else:
+                guarded = VerifyingCheckpointIO(SlowIO(write_fd))
             ckpt: dict[str, Any] = {"global_step": 0, "state_dict": {"w": torch.randn(1 << 19)}}
             guarded.save_checkpoint(ckpt, str(target))
             ckpt = {"global_step": 1, "state_dict": {"w": torch.randn(1 << 19)}}
@@ -68,12 +83,22 @@ def test_sigkill_mid_save_never_leaves_a_file_that_verifies_unless_complete(tmp_
     assert os.WIFSIGNALED(status)
     assert os.WTERMSIG(status) == signal.SIGKILL
     leftovers = [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
-    assert leftovers == [f".last.ckpt.{pid}@{tmp_files.host_name()}.tmp"]  # hidden, not *.ckpt, names its writer
-    files = checkpoint_files(str(tmp_path))
-    assert sorted(files) == sorted([str(target), str(tmp_path / LAST_GOOD_NAME)])
-    for path in files:
-        assert verify_checkpoint(path).ok
-        assert torch.load(path, weights_only=True)["global_step"] == 0  # the complete, older save
+    tag = str(tmp_path / LAST_GOOD_NAME)
+    assert sorted(checkpoint_files(str(tmp_path))) == sorted([str(target), tag])
+    assert verify_checkpoint(tag).ok  # the tag holds the complete, older save either way
+    assert torch.load(tag, weights_only=True)["global_step"] == 0
+    if writer == "lightning_io":
+        host = tmp_files.host_name()
+        assert leftovers == [os.path.basename(tmp_files.tmp_name(str(target))).replace(f".{os.getpid()}@", f".{pid}@")]
+        assert leftovers[0].startswith(".nanguard-")  # hidden
+        assert leftovers[0].endswith(f".{pid}@{host}.tmp")  # names its writer
+        assert "last.ckpt" not in leftovers[0]  # nor the target's name (Lightning reads digits out of names)
+        assert verify_checkpoint(str(target)).ok
+        assert torch.load(str(target), weights_only=True)["global_step"] == 0
+    else:
+        assert leftovers == []
+        assert "no checksum sidecar" in verify_checkpoint(str(target)).reason  # the old one was removed first
+        assert "corrupt or truncated" in verify_checkpoint(str(target), require_sidecar=False).reason
     # A later run's first save into the directory removes the orphan (its writer is gone); nothing else is touched.
     VerifyingCheckpointIO(TorchCheckpointIO()).save_checkpoint({"state_dict": {"w": torch.ones(2)}}, str(target))
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
@@ -88,6 +113,8 @@ def test_stale_tmp_cleanup_touches_only_our_files_not_in_use(tmp_path: pathlib.P
         f".b.ckpt.{2**22 + 12345}@{host}.tmp": True,  # a writer of this host that is gone
         f".c.ckpt.{2**22 + 12345}.tmp": True,  # an older nanguard's name
         "c.ckpt.sha256.tmp": False,  # a sidecar being written: only by age
+        f".nanguard-0123456789abcdef.{me}@{host}.tmp": True,  # the current name, this process, not being written
+        f".nanguard-0123456789abcdef.{2**22 + 7}@elsewhere.tmp": False,  # another host's: left alone while recent
         ".d.ckpt.tmp": False,  # not ours
         "notes.tmp": False,
         f".e.ckpt.{me}@{host}-x.tmp": False,
@@ -112,7 +139,7 @@ def test_crash_between_rename_and_sidecar_fails_verification(
     target = str(tmp_path / "last.ckpt")
     io.save_checkpoint({"global_step": 0, "state_dict": {"w": torch.ones(3)}}, target)
 
-    def crash(path: str, *, digest: str | None = None) -> str:
+    def crash(path: str, **kwargs: Any) -> str:
         raise KeyboardInterrupt("killed")
 
     monkeypatch.setattr(verifying_io, "write_sidecar", crash)

@@ -37,6 +37,15 @@ def test_summary_is_short_and_names_counts() -> None:
     assert "no incidents" in format_summary([], ["GradNormMonitor"], None)
 
 
+def test_summary_says_how_many_steps_were_checked() -> None:
+    def clean(steps: int | None) -> str:
+        return format_summary([], ["GradNormMonitor"], None, steps=steps).splitlines()[2]
+
+    assert clean(12) == "no incidents: all 12 training steps were checked and were finite."
+    assert clean(0) == "no incidents; no training step ran."  # a fit stopped before its first step
+    assert clean(None) == "no incidents: every training step was checked and was finite."  # nanguard report
+
+
 def test_cli_report(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     log = IncidentLog(str(tmp_path / "nanguard" / "incidents.jsonl"))
     log.add(_incident(7))

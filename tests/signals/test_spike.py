@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from lightning_nanguard.signals.spike import RunningZScore
+from lightning_nanguard.signals.spike import NEW_LEVEL_AFTER, RunningZScore
 
 
 def _feed(z: RunningZScore, values: list[float]) -> list[bool]:
@@ -40,3 +40,22 @@ def test_state_round_trip() -> None:
     b = RunningZScore(threshold=6.0, warmup=3)
     b.load(a.state())
     assert b.state() == a.state()
+
+
+def test_a_level_that_holds_is_the_new_normal_after_a_few_spikes_in_a_row() -> None:
+    # A new data domain lifts the loss 20x for good: the first NEW_LEVEL_AFTER - 1 steps are spikes, then the level
+    # is the new normal (not every later step a spike, each update dropped, for the rest of the run).
+    z = RunningZScore(threshold=6.0, warmup=10)
+    calm = [2.0 * (1 + 0.02 * math.sin(i)) for i in range(20)]
+    _feed(z, calm)
+    high = [40.0 * (1 + 0.02 * math.sin(i)) for i in range(30)]
+    assert _feed(z, high) == [True] * (NEW_LEVEL_AFTER - 1) + [False] * (30 - NEW_LEVEL_AFTER + 1)
+    assert _feed(z, [400.0]) == [True]  # a spike above the new level is still one
+
+
+def test_spikes_that_do_not_hold_never_become_the_normal() -> None:
+    z = RunningZScore(threshold=6.0, warmup=10)
+    _feed(z, [2.0 * (1 + 0.02 * math.sin(i)) for i in range(20)])
+    burst = [20.0] * (NEW_LEVEL_AFTER - 1) + [2.0]
+    for _ in range(3):
+        assert _feed(z, burst) == [True] * (NEW_LEVEL_AFTER - 1) + [False]

@@ -2,7 +2,8 @@
 
 A compatibility check: a test of Lightning's that passes plain and fails with the preset shows something nanguard
 changes for a Lightning user. Each such difference is either a defect to fix or listed in ``intended.txt`` with
-the reason it is intended (a test that asserts an exact file listing, which now holds nanguard's checksum sidecars).
+the reason it is intended (a test that asserts an exact file listing, which now holds nanguard's checksum sidecars):
+one ``test-id  # reason`` per line, where ``*`` in the id matches anything (``test_x[*]``: every parametrization).
 
 Usage (from this repository's root, in an environment with lightning_nanguard installed)::
 
@@ -18,8 +19,8 @@ intended, 1 when some are not, 2 for a usage error.
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import os
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -64,6 +65,12 @@ def _outcomes(xml: Path) -> dict[str, tuple[str, str]]:
                 break
         out[name] = (outcome, message)
     return out
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """``pattern`` is a test id in which ``*`` matches anything (``[`` and ``]`` are literal: ``test_x[*]`` is every
+    parametrization of ``test_x``)."""
+    return re.fullmatch(".*".join(re.escape(part) for part in pattern.split("*")), name) is not None
 
 
 def _intended() -> list[tuple[str, str]]:
@@ -150,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     unexpected = 0
     for name in changed:
-        reason = next((r for p, r in intended if fnmatch.fnmatch(name, p)), "")
+        reason = next((r for p, r in intended if _matches(name, p)), "")
         unexpected += not reason
         lines.append(f"| `{name}` | {b[name][1].replace('|', '/')} | {reason or '**no**'} |")
     lines += ["", f"unexpected differences: {unexpected}"]

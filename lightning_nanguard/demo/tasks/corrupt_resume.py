@@ -9,6 +9,7 @@ import warnings
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import Tensor
 
 from lightning_nanguard.callbacks import CheckpointGuard
 from lightning_nanguard.demo.common import DemoModule, TensorDataModule
@@ -37,9 +38,18 @@ def _fit(trainer_kw: dict[str, object], module: DemoModule, data: TensorDataModu
 def _earlier_run(seed: int, ckpt_dir: str) -> str:
     """Write the earlier run's checkpoints; return the good one (the bad one is ``last.ckpt``)."""
     x, y, xv, yv = teacher_regression(seed + 6, 512, 16)
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    lightning_log = logging.getLogger("lightning.pytorch")
+    level = lightning_log.level
+    lightning_log.setLevel(logging.WARNING)  # the earlier run's own output (its summary) is not the demo's
+    try:
+        return _earlier_fits(seed, ckpt_dir, x, y, xv, yv)
+    finally:
+        lightning_log.setLevel(level)  # the demo's run prints its nanguard summary as usual
+
+
+def _earlier_fits(seed: int, ckpt_dir: str, x: Tensor, y: Tensor, xv: Tensor, yv: Tensor) -> str:
     good = ModelCheckpoint(dirpath=ckpt_dir, filename="good-{epoch}", save_top_k=-1)
-    # Two healthy epochs, saved through CheckpointGuard: verified files with sha256 sidecars.
+    # Two healthy epochs, saved through CheckpointGuard: verified files with checksum sidecars.
     _fit(
         {"max_epochs": GOOD_EPOCHS, "callbacks": [good, CheckpointGuard()]},
         _module(seed),
@@ -82,7 +92,7 @@ TASK = register_task(
         description="resume (ckpt_path=last.ckpt) from an earlier run whose last save holds NaN weights (a corrupt "
         "record poisoned it); the verified epoch-1 checkpoint sits in the same directory (fp32)",
         failure="every step after the resume is NaN: the loss, the gradients, the weights",
-        causes=("corrupt_state",),
+        causes=("corrupt_checkpoint",),
         precision="32-true",
         max_epochs=5,
         build=build,

@@ -16,6 +16,7 @@ __all__ = [
     "loss_of_huge_outputs",
     "no_float32_pass",
     "nonfinite_in_float32",
+    "nonfinite_without_growth",
     "not_reproduced",
     "replay_usable",
 ]
@@ -192,12 +193,27 @@ def half_precision_module(f: Findings) -> Diagnosis | None:
     )
 
 
+def _growth(f: Findings, first: _First) -> bool:
+    """Evidence of growth, which an explosion needs: the history was rising, or the replay's finite values reach
+    ``HUGE_OUTPUT`` (in the training precision or in float32)."""
+    passes = [p.hooked for p in f.replay if p.hooked is not None] + first.fp32
+    return f.history.rising or any(max(p.max_abs_output, p.max_abs_grad) >= HUGE_OUTPUT for p in passes)
+
+
+def _nonfinite_again(f: Findings, first: _First) -> str:
+    """How the replay was non-finite beyond the training precision ("" when float32 fixed it or was not tried)."""
+    if not f.half_precision:
+        return f"non-finite in {f.precision}"
+    return "non-finite in float32 too" if any(x.reproduced for x in first.fp32) else ""
+
+
 def nonfinite_in_float32(f: Findings) -> Diagnosis | None:
-    """The replay is non-finite in float32 too, or the run trains in float32: a divergence, module named."""
+    """The replay is non-finite in float32 too (or the run trains in float32) and the model was growing into it
+    (``_growth``): a divergence, module named."""
     first = _first(f)
-    if first is None or (f.half_precision and not any(x.reproduced for x in first.fp32)):
+    again = _nonfinite_again(f, first) if first is not None else ""
+    if first is None or not again or not _growth(f, first):
         return None
-    again = "non-finite in float32 too" if f.half_precision else f"non-finite in {f.precision}"
     return Diagnosis(
         Cause.GRADIENT_EXPLOSION,
         where=f"{first.module}{first.on} ({again})",
@@ -208,6 +224,28 @@ def nonfinite_in_float32(f: Findings) -> Diagnosis | None:
         ),
         ranks=first.ranks,
         module=first.module,
+    )
+
+
+def nonfinite_without_growth(f: Findings) -> Diagnosis | None:
+    """Non-finite in float32 too, with no sign of growth (a flat history, no huge value): no explosion, so no
+    rollback and no lower learning rate; the module is named and the origin, where one was traced, says more."""
+    first = _first(f)
+    again = _nonfinite_again(f, first) if first is not None else ""
+    if first is None or not again:
+        return None
+    return Diagnosis(
+        Cause.UNKNOWN,
+        where=f"{first.module}{first.on} ({again})",
+        evidence=(
+            first.evidence,
+            Evidence(EvidenceKind.REPLAY_FP32_NONFINITE, f"the same batch is {again}"),
+            history_evidence(f),
+        ),
+        ranks=first.ranks,
+        module=first.module,
+        note="no sign of growth (the gradient norm and the loss were not rising, no value reached 1e15): not an "
+        "explosion",
     )
 
 

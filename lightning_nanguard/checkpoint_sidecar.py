@@ -1,0 +1,113 @@
+"""The checksum sidecar next to a checkpoint file: its name, its digest, and what nanguard records beside the digest.
+
+A checkpoint ``X.ckpt`` gets ``X.ckpt.checksum``, in ``sha256sum`` format (``sha256sum -c X.ckpt.checksum`` works)::
+
+    3f2a...e9  X.ckpt
+    # nanguard {"intended_infinities": ["causal_mask"], "lineage": [["4b1f0c2a9d3e", 0]], "step": 64}
+
+The second line is a comment to ``sha256sum`` and nanguard's record of the file, all of it known when it was saved:
+``step`` (the checkpoint's ``global_step``: what a fallback compares with even when the file no longer loads),
+``intended_infinities`` (the ``state_dict`` entries that held infinities by design when it was saved, such as an
+attention mask of -inf) and ``lineage`` (the runs the file descends from, ``recovery/lineage.py``). Nothing is added
+to the checkpoint itself: it loads with ``torch.load(weights_only=True)`` exactly as Lightning wrote it.
+
+The suffix has no digit and the name ends in neither ``.ckpt`` nor ``.tmp``: Lightning reads the digits of every file
+whose name holds ``ckpt_`` as an HPC checkpoint version (``hpc_ckpt_33.ckpt.sha256`` would read as version 33256),
+and ``ModelCheckpoint`` lists ``*.ckpt``. Sidecars named ``X.ckpt.sha256`` (written by earlier versions) are still
+read; writing a sidecar removes that older one.
+
+No Lightning, no torch: plain files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_nanguard._files import hash_file, write_text_atomic
+
+__all__ = [
+    "LEGACY_SIDECAR_SUFFIX",
+    "SIDECAR_SUFFIX",
+    "Sidecar",
+    "existing_sidecar",
+    "read_sidecar",
+    "remove_sidecars",
+    "sidecar_path",
+    "write_sidecar",
+]
+
+SIDECAR_SUFFIX = ".checksum"
+LEGACY_SIDECAR_SUFFIX = ".sha256"
+_META_PREFIX = "# nanguard "
+
+
+@dataclass(frozen=True)
+class Sidecar:
+    """A sidecar as read: the digest it vouches for (``""`` when it holds none) and nanguard's record (may be empty)."""
+
+    path: str
+    digest: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def sidecar_path(path: str) -> str:
+    """Where ``path``'s sidecar is written."""
+    return path + SIDECAR_SUFFIX
+
+
+def existing_sidecar(path: str) -> str | None:
+    """``path``'s sidecar if one exists (the current name first, then the older ``.sha256``); for a symlink without
+    one of its own (ModelCheckpoint's ``save_last="link"``), its target's."""
+    for base in (path, os.path.realpath(path)) if os.path.islink(path) else (path,):
+        for suffix in (SIDECAR_SUFFIX, LEGACY_SIDECAR_SUFFIX):
+            if os.path.isfile(base + suffix):
+                return base + suffix
+    return None
+
+
+def read_sidecar(path: str) -> Sidecar | None:
+    """``path``'s sidecar, read, or ``None`` when it has none. An unreadable record reads as no record."""
+    found = existing_sidecar(path)
+    if found is None:
+        return None
+    with open(found, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    fields = lines[0].split() if lines else []
+    meta: dict[str, Any] = {}
+    for line in lines[1:]:
+        if line.startswith(_META_PREFIX):
+            with contextlib.suppress(ValueError):
+                loaded = json.loads(line[len(_META_PREFIX) :])
+                meta = loaded if isinstance(loaded, dict) else {}
+    return Sidecar(found, fields[0].lower() if fields else "", meta)
+
+
+def write_sidecar(path: str, *, digest: str | None = None, meta: dict[str, Any] | None = None) -> str:
+    """Write ``path``'s sidecar atomically (temporary file, fsync, rename), remove an older ``.sha256`` one; returns
+    the digest.
+
+    Args:
+        path: the checkpoint file.
+        digest: its sha256 when the caller already has it (saves reading the file again).
+        meta: nanguard's record of the file (JSON-serializable), written as the comment line.
+    """
+    if digest is None:
+        digest = hash_file(path)[1]
+    text = f"{digest}  {os.path.basename(path)}\n"
+    if meta:
+        text += _META_PREFIX + json.dumps(meta, sort_keys=True, separators=(", ", ": ")) + "\n"
+    write_text_atomic(sidecar_path(path), text)
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path + LEGACY_SIDECAR_SUFFIX)
+    return digest
+
+
+def remove_sidecars(path: str) -> None:
+    """Remove ``path``'s sidecars (both names), where they exist."""
+    for suffix in (SIDECAR_SUFFIX, LEGACY_SIDECAR_SUFFIX):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path + suffix)

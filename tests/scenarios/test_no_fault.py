@@ -1,0 +1,87 @@
+"""Do no harm: healthy runs with alarming but benign dynamics, with and without the preset.
+
+Each task (``_benign.py``: a domain switch that lifts the loss ~100x and recovers, rare hard batches, a loss falling
+by orders of magnitude, LR restarts, additive ``-inf`` attention masks, a warmup from a learning rate of 0) is fit
+twice from the same seed: unguarded, and with ``default_callbacks()``. The preset must end with the same loss (within
+1%) and intervene nowhere: no incident, no rollback, no dropped update, no quarantine, no LR or eps change, no module
+promoted. Under ``16-mixed`` too (the loss-scale collapse rule), and with the opt-in spike detection on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_nanguard import (
+    AutoRollback,
+    FP32Evaluation,
+    GradNormMonitor,
+    OptimizerBackoff,
+    default_callbacks,
+)
+from lightning_nanguard.engine import get_engine
+from tests.scenarios._benign import TASKS, Fit, fit_task
+
+TOLERANCE = 0.01  # the preset's final loss against the unguarded run's
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class _Unguarded(dict[tuple[str, str], Fit]):
+    """The unguarded run of ``(task, precision)``, fit on first use."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, key: tuple[str, str]) -> Fit:
+        self[key] = fit = fit_task(key[0], [], self.root, precision=key[1])
+        return fit
+
+
+@pytest.fixture(scope="module")
+def unguarded(tmp_path_factory: pytest.TempPathFactory) -> _Unguarded:
+    return _Unguarded(str(tmp_path_factory.mktemp("unguarded")))
+
+
+def _groups(fit: Fit) -> list[tuple[float, Any]]:
+    return [(g["lr"], g.get("eps")) for opt in fit.trainer.optimizers for g in opt.param_groups]
+
+
+def _find(callbacks: list[Callback], kind: type[Callback]) -> Any:
+    return next(c for c in callbacks if isinstance(c, kind))
+
+
+def _assert_untouched(fit: Fit, callbacks: list[Callback], reference: Fit) -> None:
+    engine = get_engine(fit.trainer)
+    records = [(i.step, i.trigger, i.cause, list(i.actions)) for i in engine.sink.records]
+    assert records == [], records
+    assert engine.skipped_steps == 0
+    rollback, backoff = _find(callbacks, AutoRollback), _find(callbacks, OptimizerBackoff)
+    monitor, fp32 = _find(callbacks, GradNormMonitor), _find(callbacks, FP32Evaluation)
+    assert (rollback.rollbacks, rollback.skipped_batches) == (0, 0)
+    assert (backoff.lr_scale, backoff.eps_scale) == (1.0, 1.0)
+    assert (monitor.skipped_steps, monitor.quarantined_samples, fp32.promoted) == (0, [], [])
+    assert _groups(fit) == _groups(reference)  # the schedule's LR and the eps as configured, to the last step
+    assert fit.trainer.global_step == reference.trainer.global_step
+    ratio = fit.final_loss / reference.final_loss
+    assert abs(ratio - 1.0) <= TOLERANCE, (fit.final_loss, reference.final_loss)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+@pytest.mark.parametrize("task", list(TASKS))
+def test_the_preset_leaves_a_healthy_run_alone(unguarded: _Unguarded, tmp_path: Any, task: str, precision: str) -> None:
+    reference = unguarded[task, precision]
+    assert torch.isfinite(torch.tensor(reference.final_loss))
+    callbacks = default_callbacks()
+    _assert_untouched(fit_task(task, callbacks, str(tmp_path), precision=precision), callbacks, reference)
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_spike_detection_leaves_a_healthy_run_alone(unguarded: _Unguarded, tmp_path: Any, task: str) -> None:
+    # Off in the preset; turned on as its docstring suggests, with the update of a spike dropped.
+    callbacks = default_callbacks(GradNormMonitor={"spike_zscore": 6.0, "on_spike": "skip"})
+    _assert_untouched(fit_task(task, callbacks, str(tmp_path)), callbacks, unguarded[task, "32-true"])
