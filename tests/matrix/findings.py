@@ -50,44 +50,6 @@ FINDINGS: list[Finding] = [
 ]
 
 
-def _quarantined_gap(row: dict[str, Any]) -> bool:
-    return (
-        row.get("model") == "iterable"
-        and row["site"] == "input"
-        and row["recurrence"] == "recurring"
-        and row["precision"] == "16-mixed"
-        and _incidents_mismatch(row)
-        and (row.get("incidents") or 0) < (row.get("faults") or 0)
-    )
-
-
-FINDINGS.append(
-    Finding(
-        key="fingerprint-quarantined-batch-buffer-unchecked-16-mixed",
-        title=(
-            "16-mixed, IterableDataset, a NaN input at every step: the batches quarantined by fingerprint are dropped "
-            "without an incident while the BatchNorm statistics their forward poisoned wait for the next guarded save"
-        ),
-        matches=_quarantined_gap,
-        what=(
-            "An `IterableDataset` has no sample indices, so the first bad batch is quarantined by its fingerprint. "
-            "Every later batch of this recurring fault is all-NaN too and has the same fingerprint (its sums are "
-            "NaN), so it comes back as that quarantined batch: its update is dropped without a new incident (the "
-            "summary counts the dropped updates). Its forward still writes NaN into the BatchNorm's running "
-            "statistics. Under 32-true, bf16-mixed and 16-true the step's buffer probe sees them at once (an "
-            "incident and a rollback per step, as many as faults); under 16-mixed (the GradScaler's device path) the "
-            "quarantined step's probe is not judged, and the poisoned statistics are found by CheckpointGuard's "
-            "state check at the next save (every 4 steps here), which rolls them back. The fit ends finite; fewer "
-            "incidents than faults."
-        ),
-        fix=(
-            "`engine/step.py` (the quarantined batch's drop on the device path: judge the buffer probe of the step "
-            "too), or `recovery/quarantine.py` (a fingerprint that is all NaN identifies no batch)."
-        ),
-    )
-)
-
-
 def explain(row: dict[str, Any]) -> Finding | None:
     """The first known finding that explains a failing ``row``."""
     return next((f for f in FINDINGS if f.matches(row)), None)
