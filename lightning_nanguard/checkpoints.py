@@ -106,7 +106,9 @@ def nonfinite_tensors(checkpoint: Any, intended: Collection[str] = ()) -> list[s
 
     def walk(prefix: str, obj: Any, key: str | None) -> None:
         if isinstance(obj, Tensor):
-            if obj.layout != torch.strided or obj.numel() == 0:
+            if obj.layout != torch.strided:  # a sparse tensor: the values it stores
+                obj = obj.coalesce().values() if obj.layout == torch.sparse_coo else obj.values()
+            if obj.numel() == 0:
                 return
             t = obj.detach()
             if t.is_complex():

@@ -74,6 +74,7 @@ from lightning_nanguard._lightning_compat.torch_ops import (
     local_shards,
     scaler_factors,
     sparse_values,
+    stored_values,
     tree_map,
 )
 
@@ -126,6 +127,7 @@ __all__ = [
     "set_instance_attribute",
     "should_update_logs",
     "sparse_values",
+    "stored_values",
     "strategy_class_names",
     "takes_dataloader_iter",
     "tensor_version",

@@ -18,6 +18,7 @@ __all__ = [
     "local_shards",
     "scaler_factors",
     "sparse_values",
+    "stored_values",
     "tree_map",
 ]
 
@@ -69,8 +70,15 @@ def local_shards(obj: Any) -> list[Tensor] | None:
 
 
 def sparse_values(g: Tensor) -> Tensor:
-    """The stored values of a sparse COO tensor (coalesced: each index once), a dense tensor its norm is taken of."""
-    return g.coalesce()._values()
+    """The stored values of a sparse tensor, each index once (a COO tensor coalesced; the compressed layouts hold each
+    index once already): a dense tensor with the sparse one's norm."""
+    return g.coalesce()._values() if g.layout is torch.sparse_coo else g.values()
+
+
+def stored_values(t: Tensor) -> Tensor:
+    """The values a sparse tensor stores, as a dense tensor, without coalescing (a finiteness check needs every
+    stored value, not each index once): COO's value tensor, or the compressed layouts' (CSR, CSC, BSR, BSC)."""
+    return t._values() if t.layout is torch.sparse_coo else t.values()
 
 
 def inner_schedulers(scheduler: object) -> list[object]:

@@ -94,11 +94,15 @@ class NanGuardCallback(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # The last hook of a fit: the first member to get here checks the state once more, after every callback's
+        # on_train_end and on_fit_end (``Engine.end_fit``); the last one to leave raises a pending stop error.
         if stage == "fit":
+            engine = get_engine(trainer)
+            engine.end_fit(trainer, pl_module)
             self._uninstall(trainer)
-            get_engine(trainer).close()
             self._drives = False
             self._unmute_hooks()
+            engine.leave(self)
 
     # ------------------------------------------------------------------ the engine's hooks (driver only)
     @override
@@ -139,7 +143,7 @@ class NanGuardCallback(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._drives:
+        if self._drives:  # the first end-of-fit check; ``teardown`` runs the second
             self._engine_now.train_end(trainer, pl_module)
 
     @override

@@ -173,7 +173,8 @@ class AutoRollback(NanGuardCallback):
     def before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> bool:
         if (book := self.book).busy:  # a snapshot to judge, or a suspect's trend to follow
             book.diverging = book.score(step, self._history(), self.ring.steps())
-        if self.source != "memory" or step % self.every_n_steps or not book.due(step, self.ring.steps()):
+        due = self.ring.incomplete or (not step % self.every_n_steps and book.due(step, self.ring.steps()))
+        if self.source != "memory" or not due:  # ring.incomplete: the last snapshot predates a lazy layer's forward
             return True  # the healthy path: not a snapshot step
         if not model_finite(trainer, pl_module):  # one fused pass and one host read per snapshot, reduced
             book.diverging = False  # the non-finite state is the event; its restore passes over the snapshot anyway

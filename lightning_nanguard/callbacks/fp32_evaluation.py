@@ -195,9 +195,11 @@ class FP32Evaluation(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        engine = get_engine(trainer)
+        engine.end_fit(trainer, pl_module)  # the end-of-fit check's second pass (after a training fit only)
         unmute_hooks(self)
         self._eval.end()
-        get_engine(trainer).close()
+        engine.leave(self)
 
     # ------------------------------------------------------------------ state
     @override

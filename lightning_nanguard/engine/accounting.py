@@ -94,12 +94,13 @@ class FitLedger:
     ) -> PendingEvent | None:
         """Count one step; the event it is, if any (``stopping``: the stop this batch started with is the
         incident, the bad step is only counted; ``quarantined``: the batch holds quarantined data, its update was
-        dropped and the quarantine counts it, so a bad step on it with the state intact is no event)."""
+        dropped and the quarantine counts it, so a bad step on it with the state intact is no event: its buffers
+        finite after the forward, and, where the incident path read it, the state before the update)."""
         self.interval.observe(reading)
         if reading.dropped:
             self.skipped_steps += 1
         if reading.bad:
-            if quarantined and (reading.state_before is None or reading.state_before[0]):
+            if quarantined and reading.buffers_finite and (reading.state_before is None or reading.state_before[0]):
                 return None
             self.skip_streak += 1
             if stopping:

@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
 from lightning_nanguard import _lightning_compat, _notices
+from lightning_nanguard.contract import StateRestored
 from lightning_nanguard.engine.accounting import FitLedger
 from lightning_nanguard.engine.bus import EventBus
 from lightning_nanguard.engine.capabilities import Backoff, GuardSettings, MetricSource, Promoter, Restorer, ScaleWatch
@@ -31,7 +32,7 @@ from lightning_nanguard.engine.sensing import Sensor
 from lightning_nanguard.engine.sink import IncidentSink
 from lightning_nanguard.engine.step import StepFlow
 from lightning_nanguard.recovery.quarantine import Quarantine
-from lightning_nanguard.signals.model_tensors import record_intended_infinities, watched_buffers
+from lightning_nanguard.signals.model_tensors import record_intended_infinities
 from lightning_nanguard.signals.spike import RunningZScore
 
 __all__ = ["Engine"]
@@ -63,6 +64,9 @@ class Engine(StepFlow):
         self.driver: Callback | None = None
         self.batch_start_switch = None
         self.finished = False
+        self.train_ended = False  # the first end-of-fit check ran (``on_train_end``)
+        self.fit_ended = False  # the second ran (the first member's ``teardown``)
+        self._left: set[int] = set()  # ids of the members whose ``teardown`` has run
         self.began = False  # training or an evaluation began (a fit refused at setup has no summary)
         self.first_step = 0  # global_step when training began
         self._start_steps()
@@ -84,8 +88,19 @@ class Engine(StepFlow):
             self.driver = member
         return self.driver is member
 
+    def leave(self, member: Callback) -> None:
+        """A member's ``teardown``, its last act: once every member has left, the fit is closed (``close``) and a
+        pending stop error raised. Raised only then, so that every member's ``teardown`` has run first."""
+        self._left.add(id(member))
+        if not self._fit_open or any(id(m) not in self._left for m in self.members):
+            return
+        self.close()
+        if self.ledger.pending_error is not None:
+            error, self.ledger.pending_error = self.ledger.pending_error, None
+            raise error
+
     def close(self) -> None:
-        """A callback's ``teardown``: the next ``setup`` starts a new fit."""
+        """The fit is over: the next ``setup`` starts a new one."""
         if self.registry.quarantine is not None:
             self.registry.quarantine.detach()
         self._fit_open = False
@@ -163,7 +178,8 @@ class Engine(StepFlow):
             )
         self._monitors, self._spikes, self._host_only = registry.monitors_steps, registry.spikes, registry.host_only
         if self._monitors:
-            self.sensor.watch_buffers(watched_buffers(pl_module))
+            self.sensor.watch(pl_module)
+            self.bus.subscribe(StateRestored, self._restored)
         scaler = _lightning_compat.get_scaler(trainer)
         self._agree_scaler = trainer.world_size > 1 and scaler is not None and scaler.is_enabled()
         if _lightning_compat.clipping_possible(trainer, pl_module):  # else nothing to guard: no wrapper per step
@@ -172,15 +188,38 @@ class Engine(StepFlow):
         self._lean_end = not registry.step_hooks and registry.scale_watch is None
         self.refresh_batch_start()
 
-    def train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """End of training: the end-of-fit state check (once, whoever calls it first), the summary, a pending stop.
+    def train_epoch_start(self, trainer: pl.Trainer) -> None:
+        super().train_epoch_start(trainer)
+        if self._monitors:
+            self.sensor.rewatch()  # a buffer registered again since (a cache that grew) is watched from now on
 
-        The driver calls it; so do members that never drive (CheckpointGuard, FP32Evaluation), so that a fit with
-        only those installed also never returns non-finite parameters.
+    def _restored(self, trainer: pl.Trainer, event: StateRestored) -> None:
+        self.sensor.rewatch()  # a rollback may have reallocated a buffer
+
+    def train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """End of training (``on_train_end``): the end-of-fit state check, on the device, as training left the state
+        (once, whoever calls it first). The driver calls it; so do members that never drive (CheckpointGuard,
+        FP32Evaluation), so that a fit with only those installed also never returns non-finite parameters. The
+        summary and a pending stop error wait for ``end_fit``.
         """
         self.began = True
-        if not self.ledger.final_state:
+        if not self.train_ended:
+            self.train_ended = True
             # A collective: every rank reaches on_train_end.
+            final_check(
+                trainer, pl_module, self.registry.restorer, self.ledger, self.sink, self.bus, self.incidents.tried()
+            )
+
+    def end_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The fit's end (the first member's ``teardown``; once): the state checked again, after every callback's
+        ``on_train_end`` and ``on_fit_end`` and the LightningModule's (a weight-averaging callback copies its average
+        into the model there, wherever it stands in the callback list), then the summary. Nothing in a fit runs
+        later but the other callbacks' and the LightningModule's ``teardown``. ``leave`` raises a pending stop error.
+        """
+        if self.fit_ended or not self.train_ended:
+            return
+        self.fit_ended = True
+        if self.ledger.pending_error is None:  # a fit that stops with an error returns no model to check
             final_check(
                 trainer,
                 pl_module,
@@ -189,8 +228,9 @@ class Engine(StepFlow):
                 self.sink,
                 self.bus,
                 self.incidents.tried(),
+                again=True,
             )
-        self.finish(trainer, raise_pending=True)
+        self.finish(trainer, raise_pending=False)
 
     def finish(self, trainer: pl.Trainer, *, raise_pending: bool) -> None:
         """Print the summary once, then raise a pending stop error (once). A fit refused at setup (nothing began,

@@ -1,5 +1,13 @@
 """The end-of-fit check: a fit that returns normally has finite parameters and buffers, identical on every rank
-(DDP); otherwise the newest verified state is restored, or the fit raises."""
+(DDP); otherwise the newest verified state is restored, or the fit raises.
+
+It runs twice (``engine.Engine``): at ``on_train_end``, on the device, where a restore finds everything as training
+left it; and again as the fit ends (the first nanguard callback's ``teardown``), after every callback's
+``on_train_end`` and ``on_fit_end`` and the LightningModule's: whatever those wrote into the model is checked too.
+Lightning's weight-averaging callbacks (``EMAWeightAveraging``, ``StochasticWeightAveraging``) copy their average into
+the model in their ``on_train_end``, wherever they stand in the callback list; an average that took in a NaN update
+is NaN, so the second check restores the newest verified state or raises, as the first does.
+"""
 
 from __future__ import annotations
 
@@ -31,6 +39,10 @@ from lightning_nanguard.signals.model_tensors import nonfinite_names
 
 __all__ = ["divergence_diagnosis", "final_check"]
 
+_LATE = (
+    " after the end-of-fit check (a callback's on_train_end or on_fit_end wrote into the model, as a weight-averaging "
+    "callback does: an average that took in a NaN update is NaN)"
+)
 _NOTHING_VERIFIED = (
     "AutoRollback had no verified snapshot or checkpoint to restore: snapshot more often (every_n_steps)"
 )
@@ -44,21 +56,27 @@ def final_check(
     sink: IncidentSink,
     bus: EventBus,
     tried: str,
+    *,
+    again: bool = False,
 ) -> None:
-    """Check the state at the end of fit (a collective: every rank reaches ``on_train_end``); restore or raise.
+    """Check the state at the end of fit (a collective: every rank reaches ``on_train_end`` and ``teardown``);
+    restore or raise (the error is left in ``ledger.pending_error``).
 
-    ``tried``: what the run has tried so far, for the error's message."""
+    ``tried``: what the run has tried so far, for the error's message. ``again``: the second check, after the
+    callbacks' last hooks (module docstring): a sound state keeps the first check's verdict."""
     verdict = state_verdict(trainer, pl_module)
     if verdict.sound:
-        ledger.final_state = "finite (checked at the end of fit)"
+        if not (again and ledger.final_state):
+            ledger.final_state = "finite (checked at the end of fit)"
         return
+    late = _LATE if again else ""
     if verdict.finite:  # under DDP, finite parameters whose copies differ across the ranks
         names = list(verdict.diverged)
         signal, diagnosis = Signal.RANK_DIVERGENCE, divergence_diagnosis(verdict.diverged)
-        problem = f"the ranks' parameters differ at the end of fit ({_listed(names, 5)})"
+        problem = f"the ranks' parameters differ at the end of fit ({_listed(names, 5)}){late}"
         promise, error = "every rank returns the same model", messages.divergence_error
         restored_state = "finite and identical on every rank"
-        because = f"the ranks' copies of {_listed(names)} differed"
+        because = f"the ranks' copies of {_listed(names)} differed{late}"
         unrestored = f"finite, but the ranks' copies of {_listed(names)} DIFFER"
         add = "add AutoRollback() so the last state verified identical on every rank is restored"
     else:
@@ -66,10 +84,14 @@ def final_check(
         names = sorted({n for part in gathered for n in part})  # type: ignore[attr-defined]
         signal = Signal.NONFINITE_STATE
         diagnosis = Diagnosis(Cause.CORRUPT_STATE, where=_listed(names), state_tensors=tuple(names), state_damaged=True)
-        problem = f"non-finite parameters or buffers at the end of fit ({_listed(names, 5)})"
+        problem = f"non-finite parameters or buffers at the end of fit ({_listed(names, 5)}){late}"
         promise, error = "the model fit() returns is finite", messages.final_state_error
         restored_state = "finite"
-        because = f"the last update(s) left {_listed(names)} non-finite"
+        because = (
+            f"{_listed(names)} became non-finite{late}"
+            if again
+            else f"{_listed(names)} ended training non-finite (the last updates, or a callback's on_train_end)"
+        )
         unrestored = f"NON-FINITE ({_listed(names)})"
         add = "add AutoRollback() so the last verified state is restored"
     restored = _restore_at_end(
@@ -83,6 +105,8 @@ def final_check(
         return
     ledger.final_state = unrestored
     hint = _NOTHING_VERIFIED if restorer is not None else add
+    if again:
+        hint = f"the state became non-finite{_LATE}; {hint}"
     if ledger.pending_error is None:
         kind = RankDivergenceError if signal is Signal.RANK_DIVERGENCE else NonFiniteTrainingError
         ledger.pending_error = kind(error(names, tried, hint))

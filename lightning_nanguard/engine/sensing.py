@@ -22,6 +22,7 @@ vector is as above.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
@@ -41,6 +42,7 @@ from lightning_nanguard.signals.gradients import (
     norms_with,
     wrapper_prefixes,
 )
+from lightning_nanguard.signals.model_tensors import watched_buffers
 
 __all__ = ["QuickStep", "Sensor"]
 
@@ -69,6 +71,7 @@ class Sensor:
         self._last_plan: StepPlan | None = None  # the plan ``quick`` used last (one optimizer: every step's)
         self._zeros: dict[torch.device, Tensor] = {}
         self._buffers: list[list[Tensor]] = []  # watched buffers, one list per (device, dtype)
+        self._watched: weakref.ref[nn.Module] | None = None  # the module whose buffers are watched
 
     def _zero(self, device: torch.device) -> Tensor:
         """A 0-d float32 zero on ``device``, made once (never written to: ``stack`` copies it)."""
@@ -77,9 +80,22 @@ class Sensor:
             zero = self._zeros[device] = torch.zeros((), device=device)
         return zero
 
+    def watch(self, module: nn.Module) -> None:
+        """Watch ``module``'s buffers (``watch_buffers``) from now on, collected again by ``rewatch``."""
+        self._watched = weakref.ref(module)
+        self.watch_buffers(watched_buffers(module))
+
+    def rewatch(self) -> None:
+        """Collect the watched module's buffers again: a buffer can be a new tensor since (a lazy module's,
+        materialized by the first forward; a cache registered again at another size; one a rollback reallocated).
+        Called where that can have happened: the first step's plan, each epoch start, after a restore."""
+        module = self._watched() if self._watched is not None else None
+        if module is not None:
+            self.watch_buffers(watched_buffers(module))
+
     def watch_buffers(self, buffers: list[Tensor]) -> None:
         """The buffers whose finiteness rides in every step's vector (BatchNorm statistics: a NaN written by the
-        forward shows at that step, not at the next save). Set at the start of training."""
+        forward shows at that step, not at the next save)."""
         groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
         for b in buffers:
             groups.setdefault((b.device, b.dtype), []).append(b)
@@ -102,6 +118,7 @@ class Sensor:
 
     def reset(self) -> None:
         self._buffers = []
+        self._watched = None
         self._zeros.clear()
         self._indexes.clear()
         self._positions.clear()
@@ -159,6 +176,7 @@ class Sensor:
             # A fused kernel over DTensors is handed no plain found_inf tensor: drop on the host (grads to None).
             path = self._device_path[id(optimizer)] = DropPath.HOST
         device = index.params[0].device if index.params else _first_device(pl_module)
+        self.rewatch()  # after the first forward: a lazy module's buffers exist now
         plan = self._plans[id(optimizer)] = StepPlan(trainer, optimizer, opt_idx, index, path, device)
         self._last_plan = plan
         return plan
@@ -249,6 +267,8 @@ class Sensor:
         # The fast path for a few gradients: [norm_0, ..., norm_k-1, *tail] in one stack, the total summed on the
         # host (``norms_with``); else [total, *tail].
         fast = norms_with(index, tail) if plan.inline and not fused_scaled else None
+        if fast is None and index.sparse and plan.inline:  # a sparse gradient seen only now: never inline again
+            plan.inline = plan.quick = False
         norms: GradNorms | None
         if fast is not None:
             norms, vec = fast

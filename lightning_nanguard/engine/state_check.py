@@ -5,7 +5,8 @@ on it together. The names of the non-finite tensors are found only when the verd
 
 Sharded tensors (``DTensor``: FSDP2, tensor parallelism) are checked through their local shards: each rank checks
 its own pieces and the reduction makes the verdict global, with no ``DTensor`` op (which could start a collective on
-one rank only).
+one rank only). Sparse tensors are checked through the values they store and a lazy module's parameters from the
+forward that materializes them on (``signals/stored.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from torch.optim import Optimizer
 
 from lightning_nanguard import _distributed, _lightning_compat
 from lightning_nanguard.signals.model_tensors import intended_infinities, model_tensors, nonfinite_names
-from lightning_nanguard.signals.sharded import is_sharded, local_tensor
+from lightning_nanguard.signals.sharded import is_sharded
+from lightning_nanguard.signals.stored import stored_values
 from lightning_nanguard.signals.tensors import all_finite
 
 __all__ = ["StateVerdict", "model_finite", "state_before_update", "state_verdict"]
@@ -30,7 +32,8 @@ def _intended_have_nan(module: nn.Module) -> Tensor | None:
     skip = intended_infinities(module)
     if not skip:
         return None
-    flags = [torch.isnan(local_tensor(b)).any() for n, b in module.named_buffers() if n in skip]
+    values = [stored_values(b) for n, b in module.named_buffers() if n in skip]
+    flags = [torch.isnan(v).any() for v in values if v is not None]
     return torch.stack(flags).any() if flags else None
 
 
@@ -65,7 +68,7 @@ def state_verdict(trainer: pl.Trainer, module: nn.Module, optimizers: Sequence[O
     tensors = [t for _, t in model_tensors(module)]
     for opt in optimizers:
         for state in opt.state.values():
-            tensors.extend(local_tensor(v) for v in state.values() if isinstance(v, Tensor))
+            tensors.extend(v for v in state.values() if isinstance(v, Tensor))  # read by all_finite's stored_values
     local_bad = ~all_finite(tensors, wide=True)
     nan_in_intended = _intended_have_nan(module)
     if nan_in_intended is not None:
@@ -103,12 +106,18 @@ def _foreach_norm_64(tensors: list[Tensor], ord: int) -> list[Tensor]:
 
 def _replicated_parameters(module: nn.Module) -> list[tuple[str, Tensor]]:
     """The parameters every rank holds a full, identical copy of (plain DDP): none when any is sharded (a
-    ``DTensor``: each rank holds other pieces), without those DDP was told to ignore."""
+    ``DTensor``: each rank holds other pieces), without those DDP was told to ignore; each as the tensor a check reads
+    (``stored_values``: a sparse parameter's stored values)."""
     named = list(module.named_parameters())
     if any(is_sharded(p) for _, p in named):
         return []
     ignored = _lightning_compat.ddp_ignored_names(module)
-    return [(n, p.detach()) for n, p in named if n not in ignored and p.numel() and p.is_floating_point()]
+    out = []
+    for n, p in named:
+        values = None if n in ignored else stored_values(p)
+        if values is not None and values.numel() and values.is_floating_point():
+            out.append((n, values.detach()))
+    return out
 
 
 def _norms(tensors: list[Tensor], ord: int) -> list[Tensor]:

@@ -102,8 +102,10 @@ def _from_ring(
         if snap is None:
             return None
         # Parameters were verified when the snapshot was taken; the optimizer state is verified now (rare path), by
-        # each rank for what it keeps (its chunk, under DDP) and reduced.
-        if not _distributed.any_rank(trainer, ~ring.state_finite(snap)):
+        # each rank for what it keeps (its chunk, under DDP), and whether the snapshot can restore the module as it is
+        # now (a parameter materialized after it cannot be rolled back to it: ``snapshot_match``), in one reduction.
+        unusable = ~ring.state_finite(snap) | (ring.mismatch(snap, pl_module, trainer.optimizers) is not None)
+        if not _distributed.any_rank(trainer, unusable):
             break
         ring.discard(snap)
     ring.restore(snap, pl_module, trainer.optimizers, trainer)

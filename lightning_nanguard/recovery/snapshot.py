@@ -5,7 +5,12 @@ What a snapshot holds: every parameter and buffer of the module and every optimi
 the bytes of each tensor are copied as they lie in memory (``torch._foreach_copy_``), so a restore is bit-exact and
 copies *into* the live tensors: nothing ever aliases a snapshot (``Optimizer.load_state_dict`` would). Lazily created
 optimizer state (before the first step) is handled: a restore removes state the snapshot did not have and recreates
-state it had (a ``DTensor`` of the recorded layout for a sharded model).
+state it had (a ``DTensor`` of the recorded layout for a sharded model). A module that changed since the snapshot is
+matched by name (``recovery/snapshot_match.py``): a buffer re-registered at another size is reallocated at the
+snapshot's; a snapshot that lacks a parameter the module has now (a lazy module's, materialized by the first forward)
+cannot restore it, and a rollback passes over it (``mismatch``). Sparse tensors are kept as host copies made at each
+snapshot (``recovery/snapshot_slot.py``). The layout follows the state: a snapshot whose tensors differ in shape or
+number from the last one's is laid out anew, and its slot reallocated where it no longer fits.
 
 ``prepare`` (at fit start, outside the training steps) decides how the snapshots are kept and allocates every slot:
 
@@ -26,7 +31,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
@@ -40,9 +44,19 @@ from lightning_nanguard.recovery.host_memory import host_buffer, release
 from lightning_nanguard.recovery.side_copy import SideCopy
 from lightning_nanguard.recovery.snapshot_budget import slots_that_fit
 from lightning_nanguard.recovery.snapshot_gather import gather_shared
-from lightning_nanguard.recovery.snapshot_layout import LOCAL, SHARED, TYPED, Layout, TensorSpec, byte_view, plan_layout
+from lightning_nanguard.recovery.snapshot_layout import (
+    KEPT,
+    LOCAL,
+    SHARED,
+    TYPED,
+    Layout,
+    TensorSpec,
+    byte_view,
+    plan_layout,
+)
+from lightning_nanguard.recovery.snapshot_match import mismatch, model_targets, put_kept, replace_tensor
+from lightning_nanguard.recovery.snapshot_slot import Snapshot, kept_copy
 from lightning_nanguard.recovery.snapshot_state import (
-    EntryKey,
     expected_specs,
     live_state,
     model_tensors,
@@ -54,64 +68,6 @@ from lightning_nanguard.signals.tensors import all_finite
 __all__ = ["Snapshot", "SnapshotRing", "model_tensors"]
 
 GATHER_BYTES = 256 * 2**20  # bytes one all-gather round of a sharded restore brings (every rank's slice together)
-
-
-@dataclass
-class Snapshot:
-    """One slot of the ring. ``step``/``log_step``: ``global_step`` and Lightning's logging step at capture."""
-
-    step: int = -1
-    log_step: int = -1
-    valid: bool = False
-    layout: Layout | None = None
-    flat: Tensor | None = None  # this rank's bytes: its chunk of the shared stream, then its local region
-    typed: list[Tensor] = field(default_factory=list)  # copies of the tensors with no byte view
-    n_model: int = 0  # entries of the module (parameters, buffers); optimizer entries follow
-    opt_keys: list[EntryKey] = field(default_factory=list)
-    opt_extras: dict[EntryKey, Any] = field(default_factory=dict)
-    opt_dtensors: dict[int, Any] = field(default_factory=dict)  # DTensor layout of sharded optimizer entries
-    scale: float | None = None  # the GradScaler's scale at capture (restored only downward)
-    event: Any = None  # the side-stream copy's completion (CUDA), until it is known complete
-    plan: Any = None  # (layout, live tensors' addresses, destinations, sources, kinds) of the last take
-
-    def ready(self) -> bool:
-        """The copy is complete (always, for a synchronous copy). Asks without waiting."""
-        if self.event is not None and self.event.query():
-            self.event = None
-        return self.event is None
-
-    def wait(self) -> None:
-        """Block until the copy is complete."""
-        if self.event is not None:
-            self.event.synchronize()
-            self.event = None
-
-    def nbytes(self) -> int:
-        """Host bytes this slot holds on this rank (its allocated buffers)."""
-        flat = 0 if self.flat is None else self.flat.numel()
-        return flat + sum(t.numel() * t.element_size() for t in self.typed)
-
-    def view(self, index: int) -> Tensor:
-        """Entry ``index`` as a tensor of its own dtype and shape, viewing this slot's memory (entries this rank
-        keeps whole only: a shared entry is spread over the ranks)."""
-        assert self.layout is not None
-        assert self.flat is not None
-        e = self.layout.entries[index]
-        if e.region == TYPED:
-            return self.typed[e.offset]
-        if e.region == SHARED:
-            raise RuntimeError("nanguard: this tensor's snapshot is spread over the DDP ranks; a restore gathers it.")
-        start = self.layout.chunk + e.offset
-        raw = self.flat[start : start + e.spec.nbytes]
-        return raw.view(e.spec.dtype).as_strided(e.spec.shape, e.spec.stride)
-
-    @property
-    def model(self) -> list[Tensor]:
-        return [self.view(i) for i in range(self.n_model)]
-
-    @property
-    def opt(self) -> list[Tensor]:
-        return [self.view(self.n_model + n) for n in range(len(self.opt_keys))]
 
 
 class SnapshotRing:
@@ -138,6 +94,11 @@ class SnapshotRing:
         self._side: SideCopy | None = None
         self._trainer: Any = None  # weakref to the Trainer (budget agreement across ranks)
         self._layout_of: tuple[tuple[TensorSpec, ...], Layout] | None = None
+        # The last snapshot was taken while a lazy module's parameters were uninitialized: it cannot restore the model
+        # once they are materialized, so the next batch start takes another (``AutoRollback.before_batch``). Only
+        # while they are being materialized: a lazy layer the forward never calls does not make every step a snapshot.
+        self.incomplete = False
+        self._uninitialized: int | None = None  # at the last take
 
     # ------------------------------------------------------------------ fit lifecycle
     def prepare(self, trainer: pl.Trainer, module: nn.Module, optimizers: Sequence[Optimizer]) -> None:
@@ -164,6 +125,7 @@ class SnapshotRing:
         if self._side is not None:
             self._side.unwatch()
         self._side, self._trainer, self._layout_of = None, None, None
+        self.incomplete, self._uninitialized = False, None
         self.slots = [Snapshot() for _ in range(self.capacity)]
 
     def sync(self) -> None:
@@ -239,12 +201,15 @@ class SnapshotRing:
         self._ensure(slot, layout)
         # The copy plan (views of the live tensors' bytes and of the slot) is reused while the layout and every
         # tensor's memory stay the same: most snapshots, at no per-tensor cost beyond reading its address.
-        key = (layout, [t.data_ptr() for t in state.tensors])
+        key = (layout, [t.data_ptr() if t.layout is _STRIDED else id(t) for t in state.tensors])
         if slot.plan is None or slot.plan[0] is not layout or slot.plan[1] != key[1]:
             slot.plan = (*key, *self._pairs(slot, layout, state.tensors))
         _, _, dst, src, kinds = slot.plan
         slot.event = self._copy(dst, src, kinds)
-        slot.layout, slot.n_model = layout, state.n_model
+        slot.kept = [kept_copy(state.tensors[i]) for i, e in enumerate(layout.entries) if e.region == KEPT]
+        slot.layout, slot.n_model, slot.names = layout, state.n_model, state.names
+        last, self._uninitialized = self._uninitialized, state.uninitialized
+        self.incomplete = state.uninitialized > 0 and (last is None or state.uninitialized < last)
         slot.opt_keys, slot.opt_extras, slot.opt_dtensors = state.opt_keys, state.opt_extras, state.opt_dtensors
         slot.step, slot.log_step, slot.scale = step, log_step, scale
         slot.valid = True
@@ -264,34 +229,63 @@ class SnapshotRing:
         layout = snapshot.layout
         assert layout is not None
         assert snapshot.flat is not None
+        n = snapshot.n_model
         live = live_state(module, optimizers, self._shareable)
-        if [_form(s) for s in live.specs[: live.n_model]] != [
-            _form(e.spec) for e in layout.entries[: snapshot.n_model]
-        ]:
-            raise RuntimeError(
-                "nanguard: the module's parameters changed shape or number since the snapshot was taken; "
-                "AutoRollback cannot restore it. Do not add or resize parameters during fit."
-            )
-        specs = [e.spec for e in layout.entries[snapshot.n_model :]]
-        dst = live.tensors[: live.n_model] + optimizer_targets(
-            optimizers, snapshot.opt_keys, specs, snapshot.opt_extras, snapshot.opt_dtensors
-        )
+        # Matched by name; reshaped tensors reallocated (``snapshot_match``). Raises before anything is written.
+        model = model_targets(module, snapshot.names, [e.spec for e in layout.entries[:n]], live)
+        holders: dict[int, tuple[dict[str, Any], str]] = {}
+        specs = [e.spec for e in layout.entries[n:]]
+        dst: list[Tensor | None] = [
+            *model,
+            *optimizer_targets(
+                optimizers, snapshot.opt_keys, specs, snapshot.opt_extras, snapshot.opt_dtensors, holders
+            ),
+        ]
         pairs_dst: list[Tensor] = []
         pairs_src: list[Tensor] = []
         for i, e in enumerate(layout.entries):
+            target = dst[i]
+            if target is None:
+                continue
             if e.region == TYPED:
-                pairs_dst.append(dst[i])
+                pairs_dst.append(target)
                 pairs_src.append(snapshot.typed[e.offset])
             elif e.region == LOCAL and e.spec.nbytes:
                 start = layout.chunk + e.offset
-                pairs_dst.append(_bytes(dst[i]))
+                pairs_dst.append(_bytes(target))
                 pairs_src.append(snapshot.flat[start : start + e.spec.nbytes])
+            elif e.region == KEPT:
+                new = put_kept(target, snapshot.kept[e.offset])
+                if new is not None and i < n:
+                    replace_tensor(module, snapshot.names[i], e.spec.kind, target, new)
+                elif new is not None:
+                    state, key = holders[i - n]
+                    state[key] = new
         if pairs_dst:
             _lightning_compat.foreach_copy_(pairs_dst, pairs_src)
         if layout.sharded:
             if trainer is None:
                 raise RuntimeError("nanguard: restoring a snapshot spread over DDP ranks needs the Trainer.")
-            gather_shared(trainer, layout, snapshot.flat, [_bytes(t) for t in dst], self.gather_bytes)
+            shared = [
+                _bytes(t) if t is not None and e.region == SHARED else _NO_BYTES
+                for t, e in zip(dst, layout.entries, strict=True)
+            ]
+            gather_shared(trainer, layout, snapshot.flat, shared, self.gather_bytes)
+
+    def mismatch(self, snapshot: Snapshot, module: nn.Module, optimizers: Sequence[Optimizer]) -> str | None:
+        """Why ``snapshot`` cannot restore ``module`` and ``optimizers`` as they are now (``snapshot_match``), or
+        ``None``. Names and shapes only: the same answer on every DDP rank."""
+        layout = snapshot.layout
+        if layout is None:
+            return "it holds nothing"
+        live = live_state(module, optimizers, self._shareable)
+        n = snapshot.n_model
+        reason = mismatch(snapshot.names, [e.spec for e in layout.entries[:n]], live, module)
+        if reason is None:
+            sizes = [sum(len(g["params"]) for g in opt.param_groups) for opt in optimizers]
+            if any(i >= len(sizes) or j >= sizes[i] for i, j, _ in snapshot.opt_keys):
+                reason = "the optimizers hold fewer parameters than when it was taken"
+        return reason
 
     # ------------------------------------------------------------------ internals
     def _layout(self, specs: tuple[TensorSpec, ...]) -> Layout:
@@ -377,8 +371,8 @@ class SnapshotRing:
         return side.start(host, buffers, state)
 
 
-def _form(spec: TensorSpec) -> tuple[Any, ...]:
-    return (spec.shape, spec.stride, spec.dtype)
+_STRIDED = torch.strided
+_NO_BYTES = torch.empty(0, dtype=torch.uint8)  # stands for an entry outside the shared stream (never indexed)
 
 
 def _bytes(t: Tensor) -> Tensor:

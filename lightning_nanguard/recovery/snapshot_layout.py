@@ -8,7 +8,9 @@ ZeRO; a restore gathers the other ranks' chunks. What a rank must keep whole for
 chunk: buffers (DDP lets them differ between its broadcasts: BatchNorm statistics of each rank's own batch),
 parameters DDP was told to ignore and their optimizer state, and every tensor of a sharded model (FSDP, DTensor:
 already this rank's own piece). A tensor that is not dense in memory (overlapping or with gaps) has no byte view and
-is kept as a typed copy.
+is kept as a typed copy. A sparse tensor (a graph's adjacency buffer, SGD's momentum for a sparse gradient) has no
+fixed size (how many values it stores changes): it is *kept*, a host copy made at each snapshot, outside the slot's
+preallocated bytes and the ``max_bytes`` budget.
 
 The 16-byte alignment makes every piece of a tensor inside a chunk start at a multiple of its element size, so a
 piece can be viewed in its own dtype (the finiteness check of a snapshot's optimizer state reads the chunk so).
@@ -25,10 +27,22 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["ALIGN", "Entry", "Layout", "TensorSpec", "byte_view", "plan_layout", "spec_of"]
+__all__ = [
+    "ALIGN",
+    "KEPT",
+    "LOCAL",
+    "SHARED",
+    "TYPED",
+    "Entry",
+    "Layout",
+    "TensorSpec",
+    "byte_view",
+    "plan_layout",
+    "spec_of",
+]
 
 ALIGN = 16
-SHARED, LOCAL, TYPED = "shared", "local", "typed"
+SHARED, LOCAL, TYPED, KEPT = "shared", "local", "typed", "kept"
 
 
 def _aligned(n: int) -> int:
@@ -71,9 +85,12 @@ class TensorSpec(NamedTuple):
     kind: str  # "param" | "buffer" | "opt"
     shareable: bool  # identical on every rank (a plain DDP parameter or its optimizer state)
     dense: bool = True
+    sparse: bool = False  # a sparse layout (COO, CSR, ...): kept as a host copy, not in the slot's bytes
 
     @property
     def nbytes(self) -> int:
+        if self.sparse:
+            return 0
         numel = 1
         for s in self.shape:
             numel *= s
@@ -81,6 +98,8 @@ class TensorSpec(NamedTuple):
 
 
 def spec_of(t: Tensor, kind: str, shareable: bool) -> TensorSpec:
+    if t.layout is not torch.strided:
+        return TensorSpec(tuple(t.shape), (), t.dtype, t.device, kind, False, False, True)
     dense = t.is_contiguous() or _dense(t)
     return TensorSpec(tuple(t.shape), t.stride(), t.dtype, t.device, kind, shareable, dense)
 
@@ -107,7 +126,8 @@ class Piece:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where every tensor of the state goes in a slot, for ``world`` ranks (``world == 1``: nothing is shared)."""
+    """Where every tensor of the state goes in a slot, for ``world`` ranks (``world == 1``: nothing is shared). The
+    offset of a ``TYPED`` or ``KEPT`` entry is its index among the slot's typed or kept copies."""
 
     entries: tuple[Entry, ...]
     shared_bytes: int  # N: the shared stream
@@ -159,11 +179,14 @@ class Layout:
 
 def plan_layout(specs: Sequence[TensorSpec], world: int, rank: int, shard: bool) -> Layout:
     """Place ``specs`` in order: shareable dense tensors in the shared stream when ``shard`` and ``world > 1``,
-    other dense tensors in the local region, the rest as typed copies."""
-    shared = local = typed = 0
+    other dense tensors in the local region, sparse ones as kept copies, the rest as typed copies."""
+    shared = local = typed = kept = 0
     entries = []
     for spec in specs:
-        if not spec.dense:
+        if spec.sparse:
+            entries.append(Entry(spec, KEPT, kept))
+            kept += 1
+        elif not spec.dense:
             entries.append(Entry(spec, TYPED, typed))
             typed += 1
         elif shard and world > 1 and spec.shareable:

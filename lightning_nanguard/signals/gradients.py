@@ -97,6 +97,9 @@ class ParamIndex:
     Attributes:
         sharded: some parameter is a ``DTensor``: gradients are read through their local shards and the step's
             norms are global only after a SUM all-reduce of ``weighted_squares``.
+        sparse: some gradient is sparse (``nn.Embedding(sparse=True)``): the fused pass cannot read it, so every
+            step's norms come from ``_grouped_norms`` (each sparse gradient through its coalesced values). Seen in the
+            gradients present when the index is built (the first step), or the first time the fused pass refuses one.
     """
 
     def __init__(
@@ -125,6 +128,7 @@ class ParamIndex:
         self.key_groups = list(by_key.values())
         self.accumulate_fp32 = any(p.dtype not in (torch.float32, torch.float64) for p in self.params)
         self.sharded = any(is_sharded(p) for p in self.params)
+        self.sparse = any(p.grad is not None and p.grad.layout is not torch.strided for p in self.params)
         self.world_size = world_size
         self._shares = [share_of(p, world_size) for p in self.params] if self.sharded else []
         self._share_cache: dict[torch.device, Tensor] = {}
@@ -220,12 +224,16 @@ def grad_norms(index: ParamIndex, scale: Tensor | None = None) -> GradNorms | No
     if index.sharded:  # local shards only: a DTensor op could start a collective on this rank alone
         grads = local_grads(index.params, grads)
     # `is not None` per item: `None in grads` would call Tensor.__eq__ on every gradient.
-    if index.uniform and all(g is not None for g in grads):
+    norms: Iterable[Tensor] | None = None
+    present: tuple[int, ...] | None = None
+    if index.uniform and not index.sparse and all(g is not None for g in grads):
         if not grads:
             return None
-        norms = _foreach_norm_fp32(grads)  # type: ignore[arg-type]
-        present: tuple[int, ...] | None = None
-    else:
+        try:
+            norms = _foreach_norm_fp32(grads)  # type: ignore[arg-type]
+        except NotImplementedError:  # a sparse gradient that was not there when the index was built
+            index.sparse = True
+    if norms is None:
         present_list = [i for i, g in enumerate(grads) if g is not None]
         if not present_list:
             return None
@@ -242,7 +250,7 @@ INLINE_MAX = 32  # up to this many gradients, the step vector carries each norm 
 
 def inline_applies(index: ParamIndex) -> bool:
     """Whether ``norms_with`` can read this index: a few (``INLINE_MAX``) plain gradients of one (device, dtype)."""
-    return not index.sharded and index.uniform and 0 < index.count <= INLINE_MAX
+    return not index.sharded and not index.sparse and index.uniform and 0 < index.count <= INLINE_MAX
 
 
 def norms_with(index: ParamIndex, tail: Sequence[Tensor]) -> tuple[GradNorms, Tensor] | None:
@@ -254,7 +262,11 @@ def norms_with(index: ParamIndex, tail: Sequence[Tensor]) -> tuple[GradNorms, Te
     for g in grads:
         if g is None:
             return None
-    vec = torch.stack([*_foreach_norm_fp32(grads), *tail])  # type: ignore[arg-type]
+    try:
+        vec = torch.stack([*_foreach_norm_fp32(grads), *tail])  # type: ignore[arg-type]
+    except NotImplementedError:  # a sparse gradient that was not there when the index was built: ``grad_norms``
+        index.sparse = True
+        return None
     return GradNorms(present=None, vec=vec, count=index.count), vec
 
 
@@ -265,7 +277,7 @@ def _grouped_norms(index: ParamIndex, grads: list[Tensor | None], present: list[
     for i in present:
         g = grads[i]
         assert g is not None
-        if g.is_sparse:
+        if g.layout is not torch.strided:
             g = _lightning_compat.sparse_values(g)
         dense[i] = g
         by_key[(g.device, g.dtype)].append(i)

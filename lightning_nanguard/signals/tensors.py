@@ -14,6 +14,7 @@ from torch import Tensor
 
 from lightning_nanguard import _lightning_compat
 from lightning_nanguard.signals.gradients import _foreach_norm_fp32
+from lightning_nanguard.signals.stored import stored_values
 
 __all__ = ["all_finite", "at_path", "fingerprint", "iter_tensors"]
 
@@ -73,14 +74,14 @@ def all_finite(tensors: Sequence[Tensor], *, wide: bool = False) -> Tensor:
     One ``torch._foreach_norm`` per (device, dtype) group; a 2-norm propagates NaN and inf. Norms accumulate in
     float32, so a large finite fp16 value does not overflow and read as non-finite; ``wide=True`` accumulates in
     float64 (where the device has it), so no finite value however large (3e38 in float32) reads as overflow: for
-    incident paths, where that certainty is worth the slower pass. Complex tensors are checked through their real
-    view; integer and boolean tensors cannot hold NaN and are ignored.
+    incident paths, where that certainty is worth the slower pass. Each tensor is read as ``stored_values`` reads it
+    (complex: the real view; sparse: its stored values; a lazy module's uninitialized tensor: left out); integer and
+    boolean tensors cannot hold NaN and are ignored.
     """
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
-    for t in tensors:
-        if t.is_complex():  # a complex NaN is a NaN in its real or imaginary part
-            t = torch.view_as_real(t)
-        if t.is_floating_point() and t.numel() > 0:
+    for tensor in tensors:
+        t = stored_values(tensor)
+        if t is not None and t.is_floating_point() and t.numel() > 0:
             groups[(t.device, t.dtype)].append(t.detach())
     if not groups:
         return torch.tensor(True)

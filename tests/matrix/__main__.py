@@ -1,7 +1,9 @@
 """Run the fault matrix: ``python -m tests.matrix --full`` (writes docs/RELIABILITY.md) or ``--subset``.
 
 Options:
-    --full | --subset | --cases ID[,ID...] | --where DIM=V1|V2,...   what to run (``--full``: ``spec.full_cases()``)
+    --full | --kinds | --subset | --cases ID[,ID...] | --where DIM=V1|V2,...   what to run (``--full``:
+                      ``spec.full_cases()``; ``--kinds``: its model-kind entries alone, the stratified slice of every
+                      kind)
     --jobs N          processes at once (default 2)
     --rows PATH       append each row (JSON line) here as it finishes; with --resume, skip the cases already in it
     --out PATH        the Markdown report (default: docs/RELIABILITY.md for --full; none otherwise)
@@ -21,13 +23,14 @@ import time
 
 from tests.matrix.report import markdown, tally
 from tests.matrix.run import judge, parse_case, run_cases
-from tests.matrix.spec import Case, all_cases, full_cases, subset_cases
+from tests.matrix.spec import Case, all_cases, full_cases, kinds_cases, subset_cases
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.matrix", description=__doc__.splitlines()[0])
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--full", action="store_true")
+    group.add_argument("--kinds", action="store_true", help="the full run's model-kind entries alone")
     group.add_argument("--subset", action="store_true")
     group.add_argument("--cases", type=str)
     group.add_argument("--where", type=str, help="all pruned cases matching dim=v1|v2,dim=v (e.g. process=single)")
@@ -45,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.full:
         cases, name = full_cases(), "--full"
         out = args.out or os.path.join("docs", "RELIABILITY.md")
+    elif args.kinds:
+        cases, name, out = kinds_cases(), "--kinds", args.out
     elif args.subset:
         cases, name, out = subset_cases(), "--subset", args.out
     elif args.where:
@@ -91,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             title="Reliability: the fault matrix",
             command=f"python -m tests.matrix {name}",
             when=f"{when}, {args.elapsed or f'{minutes:.0f} min'}",
-            sampled=args.full,
+            sampled=args.full or args.kinds,
+            kinds_only=args.kinds,
             source=args.source,
         )
         if skipped:

@@ -1,4 +1,4 @@
-"""The run of one case: a tiny model with a BatchNorm layer, the buffer fault, each rank's dump, the Trainer."""
+"""The run of one case: the model of its kind (``kinds.py``), the buffer fault, each rank's dump, the Trainer."""
 
 from __future__ import annotations
 
@@ -12,57 +12,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import default_callbacks
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.testing import FaultInjector
+from tests.matrix.kinds import MatrixModel, averaging_callbacks
 from tests.matrix.spec import CALLBACK_NAMES, STEPS, Case
 
 __all__ = ["BufferFault", "MatrixModel", "RankDump", "build_trainer", "callbacks_for"]
-
-
-class MatrixModel(pl.LightningModule):
-    """Linear -> BatchNorm1d -> Tanh -> Linear regression; ``manual-2opt``: manual optimization, body and head each
-    with its own optimizer (AdamW, SGD)."""
-
-    def __init__(self, optimization: str = "automatic", n: int = 80, batch_size: int = 8) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh())
-        self.head = nn.Linear(16, 1)
-        self.optimization, self.n, self.batch_size = optimization, n, batch_size
-        self.automatic_optimization = optimization != "manual-2opt"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = nn.functional.mse_loss(self(x).float(), y.float())
-        if self.automatic_optimization:
-            return loss
-        opts = self.optimizers()
-        assert isinstance(opts, list)
-        for opt in opts:
-            opt.zero_grad()
-        self.manual_backward(loss)
-        for opt in opts:
-            opt.step()
-        return loss.detach()
-
-    def configure_optimizers(self) -> Any:
-        if self.automatic_optimization:
-            return torch.optim.AdamW(self.parameters(), lr=0.01)
-        return [
-            torch.optim.AdamW(self.body.parameters(), lr=0.01),
-            torch.optim.SGD(self.head.parameters(), lr=0.01, momentum=0.9),
-        ]
-
-    def train_dataloader(self) -> DataLoader:
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(self.n, 8, generator=g)
-        y = x[:, :1] * 0.5 - x[:, 1:2] * 0.25
-        return DataLoader(TensorDataset(x, y), batch_size=self.batch_size, shuffle=False)
 
 
 def _batchnorm(module: nn.Module) -> nn.BatchNorm1d:
@@ -124,6 +81,12 @@ class RankDump(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._dump(trainer, pl_module, final=True)
 
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # After the suite's teardown (listed after it): the state fit returns, whatever a callback's on_train_end or
+        # on_fit_end wrote and the end-of-fit check's second pass restored.
+        if stage == "fit":
+            self._dump(trainer, pl_module, final=True)
+
 
 def _precision(precision: str) -> dict[str, Any]:
     if precision == "16-mixed":  # a real fp16 autocast with a real GradScaler, on CPU
@@ -172,8 +135,9 @@ def build_trainer(case: Case, workdir: str, callbacks: list[pl.Callback]) -> pl.
 
 def callbacks_for(case: Case, workdir: str) -> tuple[Any, list[pl.Callback]]:
     """(the fault injector, every callback of the run): the injector first, so that its fault lands before any
-    nanguard hook of the same stage; the rank dump; checkpoints every 4 steps, all kept."""
+    nanguard hook of the same stage; the ``ema``/``swa`` kinds' averaging callback after the suite; the rank dump;
+    checkpoints every 4 steps, all kept."""
     injector = _injector(case)
     checkpointing = ModelCheckpoint(dirpath=os.path.join(workdir, "ckpt"), every_n_train_steps=4, save_top_k=-1)
     dump = RankDump(os.path.join(workdir, "ranks"), injector)
-    return injector, [injector, *_suite(case.callbacks), dump, checkpointing]
+    return injector, [injector, *_suite(case.callbacks), *averaging_callbacks(case.model), dump, checkpointing]

@@ -1,9 +1,12 @@
-"""The fault matrix of issue 12 (part F): its dimensions, what is pruned and why, and the case lists.
+"""The fault matrix of issue 12 (part F), with the model kinds of issue 25: its dimensions, what is pruned and why,
+and the case lists.
 
-A case is one ``Trainer.fit`` of a tiny model with a BatchNorm layer, with one fault (one-off or recurring) at one
-site, under one precision, process layout, optimization mode and callback set. ``all_cases()`` is the pruned product,
-``full_cases()`` the part of it the full run executes (every single-process case; a slice and a seeded sample of
-the DDP cases: see ``FULL_PLAN``), ``subset_cases()`` the representative subset CI runs.
+A case is one ``Trainer.fit`` of a tiny model with a BatchNorm layer, of one kind (``tests/matrix/kinds.py``: the
+plain model, or one with an ``IterableDataset``, sparse tensors, a lazy layer, a growing cache buffer, a ``-inf``
+mask buffer, or a weight-averaging callback after the suite), with one fault (one-off or recurring) at one site,
+under one precision, process layout, optimization mode and callback set. ``all_cases()`` is the pruned product,
+``full_cases()`` the part of it the full run executes (see ``FULL_PLAN``), ``subset_cases()`` the representative
+subset CI runs.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from lightning_nanguard import preset
+from tests.matrix.kinds import KINDS
 
 __all__ = [
     "CALLBACKS",
@@ -25,6 +29,7 @@ __all__ = [
     "all_cases",
     "full_cases",
     "full_plan",
+    "kinds_cases",
     "pruned_reason",
     "subset_cases",
 ]
@@ -46,6 +51,7 @@ DIMENSIONS: dict[str, tuple[str, ...]] = {
     "process": PROCESSES,
     "optimization": OPTIMIZATIONS,
     "callbacks": CALLBACKS,
+    "model": KINDS,
 }
 
 SPIKE = 1e4  # the finite multiplier of a "spike" fault
@@ -68,6 +74,16 @@ PRUNED: list[tuple[str, str]] = [
         "stays (rank 0's bad buffer is broadcast to rank 1).",
     ),
     (
+        "model=lazy x DDP",
+        "torch's DistributedDataParallel refuses a module with uninitialized parameters (plain Lightning fails the "
+        "same way at setup): a lazy model is materialized before DDP wraps it, which makes it the plain model.",
+    ),
+    (
+        "model=swa x manual-2opt",
+        "Lightning's StochasticWeightAveraging refuses more than one optimizer (`MisconfigurationException` at fit "
+        "start, with or without nanguard).",
+    ),
+    (
         "manual-2opt x gradient accumulation",
         "not a product to prune but a note: Lightning refuses `accumulate_grad_batches` under manual optimization "
         "(the user accumulates by hand), so the optimization dimension has three values, not a 2 x 2 product.",
@@ -86,6 +102,7 @@ class Case:
     process: str = "single"
     optimization: str = "automatic"
     callbacks: str = "suite"
+    model: str = "mlp"
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -142,6 +159,10 @@ def pruned_reason(case: Case) -> str | None:
         return PRUNED[0][1]
     if case.site == "buffer" and case.process == "ddp-rank1":
         return PRUNED[1][1]
+    if case.model == "lazy" and case.ddp:
+        return PRUNED[2][1]
+    if case.model == "swa" and case.optimization == "manual-2opt":
+        return PRUNED[3][1]
     return None
 
 
@@ -159,16 +180,59 @@ def all_cases() -> list[Case]:
     return list(_product())
 
 
-# The full run: what it executes out of ``all_cases()``. Every single-process case (~0.2 s each, two at a time);
-# DDP cases cost ~8 s each (two spawned ranks import torch), so the 6,720 DDP combinations would take ~8 hours on
-# the shared 2-core CPU: the full run takes a slice of them (the suite on every site and rank layout) and a sample.
+# The full run: what it executes out of ``all_cases()``. Every single-process case of the plain model (~0.2 s each,
+# two at a time); DDP cases cost ~8 s each (two spawned ranks import torch), so the 6,720 DDP combinations of the plain
+# model would take ~8 hours on the shared 2-core CPU: the full run takes a slice of them (the suite on every site and
+# rank layout) and a sample. The model kinds: every fault under every precision with the suite, each callback alone,
+# manual optimization and accumulation, and DDP (a stratified slice of their product: each kind's whole product is as
+# large as the plain model's).
+_MLP = {"model": ("mlp",)}
+_KINDS = {"model": KINDS[1:]}
 FULL_PLAN: list[tuple[str, dict[str, tuple[str, ...]], int | None]] = [
     # (label, the dimensions' restriction, sample size or None for all of them); run in this order
-    ("single process: every combination (the whole pruned product)", {"process": ("single",)}, None),
     (
-        "DDP, whole suite, automatic, one-off NaN and inf at every site on rank 0 / rank 1 / both, 32-true and "
-        "16-mixed",
+        "plain model, single process: every combination (the whole pruned product)",
+        {**_MLP, "process": ("single",)},
+        None,
+    ),
+    (
+        "model kinds, single process, whole suite, automatic: every fault (value x recurrence x site) under every "
+        "precision",
+        {**_KINDS, "process": ("single",), "callbacks": ("suite",), "optimization": ("automatic",)},
+        None,
+    ),
+    (
+        "model kinds, single process, each callback alone, automatic: one-off NaN at every site, 32-true and 16-mixed",
         {
+            **_KINDS,
+            "process": ("single",),
+            "callbacks": CALLBACK_NAMES,
+            "value": ("nan",),
+            "recurrence": ("once",),
+            "optimization": ("automatic",),
+            "precision": ("32-true", "16-mixed"),
+        },
+        None,
+    ),
+    (
+        "model kinds, single process, whole suite, manual with two optimizers and gradient accumulation: one-off NaN "
+        "and inf at every site, 32-true and 16-mixed",
+        {
+            **_KINDS,
+            "process": ("single",),
+            "callbacks": ("suite",),
+            "value": ("nan", "inf"),
+            "recurrence": ("once",),
+            "optimization": ("manual-2opt", "accumulation"),
+            "precision": ("32-true", "16-mixed"),
+        },
+        None,
+    ),
+    (
+        "plain model, DDP, whole suite, automatic, one-off NaN and inf at every site on rank 0 / rank 1 / both, "
+        "32-true and 16-mixed",
+        {
+            **_MLP,
             "process": PROCESSES[1:],
             "callbacks": ("suite",),
             "value": ("nan", "inf"),
@@ -179,8 +243,9 @@ FULL_PLAN: list[tuple[str, dict[str, tuple[str, ...]], int | None]] = [
         None,
     ),
     (
-        "DDP, whole suite, automatic, recurring NaN at every site on rank 0 / rank 1 / both, 32-true",
+        "plain model, DDP, whole suite, automatic, recurring NaN at every site on rank 0 / rank 1 / both, 32-true",
         {
+            **_MLP,
             "process": PROCESSES[1:],
             "callbacks": ("suite",),
             "value": ("nan",),
@@ -191,9 +256,10 @@ FULL_PLAN: list[tuple[str, dict[str, tuple[str, ...]], int | None]] = [
         None,
     ),
     (
-        "DDP, whole suite, manual with two optimizers and gradient accumulation, one-off NaN at every site on rank 0 "
-        "/ rank 1 / both, 32-true",
+        "plain model, DDP, whole suite, manual with two optimizers and gradient accumulation, one-off NaN at every "
+        "site on rank 0 / rank 1 / both, 32-true",
         {
+            **_MLP,
             "process": PROCESSES[1:],
             "callbacks": ("suite",),
             "value": ("nan",),
@@ -203,10 +269,24 @@ FULL_PLAN: list[tuple[str, dict[str, tuple[str, ...]], int | None]] = [
         },
         None,
     ),
-    ("DDP: a seeded sample of every other DDP combination", {"process": PROCESSES[1:]}, 80),
     (
-        "DDP: a second seeded sample of the rest (the time left of the ~35-minute budget)",
-        {"process": PROCESSES[1:]},
+        "model kinds (but lazy: DDP refuses it), DDP, whole suite, automatic: one-off NaN at every site on rank 1 and "
+        "on both ranks, 32-true",
+        {
+            **_KINDS,
+            "process": ("ddp-rank1", "ddp-both"),
+            "callbacks": ("suite",),
+            "value": ("nan",),
+            "recurrence": ("once",),
+            "optimization": ("automatic",),
+            "precision": ("32-true",),
+        },
+        None,
+    ),
+    ("plain model, DDP: a seeded sample of every other DDP combination", {**_MLP, "process": PROCESSES[1:]}, 80),
+    (
+        "plain model, DDP: a second seeded sample of the rest (the time left of the budget)",
+        {**_MLP, "process": PROCESSES[1:]},
         150,
     ),
 ]
@@ -232,9 +312,15 @@ def full_cases(seed: int = 12) -> list[Case]:
     return [case for _label, cases in full_plan(seed) for case in cases]
 
 
+def kinds_cases(seed: int = 12) -> list[Case]:
+    """The cases of the full run's model-kind entries (``FULL_PLAN`` labels starting "model kinds"), in order."""
+    return [case for label, cases in full_plan(seed) if label.startswith("model kinds") for case in cases]
+
+
 def subset_cases() -> list[Case]:
-    """The representative subset (CI): each value, site, precision, process layout, optimization mode and callback
-    appears at least once, with the suite on the known-hard combinations (fp16 scaler, BatchNorm, manual, DDP)."""
+    """The representative subset (CI): each value, site, precision, process layout, optimization mode, callback and
+    model kind appears at least once, with the suite on the known-hard combinations (fp16 scaler, BatchNorm, manual,
+    DDP)."""
     c = Case
     return [
         # every site, non-finite one-off, whole suite, fp32
@@ -273,4 +359,14 @@ def subset_cases() -> list[Case]:
         c("nan", "once", "input", "bf16-mixed", process="ddp-both"),
         # 16-mixed DDP with a member that senses no step: the GradScalers' skips are still agreed across ranks
         c("nan", "once", "grad", "16-mixed", process="ddp-rank1", callbacks="OptimizerBackoff"),
+        # the model kinds (single process): a bad batch of an IterableDataset, a rollback with a sparse buffer and
+        # sparse gradients, after a lazy layer's first forward, across a cache's growth; an intended -inf buffer;
+        # a weight average after the suite
+        c("nan", "once", "input", model="iterable"),
+        c("nan", "once", "param", "16-mixed", model="sparse"),
+        c("nan", "once", "param", model="lazy"),
+        c("nan", "recurring", "param", model="growing"),
+        c("nan", "once", "buffer", "16-true", callbacks="AutoRollback", model="inf-buffer"),
+        c("nan", "once", "param", model="ema"),
+        c("nan", "once", "grad", "bf16-mixed", model="swa"),
     ]

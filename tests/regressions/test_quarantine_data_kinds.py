@@ -13,12 +13,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, TensorDataset
 
-from lightning_nanguard import GradNormMonitor
+from lightning_nanguard import GradNormMonitor, default_callbacks
 from lightning_nanguard.engine import get_engine
 from tests.helpers import all_finite, make_trainer
 
@@ -102,6 +103,46 @@ def test_an_iterable_dataset_bad_record_is_skipped_and_its_batch_kept_out_by_fin
     assert (saved["samples"], len(saved["fingerprints"]), saved["dropped_batches"]) == ([], 1, 2)
     assert get_engine(trainer).skipped_steps == 3  # the incident's and the two returns'
     assert monitor.quarantined_samples == []
+
+
+class LastBatchStream(IterableDataset):
+    """A stream of 32 records (the same each epoch) in 4 batches, record 29 broken: the epoch's last batch."""
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        x, y = indexed_data(32, bad=[29])
+        yield from zip(x, y, strict=True)
+
+
+class StreamNormModel(Recorder):
+    """Through a BatchNorm layer: the bad record's forward writes NaN into the running statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(7, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(LastBatchStream(), batch_size=8)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
+def test_a_fingerprint_quarantined_batch_that_poisons_the_statistics_is_an_incident(
+    tmp_path: Any, precision: str
+) -> None:
+    # The quarantined batch's update is dropped when it comes back, but its forward has already written NaN into the
+    # BatchNorm statistics: a damaged state, an incident at that step (rolled back), whichever path drops the update
+    # (the host path under 32-true, the GradScaler's device path under 16-mixed), not one the next step or the
+    # end-of-fit check finds.
+    trainer = make_trainer(tmp_path, precision, max_steps=-1, max_epochs=3, callbacks=default_callbacks())
+    trainer.fit(StreamNormModel())
+    assert [(epoch, step) for epoch, step, _cause, _actions in incidents(trainer)] == [(0, 3), (1, 7), (2, 11)]
+    assert [cause for _e, _s, cause, actions in incidents(trainer) if "rollback" in actions][-2:] == [
+        "corrupt_state",
+        "corrupt_state",
+    ]
+    assert get_engine(trainer).ledger.final_state == "finite (checked at the end of fit)"
 
 
 class FixedBatches(Sampler[list[int]]):
