@@ -46,6 +46,7 @@ from lightning_nanguard.checkpoint_sidecar import (
     sidecar_path,
     write_sidecar,
 )
+from lightning_nanguard.signals.stored import stored_values
 
 __all__ = [
     "LAST_GOOD_NAME",
@@ -106,16 +107,10 @@ def nonfinite_tensors(checkpoint: Any, intended: Collection[str] = ()) -> list[s
 
     def walk(prefix: str, obj: Any, key: str | None) -> None:
         if isinstance(obj, Tensor):
-            if obj.layout != torch.strided:  # a sparse tensor: the values it stores
-                obj = obj.coalesce().values() if obj.layout == torch.sparse_coo else obj.values()
-            if obj.numel() == 0:
-                return
-            t = obj.detach()
-            if t.is_complex():
-                t = torch.view_as_real(t)
-            if t.is_floating_point():
+            t = stored_values(obj)  # a sparse tensor's stored values, a complex tensor's real view
+            if t is not None and t.numel() and t.is_floating_point():
                 names.append(prefix or "tensor")
-                tensors.append(t)
+                tensors.append(t.detach())
                 keys.append(key)
         elif isinstance(obj, dict):
             for k, v in obj.items():
