@@ -10,13 +10,14 @@ SHARD = slice(256, 288)  # one batch of the epoch (32 rows), recorded in other u
 UNITS = 1e5
 
 
-def build(seed: int, healthy: bool, work_dir: str) -> Built:
+def build(seed: int, healthy: bool, work_dir: str, shuffle: bool = False) -> Built:
+    """The task's run; ``shuffle``: the shard's rows spread over the epoch's batches (bn-poison-shuffled)."""
     x, y, xv, yv = teacher_regression(seed + 5, 512, 16)
     probe = (x.clone(), y.clone())
     if not healthy:
         x[SHARD] *= UNITS
     module = DemoModule(mlp(16, seed=seed, norm=True), lr=3e-3)
-    data = TensorDataModule((x, y), (xv, yv), batch_size=32, probe=probe)
+    data = TensorDataModule((x, y), (xv, yv), batch_size=32, probe=probe, shuffle=shuffle, seed=seed)
     return Built(module, data, trainer_kwargs=precision_kwargs("16-mixed"))
 
 

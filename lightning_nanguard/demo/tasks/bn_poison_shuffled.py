@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-from lightning_nanguard.demo.common import DemoModule, TensorDataModule, precision_kwargs
 from lightning_nanguard.demo.registry import Built, Task, register_task
-from lightning_nanguard.demo.tasks._data import mlp, teacher_regression
-from lightning_nanguard.demo.tasks.bn_poison import SHARD, UNITS
+from lightning_nanguard.demo.tasks import bn_poison
 
 
 def build(seed: int, healthy: bool, work_dir: str) -> Built:
-    x, y, xv, yv = teacher_regression(seed + 5, 512, 16)
-    probe = (x.clone(), y.clone())
-    if not healthy:
-        x[SHARD] *= UNITS
-    module = DemoModule(mlp(16, seed=seed, norm=True), lr=3e-3)
-    data = TensorDataModule((x, y), (xv, yv), batch_size=32, probe=probe, shuffle=True, seed=seed)
-    return Built(module, data, trainer_kwargs=precision_kwargs("16-mixed"))
+    return bn_poison.build(seed, healthy, work_dir, shuffle=True)
 
 
 TASK = register_task(
