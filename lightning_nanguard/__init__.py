@@ -7,6 +7,7 @@ from lightning_nanguard.callbacks import (
     GradNormMonitor,
     LossScaleWatchdog,
     OptimizerBackoff,
+    PrecisionHeadroom,
 )
 from lightning_nanguard.checkpoints import last_good_checkpoint, verify_checkpoint
 from lightning_nanguard.contract import Action
@@ -39,6 +40,7 @@ __all__ = [
     "NanGuardWarning",
     "NonFiniteTrainingError",
     "OptimizerBackoff",
+    "PrecisionHeadroom",
     "RankDivergenceError",
     "RecoveryBudgetExhausted",
     "UnsupportedSetupError",

@@ -18,6 +18,7 @@ EXPECTED = {
     "NanGuardWarning",
     "NonFiniteTrainingError",
     "OptimizerBackoff",
+    "PrecisionHeadroom",
     "RankDivergenceError",
     "RecoveryBudgetExhausted",
     "UnsupportedSetupError",

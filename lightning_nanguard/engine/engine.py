@@ -15,6 +15,7 @@ per-step hooks. This class builds them for each fit, lets the callbacks join and
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
@@ -135,6 +136,10 @@ class Engine(StepFlow):
     def add_metrics(self, source: MetricSource) -> None:
         self.registry.add_metrics(source)
 
+    def add_summary_notes(self, source: Callable[[], list[str]]) -> None:
+        """Lines ``source()`` returns at the end of fit go into the summary (after the incidents)."""
+        self.registry.add_summary_notes(source)
+
     def post(self, event: PendingEvent) -> None:
         """An event found outside the engine's own sensing (DeepSpeed's step), handled with this batch's events."""
         self._events.append(event)
@@ -238,12 +243,15 @@ class Engine(StepFlow):
         if not self.finished and (self.began or self.sink.records):
             self.finished = True
             quarantine = self.registry.quarantine
+            notes = quarantine.summary_lines() if quarantine is not None else []
+            for source in self.registry.summary_notes:
+                notes.extend(source())
             self.sink.summary(
                 trainer,
                 self.member_names,
                 monitored=self.registry.monitors_steps or bool(self.registry.step_hooks),
                 final_state=self.ledger.final_state,
-                notes=quarantine.summary_lines() if quarantine is not None else [],
+                notes=notes,
                 steps=trainer.global_step - self.first_step,
             )
         if raise_pending and self.ledger.pending_error is not None:

@@ -33,6 +33,7 @@ class Registry:
         self.scale_watch: ScaleWatch | None = None
         self.promoter: Promoter | None = None
         self.metric_sources: list[MetricSource] = []
+        self.summary_notes: list[Callable[[], list[str]]] = []  # lines a member adds to the end-of-fit summary
         # Run first at each batch end, after the optimizer step: DeepSpeed's own step outcome is read there
         # (engine/deepspeed_sensing.py), since its engine steps after the last hook Lightning gives before it.
         self.step_hooks: list[Callable[[pl.Trainer], None]] = []
@@ -96,6 +97,10 @@ class Registry:
     def add_metrics(self, source: MetricSource) -> None:
         if source not in self.metric_sources:
             self.metric_sources.append(source)
+
+    def add_summary_notes(self, source: Callable[[], list[str]]) -> None:
+        if source not in self.summary_notes:
+            self.summary_notes.append(source)
 
     # ------------------------------------------------------------------ what follows from them
     def drops_nonfinite(self) -> bool:
