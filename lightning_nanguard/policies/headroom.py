@@ -7,9 +7,9 @@ module's output abs-max (``amax``) and the limit it is measured against (the tra
 ======================================================  ==========================================================
 what the history shows                                  decision
 ======================================================  ==========================================================
-a module below ``margin_bits`` of headroom              promote it (the one with the least headroom first)
+a module below ``margin_bits`` of headroom              promote it (every such module, the outermost first)
 under ``watch_bits``, falling at every one of the last  promote it: the fitted trend reaches 0 bits within
-``trend_samples`` samples                               ``horizon_steps``
+``trend_samples`` samples                               ``horizon_steps`` (the closest one per sample)
 the loss has risen ``DIVERGING_LOSS_RATIO`` times over  promote nothing: the whole run is diverging, float32 would
 the same samples                                        only hide it (the incident path's rollback answers it)
 a module the forecast promoted, ``watch_bits`` or more  demote it (unless it was promoted again after a demotion:
@@ -157,7 +157,8 @@ def decide(
     """
     s = settings
     next_in = s.every_n_steps
-    candidates: list[tuple[float, str, Forecast, str]] = []
+    urgent: list[tuple[float, str, Forecast, str]] = []
+    trending: list[tuple[float, str, Forecast, str]] = []
     ready_to_demote: list[str] = []
     for name in book.modules:
         inside = _inside(name, promoted)
@@ -165,21 +166,17 @@ def decide(
         if not samples:
             continue
         f = forecast(samples, s.trend_samples)
-        if f.bits < s.watch_bits:  # close to the limit: look again sooner, sooner still the faster it falls
-            soon = (f.bits - s.margin_bits) / -f.slope / 3 if f.slope < 0 else s.every_n_steps / 4
-            next_in = min(next_in, max(1, int(soon)))
+        next_in = min(next_in, _next_sample(f, len(samples), s))
         if inside:
             continue
         if f.bits < s.margin_bits:
-            candidates.append(
-                (f.bits, name, f, f"{f.bits:.2f} bits of headroom, below the margin of {s.margin_bits:g}")
-            )
+            urgent.append((f.bits, name, f, f"{f.bits:.2f} bits of headroom, below the margin of {s.margin_bits:g}"))
         elif f.bits < s.watch_bits and f.falling and f.steps_to_zero <= s.horizon_steps:
             why = (
                 f"{f.bits:.2f} bits of headroom, falling {-f.slope:.3g} bits per step over the last "
-                f"{s.trend_samples} samples: float16 overflows in about {f.steps_to_zero:.0f} steps"
+                f"{s.trend_samples} samples: it reaches 0 in about {f.steps_to_zero:.0f} steps"
             )
-            candidates.append((f.bits, name, f, why))
+            trending.append((f.bits, name, f, why))
     for name in promoted:
         if name in pinned or s.demote_after is None:
             continue
@@ -187,11 +184,26 @@ def decide(
         if family and all(_recovered(book.bits(n, half_limit), s) for n in family):
             ready_to_demote.append(name)
     diverging = _diverging(book)
-    promote: tuple[tuple[str, Forecast, str], ...] = ()
-    if candidates and can_promote and not diverging:
-        _, name, f, why = min(candidates)
-        promote = ((name, f, why),)
-    return Decision(promote, tuple(sorted(ready_to_demote)), next_in, diverging and bool(candidates))
+    chosen: list[tuple[str, Forecast, str]] = []
+    if can_promote and not diverging:
+        # Every module under the margin at once (outermost first: its submodules follow it into float32), else the
+        # one whose trend is closest to the limit.
+        for _, name, f, why in sorted(urgent, key=lambda c: (c[1].count("."), c[0])) or sorted(trending)[:1]:
+            if not _inside(name, {n for n, _, _ in chosen}):
+                chosen.append((name, f, why))
+    return Decision(tuple(chosen), tuple(sorted(ready_to_demote)), next_in, diverging and bool(urgent or trending))
+
+
+def _next_sample(f: Forecast, samples: int, s: HeadroomSettings) -> int:
+    """Steps to the next sample this module asks for: ``every_n_steps``; a quarter of it until it has a trend and
+    while it falls towards ``watch_bits``; under ``watch_bits``, a third of its time to the margin (at least 1)."""
+    if f.bits < s.watch_bits:
+        if f.slope < 0:
+            return max(1, int((f.bits - s.margin_bits) / -f.slope / 3))
+        return max(1, s.every_n_steps // 4)
+    if samples < s.trend_samples or (f.slope < 0 and (f.bits - s.watch_bits) / -f.slope < 2 * s.every_n_steps):
+        return max(1, s.every_n_steps // 4)
+    return s.every_n_steps
 
 
 def _inside(name: str, promoted: set[str]) -> bool:

@@ -4,7 +4,7 @@ Each task (``_benign.py``: a domain switch that lifts the loss ~100x and recover
 by orders of magnitude, LR restarts, additive ``-inf`` attention masks, a warmup from a learning rate of 0) is fit
 twice from the same seed: unguarded, and with ``default_callbacks()``. The preset must end with the same loss (within
 1%) and intervene nowhere: no incident, no rollback, no dropped update, no quarantine, no LR or eps change, no module
-promoted. Under ``16-mixed`` too (the loss-scale collapse rule), and with the opt-in spike detection on.
+promoted (by an overflow or by the headroom forecast). Under ``16-mixed`` too (the loss-scale collapse rule), and with the opt-in spike detection on.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from lightning_nanguard import (
     FP32Evaluation,
     GradNormMonitor,
     OptimizerBackoff,
+    PrecisionHeadroom,
     default_callbacks,
 )
 from lightning_nanguard.engine import get_engine
@@ -65,6 +66,7 @@ def _assert_untouched(fit: Fit, callbacks: list[Callback], reference: Fit) -> No
     assert (rollback.rollbacks, rollback.skipped_batches) == (0, 0)
     assert (backoff.lr_scale, backoff.eps_scale) == (1.0, 1.0)
     assert (monitor.skipped_steps, monitor.quarantined_samples, fp32.promoted) == (0, [], [])
+    assert _find(callbacks, PrecisionHeadroom).promoted == []
     assert _groups(fit) == _groups(reference)  # the schedule's LR and the eps as configured, to the last step
     assert fit.trainer.global_step == reference.trainer.global_step
     ratio = fit.final_loss / reference.final_loss
