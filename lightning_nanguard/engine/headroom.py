@@ -16,6 +16,7 @@ every rank promotes the same module at the same step.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = ["HeadroomWatch"]
 
 SHOWN = 8  # modules logged per logging step: the lowest headroom
+LOSS_STEPS = 8  # steps whose mean loss is kept with each sample (the divergence test)
 
 
 class HeadroomWatch:
@@ -156,8 +158,7 @@ class HeadroomWatch:
             dtype = dtypes.get(i, self.precision.dtype)
             limit = min(dtype_max(dtype), self.half_limit) if self.precision.half else dtype_max(dtype)
             self.book.add(step, names[i], amax, limit)
-        history = engine.history
-        self.book.add_loss(step, history[-1][2] if history else None)
+        self.book.add_loss(step, _recent_loss(engine))
         if self.precision.half and act:
             self._decide(trainer, pl_module, engine)
 
@@ -288,3 +289,10 @@ class HeadroomWatch:
         if self.promoted:
             line += f"; run in float32 by the headroom forecast: {', '.join(self.promoted)}"
         return [line]
+
+
+def _recent_loss(engine: Engine, steps: int = LOSS_STEPS) -> float | None:
+    """The mean finite loss of the engine's last ``steps`` readings (one batch's loss is too noisy to compare)."""
+    history = engine.history
+    losses = [loss for _, _, loss in list(history)[-steps:] if loss is not None and math.isfinite(loss)]
+    return sum(losses) / len(losses) if losses else None
