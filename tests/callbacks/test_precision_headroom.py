@@ -267,3 +267,27 @@ def test_a_float32_run_resumed_in_float16_is_promoted_before_its_first_step(tmp_
     assert record.step == 8  # decided at the resume, from the float32 run's history, before the first step
     assert record.where == "fc2"
     assert json.loads(json.dumps(record.to_dict()))["values"]["bits"] < 0
+
+
+class PassingDrift(ClassHead):
+    """The unused logits run away for 35 steps, then shrink back to where they began."""
+
+    def drift(self) -> None:
+        factor = 1.15 if self.global_step <= 35 else 0.8
+        if factor < 1 and float(self.head.bias[10:].abs().max()) < 100:
+            return
+        self.head.weight[10:] *= factor
+        self.head.bias[10:] *= factor
+
+
+def test_a_promotion_is_undone_once_its_headroom_has_recovered(tmp_path: Any) -> None:
+    from lightning_nanguard.recovery.promote import is_promoted
+
+    model = PassingDrift()
+    callback = PrecisionHeadroom(every_n_steps=10, demote_after=3)
+    trainer = _fit(tmp_path, model, "16-mixed", [callback], max_steps=110)
+    assert model.nonfinite == 0
+    actions = [(str(r.trigger), r.where, [str(a) for a in r.actions]) for r in get_engine(trainer).sink.records]
+    assert actions == [("headroom_forecast", "head", ["promote"]), ("headroom_recovered", "head", ["demote"])]
+    assert callback.promoted == []
+    assert not is_promoted(model.head)
