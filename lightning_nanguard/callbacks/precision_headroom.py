@@ -8,11 +8,13 @@ import lightning.pytorch as pl
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_nanguard import _notices
 from lightning_nanguard._validation import check_float, check_int
 from lightning_nanguard.callbacks._base import NanGuardCallback, show_hooks
+from lightning_nanguard.callbacks._common import check_strategy_supported
 from lightning_nanguard.engine import Engine
 from lightning_nanguard.engine.headroom import HeadroomWatch
-from lightning_nanguard.exceptions import NanGuardConfigError
+from lightning_nanguard.exceptions import NanGuardConfigError, UnsupportedSetupError
 from lightning_nanguard.policies.headroom import HeadroomSettings
 
 __all__ = ["PrecisionHeadroom"]
@@ -56,6 +58,9 @@ class PrecisionHeadroom(NanGuardCallback):
         ``nanguard/headroom/<module>``     the headroom of the 8 modules with the least (bits)
         ``nanguard/promoted_modules``      modules the forecast runs in float32
         ``nanguard/incident/promote``      1.0 at a promotion (``nanguard/incident/demote`` at a demotion)
+
+    Under DeepSpeed, FSDP1 and ``ModelParallelStrategy`` (FSDP2) it is untested and measures nothing (a note says
+    so): single device and DDP are supported.
 
     Raises:
         NanGuardConfigError: at construction, for an argument outside its rule.
@@ -105,6 +110,17 @@ class PrecisionHeadroom(NanGuardCallback):
 
     def _make_state_key(self) -> str:
         return self._generate_state_key(every_n_steps=self.every_n_steps)
+
+    @override
+    def _check_environment(self, trainer: pl.Trainer) -> None:
+        # Where it is untested it measures nothing, with a note, rather than refuse: the preset keeps running there.
+        try:
+            check_strategy_supported(trainer, type(self).__name__)
+        except UnsupportedSetupError as error:
+            self.watch.idle = str(error)
+            _notices.note(f"PrecisionHeadroom measures nothing in this fit: {error}")
+        else:
+            self.watch.idle = ""
 
     @override
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:

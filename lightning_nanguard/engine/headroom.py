@@ -61,7 +61,7 @@ class HeadroomWatch:
         self._reduced: tuple[torch.Tensor, int] | None = None  # (per-module vector, step) awaiting the batch end
         self._pending: tuple[int, int, dict[int, torch.dtype]] | None = None  # (step, n, dtypes) in the mirror
         self._dtypes: dict[int, torch.dtype] = {}
-        self._diverging_seen = False
+        self.idle = ""  # why nothing is measured in this fit (an untested strategy), "" when it is
 
     # ------------------------------------------------------------------ the fit
     @property
@@ -81,10 +81,12 @@ class HeadroomWatch:
         """Training starts: the probe over the module's submodules, promotions re-applied, a first sample due now,
         and a resumed history judged against this run's precision before its first step."""
         self.precision = classify_precision(trainer)
-        self.probe = OutputProbe(watched_modules(pl_module))
         self._due = trainer.global_step
         self._reduced = self._pending = None
-        self._diverging_seen = False
+        self.probe = None if self.idle else OutputProbe(watched_modules(pl_module))
+        if self.idle:
+            self.precision = FULL_PRECISION  # nothing reported either
+            return
         if self.precision.mixed:
             device = autocast_device(trainer.precision_plugin)
             for path in self.promoted:
