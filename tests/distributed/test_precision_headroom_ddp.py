@@ -9,7 +9,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch import nn
 
 from lightning_nanguard import PrecisionHeadroom
 from lightning_nanguard.engine import get_engine
@@ -17,13 +17,30 @@ from tests.callbacks.test_precision_headroom import ClassHead
 from tests.helpers import make_trainer
 
 
-class RankScaledHead(ClassHead):
-    """Rank 1's inputs are 4x rank 0's: its unused logits reach float16's limit 2 bits (~10 steps) earlier."""
+class Boost(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.factor = 1.0
 
-    def train_dataloader(self) -> DataLoader:
-        g = torch.Generator().manual_seed(self.trainer.global_rank)
-        x = torch.randn(256, 16, generator=g) * (1 + 3 * self.trainer.global_rank)
-        return DataLoader(TensorDataset(x, x[:, :10].argmax(-1)), batch_size=16)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+class RankScaledHead(ClassHead):
+    """Rank 1's logits are 4x rank 0's (its batches are harder): they reach float16's limit 2 bits (~10 steps)
+    earlier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.boost = Boost()
+
+    def setup(self, stage: str) -> None:
+        self.boost.factor = 1.0 + 3.0 * self.trainer.global_rank
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.boost(self.head(self.body(x)))
+        centred = logits - logits.mean(-1, keepdim=True)
+        return nn.functional.cross_entropy(centred.float(), y)
 
 
 class Dump(pl.Callback):
@@ -53,5 +70,5 @@ def test_every_rank_promotes_the_same_module_at_the_same_step(tmp_path: Any) -> 
             dumps.append(json.load(f))
     promotions = [[(i["step"], i["where"], i["actions"]) for i in d["incidents"]] for d in dumps]
     assert promotions[0] == promotions[1]
-    assert [where for _, where, _ in promotions[0]] == ["head"]
+    assert [where for _, where, _ in promotions[0]] == ["boost", "head"]  # the boosted logits first
     assert dumps[0]["nonfinite"] == dumps[1]["nonfinite"] == 0  # rank 1, the closer one, never overflowed
