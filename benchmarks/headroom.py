@@ -1,19 +1,21 @@
 """What PrecisionHeadroom costs on the mid-size CPU GPTs of ``overhead.py`` (4 layers d256; 24 layers d288).
 
-Three figures per model, under ``16-mixed`` (autocast float16 + the CPU GradScaler) and ``32-true``:
+Three figures per model, under ``32-true`` (the probe's work is the same in every precision: hooks, one fused
+reduction, one copy; ``--half`` adds ``16-mixed``, whose float16 matmuls torch emulates on a CPU, about 17x slower
+than float32 there, which makes the ratio look smaller than it is on a GPU):
 
 * **sample**: the extra process time of one sampled step, isolated: a forward + backward with the probe armed (a
   forward hook on every submodule keeping its output), the fused reduction, the all-reduce (one rank: none) and the
   host-mirror copy, minus the same forward + backward without (interleaved reps, medians);
-* **tick**: the extra time of an unsampled step in the Trainer: ``PrecisionHeadroom(every_n_steps=10**9)`` (one
-  sample at step 0, then only the batch-start comparison) against plain Lightning, process time, rounds with the
-  order rotated (the ratio's noise is of the order of a percent: see the min-max);
+* **tick**: the extra time of an unsampled step: the callback's batch-start hook (one comparison) timed on a real
+  Trainer, plus Lightning's dispatch of one hook (about 2 µs; a Trainer-level ratio cannot resolve microseconds on a
+  step of hundreds of milliseconds);
 * **amortized**: (sample / every_n_steps + tick) as a share of the baseline step, for ``every_n_steps=50`` (the
   preset) and 10.
 
 And the host reads per step of a fit with the callback minus without (``HostReadCounter``; must be 0).
 
-Run: ``python benchmarks/headroom.py`` (about 3 minutes on 2 cores) or ``--quick``.
+Run: ``python benchmarks/headroom.py`` (about 5 minutes on 2 quiet cores) or ``--quick``.
 """
 
 from __future__ import annotations
@@ -79,20 +81,6 @@ def sample_cost(cfg: GPTConfig, half: bool, reps: int) -> tuple[float, float, in
     return base * 1e3, (statistics.median(sampled) - base) * 1e3, len(probe.names)
 
 
-class _Timer(pl.Callback):
-    def __init__(self, warmup: int) -> None:
-        self.warmup, self.marks = warmup, []
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self.marks.append(time.process_time())
-
-    def on_train_end(self, *args: Any) -> None:
-        self.marks.append(time.process_time())
-
-    def times(self) -> list[float]:
-        return [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)][self.warmup :]
-
-
 def _fit(cfg: GPTConfig, half: bool, callbacks: list[pl.Callback], steps: int, tmp: str) -> None:
     kw: dict[str, Any] = (
         {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]} if half else {}
@@ -111,18 +99,34 @@ def _fit(cfg: GPTConfig, half: bool, callbacks: list[pl.Callback], steps: int, t
     ).fit(GPT(cfg, steps=steps + 1))
 
 
-def tick_ratio(cfg: GPTConfig, half: bool, rounds: int, timed: int, tmp: str) -> tuple[float, float, float]:
-    """Median [min, max] over rounds of (step with the callback ticking) / (plain step)."""
-    ratios = []
-    for r in range(rounds):
-        medians = {}
-        for name in ["plain", "tick"] if r % 2 == 0 else ["tick", "plain"]:
-            timer = _Timer(warmup=3)
-            callbacks: list[pl.Callback] = [PrecisionHeadroom(every_n_steps=10**9)] if name == "tick" else []
-            _fit(cfg, half, [*callbacks, timer], 3 + timed, tmp)
-            medians[name] = statistics.median(timer.times())
-        ratios.append(medians["tick"] / medians["plain"])
-    return statistics.median(ratios), min(ratios), max(ratios)
+def tick_cost(cfg: GPTConfig, tmp: str, calls: int = 20000) -> float:
+    """µs per unsampled step: the callback's batch-start hook (between samples: one comparison) called on the
+    Trainer of a short fit, plus Lightning's dispatch of one hook to one callback (about 2 µs, docs/PERFORMANCE.md,
+    measured with the suite's host benchmark)."""
+    callback = PrecisionHeadroom(every_n_steps=10**9)
+    torch.manual_seed(0)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=2,
+        callbacks=[callback],
+        default_root_dir=tmp,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = GPT(cfg, steps=3)
+    trainer.fit(model)
+    callback.watch.probe = OutputProbe(watched_modules(model))  # as during the fit, with no sample due
+    callback.watch._due = 10**9
+    hook = callback.on_train_batch_start
+    t = time.perf_counter()
+    for _ in range(calls):
+        hook(trainer, model, None, 0)
+    return (time.perf_counter() - t) / calls * 1e6 + LIGHTNING_DISPATCH_US
+
+
+LIGHTNING_DISPATCH_US = 2.0
 
 
 def extra_reads(cfg: GPTConfig, half: bool, tmp: str, steps: int = 12) -> int:
@@ -139,8 +143,9 @@ def extra_reads(cfg: GPTConfig, half: bool, tmp: str, steps: int = 12) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--half", action="store_true", help="also 16-mixed (slow on a CPU)")
     args = parser.parse_args()
-    reps, rounds, timed = (6, 2, 6) if args.quick else (15, 4, 10)
+    reps = 6 if args.quick else 15
     torch.set_num_threads(1)
     import logging
     import warnings
@@ -148,22 +153,22 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     print(
-        "| model | precision | modules | step ms | sample: extra ms | tick: ratio [min-max] | amortized, every 50 "
+        "| model | precision | modules | step ms | sample: extra ms | tick µs | amortized, every 50 "
         "| every 10 | extra host reads per fit |"
     )
     print("|" + "---|" * 9)
     with tempfile.TemporaryDirectory() as tmp:
         for cfg in (SMALL, DEEP):
-            for half in (True, False):
+            for half in (False, True) if args.half else (False,):
                 print(f"measuring {cfg.name} {'16-mixed' if half else '32-true'} ...", file=sys.stderr, flush=True)
                 step, extra, modules = sample_cost(cfg, half, reps)
-                ratio, low, high = tick_ratio(cfg, half, rounds, timed, tmp)
+                tick_us = tick_cost(cfg, tmp)
                 reads = extra_reads(cfg, half, tmp)
-                tick = max(ratio - 1.0, 0.0) * step
+                tick = tick_us / 1e3
                 every = {n: 100 * (extra / n + tick) / step for n in (50, 10)}
                 print(
                     f"| {cfg.name} | {'16-mixed' if half else '32-true'} | {modules} | {step:.1f} | {extra:.2f} "
-                    f"({100 * extra / step:.1f}%) | {ratio:.3f} [{low:.3f}-{high:.3f}] | {every[50]:.2f}% | "
+                    f"({100 * extra / step:.1f}%) | {tick_us:.1f} | {every[50]:.2f}% | "
                     f"{every[10]:.2f}% | {reads} |",
                     flush=True,
                 )
