@@ -27,6 +27,16 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential, nn.ParameterList, nn
 _FLOOR = 2.0**-24
 
 
+def _abs_maxes(tensors: list[Tensor], device: torch.device) -> Tensor:
+    """Each tensor's largest |value| as one float32 vector (NaN where a tensor holds NaN). On an accelerator one fused
+    ``_foreach_norm(ord=inf)``; on a CPU, where that kernel is not vectorized (about 15x slower than ``aminmax`` on
+    a 33 MB tensor), one ``aminmax`` per tensor."""
+    if device.type != "cpu":
+        return torch.stack(foreach_norms(tensors, math.inf, dtypes=(torch.float32,))).float()
+    lows, highs = zip(*(torch.aminmax(t) for t in tensors), strict=True)
+    return torch.maximum(torch.stack(highs).float(), torch.stack(lows).float().neg())
+
+
 def dtype_max(dtype: torch.dtype) -> float:
     """The largest finite value of a floating-point ``dtype`` (65504 for float16)."""
     return float(torch.finfo(dtype).max)
@@ -111,7 +121,7 @@ class OutputProbe:
         device = tensors[0].device
         if any(t.device != device for t in tensors):
             tensors = [t.to(device) for t in tensors]  # the rare model split across devices: one place to reduce
-        maxes = torch.stack(foreach_norms(tensors, math.inf, dtypes=(torch.float32,))).float()
+        maxes = _abs_maxes(tensors, device)
         seen = sorted(set(slots))
         if len(seen) == len(slots) and seen == slots:
             return maxes, seen  # every module ran once, in order: the vector is already per module
