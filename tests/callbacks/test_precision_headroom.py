@@ -291,3 +291,18 @@ def test_a_promotion_is_undone_once_its_headroom_has_recovered(tmp_path: Any) ->
     assert actions == [("headroom_forecast", "head", ["promote"]), ("headroom_recovered", "head", ["demote"])]
     assert callback.promoted == []
     assert not is_promoted(model.head)
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("bf16-mixed", "bfloat16"), ("16-true", "float16")])
+def test_where_nothing_can_be_promoted_headroom_is_reported_only(tmp_path: Any, precision: str, dtype: str) -> None:
+    # bf16-mixed: float32's range (the runaway logits never come close); 16-true: no autocast to switch off.
+    model = ClassHead()
+    callback = PrecisionHeadroom(every_n_steps=5)
+    trainer = _fit(tmp_path, model, precision, [callback], max_steps=30)
+    assert callback.promoted == []
+    assert get_engine(trainer).sink.records == []
+    (line,) = callback.watch.summary_lines()
+    assert line.startswith("closest to overflow: head, ")
+    assert f"({dtype} headroom at the last sample)" in line
+    lowest = callback.watch.lowest(1)[0][1]
+    assert lowest > 100 if dtype == "bfloat16" else 0 < lowest < 6
