@@ -6,9 +6,10 @@ One sample, over two steps, with no host read of device memory on the step path:
 2. ``on_before_backward`` of that step: the hooks are removed and the kept outputs reduced in one fused pass;
 3. its batch end: the per-module vector is all-reduced (MAX, one collective, every rank samples the same steps) and
    copied into a ``HostMirror`` (pinned, non-blocking);
-4. the next batch start: the mirror is read (its copy was queued a whole step earlier), the history updated, the
-   forecast decided (``policies.headroom.decide``) and acted on before that step's forward, and the next sample
-   scheduled: ``every_n_steps`` away, sooner while a module is close to the limit and falling.
+4. the next batch start (the one after on an accelerator): the mirror is read (its copy was queued a step or more
+   earlier: nothing to wait for), the history updated, the forecast decided (``policies.headroom.decide``) and acted
+   on before that step's forward, and the next sample scheduled: ``every_n_steps`` away, sooner while a module is
+   close to the limit and falling.
 
 Between samples a step costs one integer comparison at its batch start. Decisions come from the rank-reduced vector:
 every rank promotes the same module at the same step.
@@ -102,8 +103,15 @@ class HeadroomWatch:
 
     # ------------------------------------------------------------------ the step
     def tick(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> bool:
-        """Batch start: read the last sample (if any), then arm the probe when a sample is due. True when armed."""
-        if self._pending is not None:
+        """Batch start: read the last sample (if any), then arm the probe when a sample is due. True when armed.
+
+        A sample is read one step after it was taken on a CPU (the copy was synchronous) and two steps after on an
+        accelerator: the copy queued at its batch end has completed by then (a whole step ran since, with its own
+        synchronizations), so the read waits for nothing, and every rank reads it at the same step."""
+        pending = self._pending
+        if pending is not None and (
+            self._mirror is None or not self._mirror.cuda or trainer.global_step >= pending[0] + 2
+        ):
             self._read(trainer, pl_module, engine)
         probe = self.probe
         if probe is None or trainer.global_step < self._due:
