@@ -6,6 +6,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from torch import Tensor
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_nanguard import _notices
@@ -20,7 +21,7 @@ from lightning_nanguard.policies.headroom import HeadroomSettings
 __all__ = ["PrecisionHeadroom"]
 
 # Shown to Lightning only during a sampled step (where this callback does not drive the engine).
-_SAMPLE_HOOKS = ("on_before_backward", "on_train_batch_end")
+_SAMPLE_HOOKS = ("on_before_backward", "on_before_optimizer_step", "on_train_batch_end")
 
 
 class PrecisionHeadroom(NanGuardCallback):
@@ -44,7 +45,8 @@ class PrecisionHeadroom(NanGuardCallback):
     ``32-true`` the abs-maxima are still kept (in the checkpoint): a float32 run resumed in float16 has its modules
     judged against float16 before its first step. Only module outputs are seen: a value that overflows inside one
     module's forward without leaving it as an output (a fused attention's logits) shows only in what it does to the
-    output. Gradients are left to the GradScaler (``16-mixed``).
+    output. Gradients are left to the GradScaler (``16-mixed``); under ``16-true``, which has none, each module's
+    parameter gradients are sampled too (``"<module> (gradient)"``, reported only).
 
     Args:
         every_n_steps: optimizer steps between two samples (sooner near the limit).
@@ -154,6 +156,14 @@ class PrecisionHeadroom(NanGuardCallback):
         super().on_before_backward(trainer, pl_module, loss)
         if self._sampling:
             self.watch.collect(trainer.global_step)
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        if self._sampling:
+            self.watch.collect_grads()
 
     @override
     def on_train_batch_end(

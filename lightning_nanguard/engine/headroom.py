@@ -32,7 +32,7 @@ from lightning_nanguard.recovery.eval_precision import autocast_device
 from lightning_nanguard.recovery.promote import demote, is_promoted, promote_submodule
 from lightning_nanguard.reporting import keys
 from lightning_nanguard.reporting.incidents import Incident
-from lightning_nanguard.signals.headroom import OutputProbe, dtype_max, watched_modules
+from lightning_nanguard.signals.headroom import GradProbe, OutputProbe, dtype_max, watched_modules
 
 if TYPE_CHECKING:
     from lightning_nanguard.engine.engine import Engine
@@ -57,6 +57,9 @@ class HeadroomWatch:
         self.promotions = 0
         self.precision: Precision = FULL_PRECISION
         self.probe: OutputProbe | None = None
+        self.grads: GradProbe | None = None  # under 16-true only: no GradScaler covers the gradients there
+        self._grad_vec: torch.Tensor | None = None
+        self._names: list[str] = []  # the entries of the pending vector
         self._due = 0
         self._mirror: HostMirror | None = None
         self._reduced: tuple[torch.Tensor, int] | None = None  # (per-module vector, step) awaiting the batch end
@@ -85,6 +88,8 @@ class HeadroomWatch:
         self._due = trainer.global_step
         self._reduced = self._pending = None
         self.probe = None if self.idle else OutputProbe(watched_modules(pl_module))
+        no_scaler = self.precision.true_half and self.precision.dtype is torch.float16
+        self.grads = GradProbe(pl_module) if no_scaler and not self.idle else None
         if self.idle:
             self.precision = FULL_PRECISION  # nothing reported either
             return
@@ -134,15 +139,25 @@ class HeadroomWatch:
         full[torch.tensor(slots, device=values.device)] = values
         self._reduced = (full, step)
 
+    def collect_grads(self) -> None:
+        """``on_before_optimizer_step`` of the sampled step, where no GradScaler covers the gradients (16-true)."""
+        if self.grads is not None:
+            self._grad_vec = self.grads.reduce()
+
     def end_sample(self, trainer: pl.Trainer) -> None:
         """The sampled step's batch end: one MAX all-reduce and a non-blocking copy to the host."""
         if self.probe is not None:
             self.probe.disarm()  # a step with no backward never reached ``collect``
         self._due = trainer.global_step + self.settings.every_n_steps  # until the next read says sooner
-        if self._reduced is None:
+        grads, self._grad_vec = self._grad_vec, None
+        if self._reduced is None or self.probe is None:
             return
         vec, step = self._reduced
         self._reduced = None
+        self._names = list(self.probe.names)
+        if grads is not None and self.grads is not None and grads.device == vec.device:
+            vec = torch.cat([vec, grads])  # one vector, one all-reduce
+            self._names += self.grads.names
         vec = _distributed.max_across_ranks(trainer, vec)
         if self._mirror is None or self._mirror.size < vec.numel():
             self._mirror = HostMirror(vec.numel(), vec.device)
@@ -161,7 +176,7 @@ class HeadroomWatch:
         step, n, dtypes = self._pending
         self._pending = None
         values = self._mirror.values(n)  # a copy queued a step ago: host memory, no device read
-        names = self.probe.names
+        names = self._names
         for i, amax in enumerate(values):
             if amax < 0:
                 continue  # the module did not run (on any rank)

@@ -28,6 +28,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from lightning_nanguard.signals.headroom import GRADIENT
+
 __all__ = ["DIVERGING_LOSS_RATIO", "Decision", "Forecast", "HeadroomBook", "HeadroomSettings", "decide", "forecast"]
 
 DIVERGING_LOSS_RATIO = 2.0
@@ -167,7 +169,7 @@ def decide(
             continue
         f = forecast(samples, s.trend_samples)
         next_in = min(next_in, _next_sample(f, len(samples), s))
-        if inside:
+        if inside or name.endswith(GRADIENT):  # a gradient's headroom is reported, never acted on
             continue
         if f.bits < s.margin_bits:
             urgent.append((f.bits, name, f, f"{f.bits:.2f} bits of headroom, below the margin of {s.margin_bits:g}"))

@@ -19,7 +19,9 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_nanguard._lightning_compat import foreach_norms
 
-__all__ = ["OutputProbe", "dtype_max", "headroom_bits", "watched_modules"]
+__all__ = ["GRADIENT", "GradProbe", "OutputProbe", "dtype_max", "headroom_bits", "watched_modules"]
+
+GRADIENT = " (gradient)"  # the suffix of a module's gradient entry: "head (gradient)"
 
 # Modules that only hold others: their output is a child's (Sequential) or they have no forward of their own.
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential, nn.ParameterList, nn.ParameterDict)
@@ -129,3 +131,31 @@ class OutputProbe:
         index = torch.tensor([position[s] for s in slots], device=device)
         out = torch.zeros(len(seen), device=device).scatter_reduce(0, index, maxes, "amax")
         return out, seen
+
+
+class GradProbe:
+    """The abs-max of each module's parameter gradients (its own parameters, not its submodules'), for a precision
+    with no GradScaler to cover them (``16-true``): one reduction over the gradients, one ``scatter_reduce``."""
+
+    def __init__(self, root: nn.Module) -> None:
+        slots: dict[str, int] = {}
+        self._params: list[nn.Parameter] = []
+        self._slots: list[int] = []
+        for name, param in root.named_parameters():
+            owner = name.rpartition(".")[0] or "(root)"
+            self._params.append(param)
+            self._slots.append(slots.setdefault(owner, len(slots)))
+        self.names = [owner + GRADIENT for owner in slots]
+
+    def reduce(self) -> Tensor | None:
+        """One float32 vector, an entry per module (-1 where no gradient), or ``None`` when there is none."""
+        pairs = [(p.grad, slot) for p, slot in zip(self._params, self._slots, strict=True) if p.grad is not None]
+        grads = [g for g, _ in pairs if g.is_floating_point() and not g.is_sparse and g.numel()]
+        if not grads or len(grads) != len(pairs):
+            return None
+        device = grads[0].device
+        if any(g.device != device for g in grads):
+            return None
+        maxes = _abs_maxes(grads, device)
+        index = torch.tensor([slot for _, slot in pairs], device=device)
+        return torch.full((len(self.names),), -1.0, device=device).scatter_reduce(0, index, maxes, "amax")

@@ -306,3 +306,6 @@ def test_where_nothing_can_be_promoted_headroom_is_reported_only(tmp_path: Any, 
     assert f"({dtype} headroom at the last sample)" in line
     lowest = callback.watch.lowest(1)[0][1]
     assert lowest > 100 if dtype == "bfloat16" else 0 < lowest < 6
+    # No GradScaler under 16-true: each module's parameter gradients are sampled there too (bf16-mixed: covered).
+    gradients = {name for name in callback.watch.book.modules if name.endswith(" (gradient)")}
+    assert gradients == (set() if precision == "bf16-mixed" else {"body.0 (gradient)", "head (gradient)"})
