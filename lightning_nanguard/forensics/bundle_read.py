@@ -67,7 +67,7 @@ def read_bundle(path: str, *, allow_pickle: bool = False) -> Bundle:
     try:
         check_rng(data["rng"])
         batch = decode(data["batch"])
-    except Undecodable as err:
+    except (Undecodable, RecursionError) as err:
         raise BundleError(f"damaged bundle {directory}: step.pt: {err}") from err
     if manifest.get("batch_pickled"):
         if not allow_pickle:
@@ -130,7 +130,7 @@ def _read_manifest(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
             manifest = json.load(f)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, RecursionError) as err:
         raise BundleError(f"damaged bundle {directory}: manifest.json is unreadable ({_first_line(err)})") from err
     if not isinstance(manifest, dict):
         raise BundleError(f"damaged bundle {directory}: manifest.json is not a JSON object")
@@ -160,7 +160,7 @@ def _read_call(directory: str, stored: Any) -> tuple[str, Any, Any]:
     """op.pt: the origin op's name (an aten op: ``aten.<op>.<overload>``) and its decoded inputs."""
     try:
         call = decode(stored)
-    except Undecodable as err:
+    except (Undecodable, RecursionError) as err:
         raise BundleError(f"damaged bundle {directory}: op.pt: {err}") from err
     if not (isinstance(call, list | tuple) and len(call) == 3 and isinstance(call[0], str)):
         raise BundleError(f"damaged bundle {directory}: op.pt is not (op, args, kwargs)")

@@ -232,6 +232,7 @@ DAMAGED: dict[str, tuple[Callable[[str], None], str]] = {
     **{f"manifest without {k}": (_drop_key(k), f"lacks '{k}'") for k in ("module", "qualname", "step", "batch_idx")},
     "manifest step a string": (lambda p: _manifest(p, _set("step", "2")), "'step' is '2'"),
     "manifest a list": (lambda p: Path(p, "manifest.json").write_text("[1]"), "not a JSON object"),
+    "manifest nested too deep": (lambda p: Path(p, "manifest.json").write_text("[" * 10**6), "unreadable"),
     **{f"step.pt without {k}": (_drop_data(k), f"lacks ['{k}']") for k in ("batch", "rng", "state")},
     "rng damaged": (lambda p: _pt(p, "step.pt", lambda d: {**d, "rng": {"torch": torch.zeros(3)}}), "random"),
     "state not tensors": (lambda p: _pt(p, "step.pt", lambda d: {**d, "state": {"w": 1}}), "named tensors"),
