@@ -59,8 +59,11 @@ def read_bundle(path: str, *, allow_pickle: bool = False) -> Bundle:
         )
     manifest = _read_manifest(manifest_path)
     data = _load(directory, "step.pt")
-    if not isinstance(data, dict) or not {"batch", "rng", "state"} <= set(data):
-        raise BundleError(f"damaged bundle {directory}: step.pt lacks {sorted({'batch', 'rng', 'state'} - set(data))}")
+    if not isinstance(data, dict):
+        raise BundleError(f"damaged bundle {directory}: step.pt holds a {type(data).__qualname__}, not a dict")
+    lacking = sorted({"batch", "rng", "state"} - set(data))
+    if lacking:
+        raise BundleError(f"damaged bundle {directory}: step.pt lacks {lacking}")
     state = data["state"]
     if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in state.items()):
         raise BundleError(f"damaged bundle {directory}: step.pt's state is not a dict of named tensors")

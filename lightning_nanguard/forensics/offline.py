@@ -96,7 +96,7 @@ class BundleReplay:
 
 
 def replay_bundle(
-    bundle: str | Bundle,
+    bundle: str | os.PathLike[str] | Bundle,
     model: ModelSource = None,
     *,
     precisions: Sequence[str] = (),
@@ -127,7 +127,7 @@ def replay_bundle(
         print(found.diagnosis.cause, found.origin)
     """
     if not isinstance(bundle, Bundle):
-        bundle = read_bundle(bundle, allow_pickle=allow_pickle)
+        bundle = read_bundle(os.fspath(bundle), allow_pickle=allow_pickle)
     m = bundle.manifest
     unknown = [p for p in precisions if p not in PRECISIONS]
     if unknown:

@@ -235,6 +235,7 @@ DAMAGED: dict[str, tuple[Callable[[str], None], str]] = {
     "manifest nested too deep": (lambda p: Path(p, "manifest.json").write_text("[" * 10**6), "unreadable"),
     **{f"step.pt without {k}": (_drop_data(k), f"lacks ['{k}']") for k in ("batch", "rng", "state")},
     "rng damaged": (lambda p: _pt(p, "step.pt", lambda d: {**d, "rng": {"torch": torch.zeros(3)}}), "random"),
+    "step.pt a list": (lambda p: _pt(p, "step.pt", lambda d: [1, 2]), "not a dict"),
     "state not tensors": (lambda p: _pt(p, "step.pt", lambda d: {**d, "state": {"w": 1}}), "named tensors"),
 }
 
