@@ -252,3 +252,17 @@ def test_a_damaged_bundle_is_a_clear_error_and_exit_2(good: str, tmp_path: Path,
 
 def test_bundle_error_is_a_nanguard_error() -> None:
     assert issubclass(BundleError, NanGuardError)
+
+
+def test_module_and_factory_together_are_a_usage_error(good: str, capsys: Any) -> None:
+    _refused(good, capsys, "give one", "--module", "a:B", "--factory", "a:c")
+
+
+def test_a_module_option_naming_no_lightning_module_is_refused_before_it_is_called(
+    good: str, tmp_path: Path, capsys: Any
+) -> None:
+    """``--module`` is the user's choice, still checked: a class that is no LightningModule is never built."""
+    path, marker = _copy(good, tmp_path), str(tmp_path / "RAN")
+    _manifest(path, _set("hparams", {"path": marker}))
+    _refused(path, capsys, "not a LightningModule subclass", "--module", "tests.forensics.payload:Touch")
+    assert not os.path.exists(marker)
