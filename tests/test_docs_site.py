@@ -1,0 +1,133 @@
+"""The documentation site covers the public surface: every public name has a docstring and a place in the API
+reference, every CLI command its help, every page its place in the nav, every generated table its rows.
+
+Offline and without mkdocs: the pages are read as text and the generators of tools/docs_site.py (mkdocs.yml's hook)
+are called directly; CI's `mkdocs build --strict` renders them.
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import importlib
+import importlib.util
+import inspect
+import os
+import re
+from types import ModuleType
+from typing import Any
+
+import pytest
+import yaml
+
+import lightning_nanguard
+from lightning_nanguard import testing
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs")
+# The API reference: its own page, and the callbacks' pages, where each callback's reference sits with its guide.
+REFERENCE_PAGES = ["api.md", *sorted(os.path.relpath(p, DOCS) for p in glob.glob(os.path.join(DOCS, "callbacks/*.md")))]
+PUBLIC_MODULES = [lightning_nanguard, testing]
+DIRECTIVE = re.compile(r"^::: ([\w.]+)$", re.MULTILINE)
+
+
+def _site_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("docs_site", os.path.join(ROOT, "tools", "docs_site.py"))
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SITE = _site_module()
+
+
+def _read(page: str) -> str:
+    with open(os.path.join(DOCS, page), encoding="utf-8") as f:
+        return f.read()
+
+
+def _public() -> list[tuple[str, Any]]:
+    return [(f"{m.__name__}.{n}", getattr(m, n)) for m in PUBLIC_MODULES for n in m.__all__]
+
+
+def _documented() -> set[str]:
+    return {ident for page in REFERENCE_PAGES for ident in DIRECTIVE.findall(_read(page))}
+
+
+def _nav_pages(nav: Any) -> set[str]:
+    if isinstance(nav, str):
+        return {nav}
+    if isinstance(nav, list):
+        return set().union(*(_nav_pages(item) for item in nav))
+    if isinstance(nav, dict):
+        return set().union(*(_nav_pages(value) for value in nav.values()))
+    return set()
+
+
+@pytest.mark.parametrize(("name", "obj"), _public(), ids=[name for name, _ in _public()])
+def test_public_name_has_its_own_docstring(name: str, obj: Any) -> None:
+    # A class's own docstring (inspect.getdoc would inherit its base's).
+    doc = obj.__dict__.get("__doc__") if inspect.isclass(obj) else obj.__doc__
+    assert (doc or "").strip(), f"{name} has no docstring of its own"
+
+
+def test_every_public_name_is_in_the_api_reference() -> None:
+    missing = sorted(name for name, _ in _public() if name not in _documented())
+    assert not missing, f"not rendered by a '::: name' line in {REFERENCE_PAGES}: {missing}"
+
+
+def test_every_rendered_name_exists() -> None:
+    for ident in sorted(_documented() | {i for p in _pages() for i in DIRECTIVE.findall(_read(p))}):
+        module_name, _, attr = ident.rpartition(".")
+        assert hasattr(importlib.import_module(module_name), attr), f"'::: {ident}' names nothing"
+
+
+def test_every_cli_command_has_help_and_a_section() -> None:
+    commands = SITE.commands()
+    assert {"report", "verify", "demo", "ablate", "replay"} <= set(commands)
+    for name, parser in commands.items():
+        assert (parser.description or "").strip(), f"nanguard {name}: no description"
+    reference = SITE.cli_reference()
+    for name in commands:
+        title = f"## nanguard {name}".rstrip()
+        assert f"{title}\n" in reference, f"nanguard {name}: no section in the CLI page"
+    assert "<!-- generated: cli -->" in _read("cli.md")
+
+
+def _pages() -> list[str]:
+    return sorted(os.path.relpath(p, DOCS) for p in glob.glob(os.path.join(DOCS, "**", "*.md"), recursive=True))
+
+
+def test_every_page_is_in_the_nav_and_every_nav_entry_exists() -> None:
+    with open(os.path.join(ROOT, "mkdocs.yml"), encoding="utf-8") as f:
+        config = yaml.safe_load(f)
+    nav = _nav_pages(config["nav"])
+    assert set(_pages()) == nav
+
+
+def test_causes_table_has_every_cause_and_remedy() -> None:
+    from lightning_nanguard.contract import Cause
+    from lightning_nanguard.policies.causes import CAUSES, EVIDENCE, Remedy
+
+    assert set(SITE.remedy_wording()) == set(Remedy)
+    rows = SITE.causes_table().splitlines()[2:]
+    assert [re.match(r"\| `(\w+)` \|", row).group(1) for row in rows] == [c.value for c in CAUSES]  # type: ignore[union-attr]
+    assert set(CAUSES) == set(Cause)
+    evidence = SITE.evidence_table().splitlines()[2:]
+    assert len(evidence) == len(EVIDENCE)
+    assert all(not row.endswith("| - |") for row in evidence), "an evidence rule without a docstring"
+
+
+def test_every_marker_names_a_part() -> None:
+    used = {name for page in _pages() for name in SITE.MARKER.findall(_read(page))}
+    assert used == set(SITE.PARTS)
+    with pytest.raises(ValueError, match="unknown generated part"):
+        SITE.expand("<!-- generated: nothing -->")
+
+
+def test_python_examples_on_the_pages_parse() -> None:
+    for page in _pages():
+        for block in re.findall(r"```python\n(.*?)```", _read(page), flags=re.S):
+            ast.parse(block)

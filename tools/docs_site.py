@@ -1,0 +1,138 @@
+"""The documentation site's generated parts: tables made from the code at build time, never copied into a page.
+
+mkdocs.yml names this file under ``hooks:``. A page asks for a part with a marker on a line of its own,
+``<!-- generated: NAME -->``, and ``on_page_markdown`` puts the part in its place; an unknown name fails the build.
+The parts, in ``PARTS``:
+
+* ``causes``: every cause of ``lightning_nanguard.policies.causes.CAUSES`` with its remedy, the data and the state.
+* ``evidence``: the evidence rules of ``EVIDENCE``, in the order they are tried, each with its docstring's summary.
+* ``cli``: ``nanguard --help`` and each command's help, from ``lightning_nanguard.cli.build_parser()``.
+
+The functions return Markdown and need no mkdocs, so tests/test_docs_site.py calls them directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+MARKER = re.compile(r"^<!-- generated: ([a-z-]+) -->$", re.MULTILINE)
+HELP_WIDTH = "110"  # argparse wraps help to $COLUMNS: a fixed width keeps the page the same on every machine
+
+
+def _cell(text: str) -> str:
+    """A table cell: one line, with the pipe escaped."""
+    return " ".join(text.split()).replace("|", "\\|") or "-"
+
+
+def _summary(func: Callable[..., Any]) -> str:
+    """The first paragraph of a function's docstring."""
+    doc = inspect.getdoc(func) or ""
+    return doc.split("\n\n")[0]
+
+
+def remedy_wording() -> dict[Any, str]:
+    """What each remedy family does beyond dropping the update, in the words of the site."""
+    from lightning_nanguard.policies.causes import Remedy
+
+    return {
+        Remedy.SKIP: "drop the update; nothing more",
+        Remedy.RAISE_EPS: "drop the update, raise the optimizer's eps (OptimizerBackoff)",
+        Remedy.PROMOTE_WHEN_RECURRING: "drop the update; once it recurs, run the module in float32 (FP32Evaluation)",
+        Remedy.ROLLBACK_AND_BACKOFF: "restore a sound state (AutoRollback), lower the learning rate (OptimizerBackoff)",
+        Remedy.RESTORE: "restore a sound state (AutoRollback; a verified checkpoint, CheckpointGuard)",
+    }
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def causes_table() -> str:
+    """The causes and their remedies, one row per ``CauseSpec`` of the registry."""
+    from lightning_nanguard.policies.causes import CAUSES, EVIDENCE
+
+    wording = remedy_wording()
+    rules: dict[Any, list[str]] = {}
+    for number, rule in enumerate(EVIDENCE, 1):
+        rules.setdefault(rule.cause, []).append(str(number))
+    lines = [
+        "| cause | what happened | remedy | data quarantined | state trusted at once | decided by | what to try |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for cause, spec in CAUSES.items():
+        decided = (
+            "rules " + ", ".join(rules.get(cause, [])) if spec.diagnosed else "the callback that saw it (not diagnosed)"
+        )
+        lines.append(
+            f"| `{cause.value}` | {_cell(spec.reason)} | {_cell(wording[spec.remedy])} | {_yes(spec.data_at_fault)} "
+            f"| {_yes(spec.state_trusted)} | {decided} | {_cell(spec.hint)} |"
+        )
+    return "\n".join(lines)
+
+
+def evidence_table() -> str:
+    """The evidence rules in the order they are tried: the first that decides names the cause."""
+    from lightning_nanguard.policies.causes import EVIDENCE
+
+    lines = ["| rule | when | cause | evidence |", "|---|---|---|---|"]
+    for number, rule in enumerate(EVIDENCE, 1):
+        module = rule.decide.__module__.rsplit(".", 1)[-1]
+        name = f"`{module}.{rule.decide.__name__}`"
+        lines.append(
+            f"| {number} {name} | {rule.stage.value} | `{rule.cause.value}` | {_cell(_summary(rule.decide))} |"
+        )
+    return "\n".join(lines)
+
+
+def commands() -> dict[str, argparse.ArgumentParser]:
+    """Every ``nanguard`` command's parser, by name (``""``: the top-level parser)."""
+    from lightning_nanguard.cli import build_parser
+
+    parser = build_parser()
+    found = {"": parser}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found.update(action.choices)
+    return found
+
+
+def cli_reference() -> str:
+    """``nanguard --help``, then one section per command with its help, as the installed command prints it."""
+    previous = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = HELP_WIDTH
+    try:
+        parts = []
+        for name, parser in commands().items():
+            title = f"## nanguard {name}" if name else "## nanguard"
+            parts.append(f"{title}\n\n```text\n{parser.format_help().rstrip()}\n```")
+    finally:
+        if previous is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = previous
+    return "\n\n".join(parts)
+
+
+PARTS: dict[str, Callable[[], str]] = {"causes": causes_table, "evidence": evidence_table, "cli": cli_reference}
+
+
+def expand(markdown: str) -> str:
+    """Put each generated part in place of its marker."""
+
+    def part(match: re.Match[str]) -> str:
+        name = match.group(1)
+        if name not in PARTS:
+            raise ValueError(f"unknown generated part {name!r} (known: {', '.join(PARTS)})")
+        return PARTS[name]()
+
+    return MARKER.sub(part, markdown)
+
+
+def on_page_markdown(markdown: str, **kwargs: Any) -> str:
+    """mkdocs hook: expand the markers of every page."""
+    return expand(markdown)
