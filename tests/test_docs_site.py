@@ -115,6 +115,8 @@ def test_causes_table_has_every_cause_and_remedy() -> None:
     rows = SITE.causes_table().splitlines()[2:]
     assert [re.match(r"\| `(\w+)` \|", row).group(1) for row in rows] == [c.value for c in CAUSES]  # type: ignore[union-attr]
     assert set(CAUSES) == set(Cause)
+    hints = SITE.hints_table().splitlines()[2:]
+    assert [re.match(r"\| `(\w+)` \|", row).group(1) for row in hints] == [c.value for c in CAUSES]  # type: ignore[union-attr]
     evidence = SITE.evidence_table().splitlines()[2:]
     assert len(evidence) == len(EVIDENCE)
     assert all(not row.endswith("| - |") for row in evidence), "an evidence rule without a docstring"

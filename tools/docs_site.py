@@ -5,6 +5,7 @@ mkdocs.yml names this file under ``hooks:``. A page asks for a part with a marke
 The parts, in ``PARTS``:
 
 * ``causes``: every cause of ``lightning_nanguard.policies.causes.CAUSES`` with its remedy, the data and the state.
+* ``hints``: what an incident of each cause tells you to try.
 * ``evidence``: the evidence rules of ``EVIDENCE``, in the order they are tried, each with its docstring's summary.
 * ``cli``: ``nanguard --help`` and each command's help, from ``lightning_nanguard.cli.build_parser()``.
 
@@ -17,8 +18,15 @@ import argparse
 import inspect
 import os
 import re
+import sys
 from collections.abc import Callable
 from typing import Any
+
+# The tables come from this checkout's code, as mkdocstrings' pages do (mkdocs.yml: `paths: [.]`), whatever
+# lightning_nanguard is installed.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
 
 MARKER = re.compile(r"^<!-- generated: ([a-z-]+) -->$", re.MULTILINE)
 HELP_WIDTH = "110"  # argparse wraps help to $COLUMNS: a fixed width keeps the page the same on every machine
@@ -61,17 +69,24 @@ def causes_table() -> str:
     for number, rule in enumerate(EVIDENCE, 1):
         rules.setdefault(rule.cause, []).append(str(number))
     lines = [
-        "| cause | what happened | remedy | data quarantined | state trusted at once | decided by | what to try |",
-        "|---|---|---|---|---|---|---|",
+        "| cause | what happened | remedy | data at fault | state trusted at once | evidence rules |",
+        "|---|---|---|---|---|---|",
     ]
     for cause, spec in CAUSES.items():
-        decided = (
-            "rules " + ", ".join(rules.get(cause, [])) if spec.diagnosed else "the callback that saw it (not diagnosed)"
-        )
+        decided = ", ".join(rules.get(cause, [])) if spec.diagnosed else "none: named by the callback that saw it"
         lines.append(
             f"| `{cause.value}` | {_cell(spec.reason)} | {_cell(wording[spec.remedy])} | {_yes(spec.data_at_fault)} "
-            f"| {_yes(spec.state_trusted)} | {decided} | {_cell(spec.hint)} |"
+            f"| {_yes(spec.state_trusted)} | {decided} |"
         )
+    return "\n".join(lines)
+
+
+def hints_table() -> str:
+    """What an incident of each cause tells you to try (its rule may write a more specific hint)."""
+    from lightning_nanguard.policies.causes import CAUSES
+
+    lines = ["| cause | what to try |", "|---|---|"]
+    lines += [f"| `{cause.value}` | {_cell(spec.hint)} |" for cause, spec in CAUSES.items()]
     return "\n".join(lines)
 
 
@@ -118,7 +133,12 @@ def cli_reference() -> str:
     return "\n\n".join(parts)
 
 
-PARTS: dict[str, Callable[[], str]] = {"causes": causes_table, "evidence": evidence_table, "cli": cli_reference}
+PARTS: dict[str, Callable[[], str]] = {
+    "causes": causes_table,
+    "hints": hints_table,
+    "evidence": evidence_table,
+    "cli": cli_reference,
+}
 
 
 def expand(markdown: str) -> str:
