@@ -7,7 +7,7 @@ The parts, in ``PARTS``:
 * ``causes``: every cause of ``lightning_nanguard.policies.causes.CAUSES`` with its remedy, the data and the state.
 * ``hints``: what an incident of each cause tells you to try.
 * ``evidence``: the evidence rules of ``EVIDENCE``, in the order they are tried, each with its docstring's summary.
-* ``cli``: ``nanguard --help`` and each command's help, from ``lightning_nanguard.cli.build_parser()``.
+* ``cli``: ``nanguard`` and each command's usage, description and arguments, from ``lightning_nanguard.cli.build_parser()``.
 
 The functions return Markdown and need no mkdocs, so tests/test_docs_site.py calls them directly.
 """
@@ -116,15 +116,39 @@ def commands() -> dict[str, argparse.ArgumentParser]:
     return found
 
 
+def _argument(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    """One argument's table row: its flags (or its name), what it does, with argparse's ``%(default)s`` expanded."""
+    name = ", ".join(action.option_strings) or (action.metavar if isinstance(action.metavar, str) else action.dest)
+    if action.option_strings and action.nargs != 0:
+        metavar = action.metavar if isinstance(action.metavar, str) else action.dest.upper()
+        if action.choices is not None:
+            metavar = "{" + ",".join(map(str, action.choices)) + "}"
+        name = f"{name} {metavar}"
+    text = parser._get_formatter()._expand_help(action) if action.help else ""
+    return f"| `{name}` | {_cell(text)} |"
+
+
 def cli_reference() -> str:
-    """``nanguard --help``, then one section per command with its help, as the installed command prints it."""
+    """``nanguard`` and each of its commands: the usage, the description, a table of the arguments; the exit codes
+    once (an epilog other than ``EXIT_CODES`` with its command)."""
+    from lightning_nanguard.cli import EXIT_CODES
+
     previous = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = HELP_WIDTH
     try:
         parts = []
         for name, parser in commands().items():
-            title = f"## nanguard {name}" if name else "## nanguard"
-            parts.append(f"{title}\n\n```text\n{parser.format_help().rstrip()}\n```")
+            lines = [f"## nanguard {name}".rstrip(), "", "```text", parser.format_usage().strip(), "```", ""]
+            lines += [" ".join((parser.description or "").split()), "", "| argument | what it does |", "|---|---|"]
+            for action in parser._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    lines += [f"| `{sub.dest}` | {_cell(sub.help or '')} |" for sub in action._choices_actions]
+                elif action.help != argparse.SUPPRESS and not isinstance(action, argparse._HelpAction):
+                    lines.append(_argument(parser, action))
+            if parser.epilog and (not name or parser.epilog != EXIT_CODES):
+                intro = "Every command exits with these codes:" if parser.epilog == EXIT_CODES else ""
+                lines += ["", intro, "", "```text", parser.epilog.strip(), "```"]
+            parts.append("\n".join(lines))
     finally:
         if previous is None:
             del os.environ["COLUMNS"]
