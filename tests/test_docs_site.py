@@ -11,9 +11,9 @@ import ast
 import glob
 import importlib
 import importlib.util
-import inspect
 import os
 import re
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -25,10 +25,6 @@ from lightning_nanguard import testing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
-# The API reference: its own page, and the callbacks' pages, where each callback's reference sits with its guide.
-REFERENCE_PAGES = ["api.md", *sorted(os.path.relpath(p, DOCS) for p in glob.glob(os.path.join(DOCS, "callbacks/*.md")))]
-PUBLIC_MODULES = [lightning_nanguard, testing]
-DIRECTIVE = re.compile(r"^::: ([\w.]+)$", re.MULTILINE)
 
 
 def _site_module() -> ModuleType:
@@ -48,14 +44,6 @@ def _read(page: str) -> str:
         return f.read()
 
 
-def _public() -> list[tuple[str, Any]]:
-    return [(f"{m.__name__}.{n}", getattr(m, n)) for m in PUBLIC_MODULES for n in m.__all__]
-
-
-def _documented() -> set[str]:
-    return {ident for page in REFERENCE_PAGES for ident in DIRECTIVE.findall(_read(page))}
-
-
 def _nav_pages(nav: Any) -> set[str]:
     if isinstance(nav, str):
         return {nav}
@@ -66,20 +54,24 @@ def _nav_pages(nav: Any) -> set[str]:
     return set()
 
 
-@pytest.mark.parametrize(("name", "obj"), _public(), ids=[name for name, _ in _public()])
-def test_public_name_has_its_own_docstring(name: str, obj: Any) -> None:
-    # A class's own docstring (inspect.getdoc would inherit its base's).
-    doc = obj.__dict__.get("__doc__") if inspect.isclass(obj) else obj.__doc__
-    assert (doc or "").strip(), f"{name} has no docstring of its own"
+def test_every_public_name_has_a_docstring_and_is_in_the_api_reference() -> None:
+    names = SITE.public_names()
+    assert {"lightning_nanguard.GradNormMonitor", "lightning_nanguard.testing.FaultInjector"} <= set(names)
+    assert len(names) == len(lightning_nanguard.__all__) + len(testing.__all__)
+    assert SITE.undocumented(DOCS) == []
 
 
-def test_every_public_name_is_in_the_api_reference() -> None:
-    missing = sorted(name for name, _ in _public() if name not in _documented())
-    assert not missing, f"not rendered by a '::: name' line in {REFERENCE_PAGES}: {missing}"
+def test_a_missing_docstring_or_reference_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "api.md").write_text("::: lightning_nanguard.GradNormMonitor\n", encoding="utf-8")
+    problems = SITE.undocumented(str(tmp_path))
+    assert "lightning_nanguard.AutoRollback is in no '::: lightning_nanguard.AutoRollback' line" in " ".join(problems)
+    assert not any("GradNormMonitor" in p for p in problems)
+    monkeypatch.setattr(lightning_nanguard.GradNormMonitor, "__doc__", None)
+    assert "lightning_nanguard.GradNormMonitor has no docstring" in SITE.undocumented(str(tmp_path))
 
 
 def test_every_rendered_name_exists() -> None:
-    for ident in sorted(_documented() | {i for p in _pages() for i in DIRECTIVE.findall(_read(p))}):
+    for ident in sorted({i for p in _pages() for i in SITE.DIRECTIVE.findall(_read(p))}):
         module_name, _, attr = ident.rpartition(".")
         assert hasattr(importlib.import_module(module_name), attr), f"'::: {ident}' names nothing"
 

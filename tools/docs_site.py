@@ -9,13 +9,20 @@ The parts, in ``PARTS``:
 * ``evidence``: the evidence rules of ``EVIDENCE``, in the order they are tried, each with its docstring's summary.
 * ``cli``: ``nanguard`` and each command's usage, description and arguments, from ``lightning_nanguard.cli.build_parser()``.
 
-The functions return Markdown and need no mkdocs, so tests/test_docs_site.py calls them directly.
+It also holds the API reference to the public surface (``on_files``): every name in the ``__all__`` of
+``PUBLIC_MODULES`` has a docstring of its own and is rendered by a ``::: name`` line of a reference page
+(``REFERENCE_PAGES``), or the build warns, and so ``mkdocs build --strict`` fails.
+
+The functions need no mkdocs, so tests/test_docs_site.py calls them directly.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import importlib
 import inspect
+import logging
 import os
 import re
 import sys
@@ -29,6 +36,11 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 MARKER = re.compile(r"^<!-- generated: ([a-z-]+) -->$", re.MULTILINE)
+DIRECTIVE = re.compile(r"^::: ([\w.]+)$", re.MULTILINE)  # mkdocstrings: render this object here
+PUBLIC_MODULES = ("lightning_nanguard", "lightning_nanguard.testing")
+# The API reference: its own page, and the callbacks' pages, where each callback's reference sits with its guide.
+REFERENCE_PAGES = ("api.md", "callbacks/*.md")
+log = logging.getLogger("mkdocs.hooks.docs_site")  # under "mkdocs": a warning here fails a --strict build
 HELP_WIDTH = "110"  # argparse wraps help to $COLUMNS: a fixed width keeps the page the same on every machine
 
 
@@ -163,6 +175,43 @@ PARTS: dict[str, Callable[[], str]] = {
     "evidence": evidence_table,
     "cli": cli_reference,
 }
+
+
+def public_names() -> dict[str, Any]:
+    """Every public object by its documented path: the names in the ``__all__`` of ``PUBLIC_MODULES``."""
+    modules = [importlib.import_module(name) for name in PUBLIC_MODULES]
+    return {f"{m.__name__}.{name}": getattr(m, name) for m in modules for name in m.__all__}
+
+
+def rendered(docs_dir: str) -> set[str]:
+    """The objects the reference pages render (their ``::: name`` lines)."""
+    found: set[str] = set()
+    for pattern in REFERENCE_PAGES:
+        for path in glob.glob(os.path.join(docs_dir, pattern)):
+            with open(path, encoding="utf-8") as f:
+                found.update(DIRECTIVE.findall(f.read()))
+    return found
+
+
+def undocumented(docs_dir: str) -> list[str]:
+    """What the API reference misses: a public name without a docstring of its own, or not rendered."""
+    shown = rendered(docs_dir)
+    problems = []
+    for path, obj in public_names().items():
+        # A class's own docstring: inspect.getdoc would inherit its base's.
+        doc = obj.__dict__.get("__doc__") if inspect.isclass(obj) else obj.__doc__
+        if not (doc or "").strip():
+            problems.append(f"{path} has no docstring")
+        if path not in shown:
+            problems.append(f"{path} is in no '::: {path}' line of {', '.join(REFERENCE_PAGES)}")
+    return problems
+
+
+def on_files(files: Any, *, config: Any) -> Any:
+    """mkdocs hook: warn for each public name the API reference misses."""
+    for problem in undocumented(config["docs_dir"]):
+        log.warning("API reference: %s", problem)
+    return files
 
 
 def expand(markdown: str) -> str:
