@@ -11,6 +11,7 @@ import ast
 import glob
 import importlib
 import importlib.util
+import inspect
 import os
 import re
 from pathlib import Path
@@ -21,14 +22,15 @@ import pytest
 import yaml
 
 import lightning_nanguard
+import lightning_nanguard.callbacks
 from lightning_nanguard import testing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
 
 
-def _site_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("docs_site", os.path.join(ROOT, "tools", "docs_site.py"))
+def _tool(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
     assert spec is not None
     assert spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -36,7 +38,8 @@ def _site_module() -> ModuleType:
     return module
 
 
-SITE = _site_module()
+SITE = _tool("docs_site")
+GRIFFE = _tool("docs_griffe")
 
 
 def _read(page: str) -> str:
@@ -125,3 +128,15 @@ def test_python_examples_on_the_pages_parse() -> None:
     for page in _pages():
         for block in re.findall(r"```python\n(.*?)```", _read(page), flags=re.S):
             ast.parse(block)
+
+
+@pytest.mark.parametrize("callback", sorted(lightning_nanguard.callbacks.__all__))
+def test_logged_keys_become_a_table(callback: str) -> None:
+    doc = inspect.cleandoc(getattr(lightning_nanguard, callback).__doc__)
+    keys = re.findall(r"^ +(``nanguard/[^ ]+``(?:, ``[^ ]+``)*)  ", doc, flags=re.MULTILINE)
+    assert keys, f"{callback}'s docstring lists no logged key"
+    table = GRIFFE.logged_keys_table(doc)
+    rows = re.findall(r"^\| (``nanguard/.*?``|``.*?``, ``.*?``) \| (.+) \|$", table, flags=re.MULTILINE)
+    assert [key for key, _ in rows] == keys
+    assert all(text.strip() for _, text in rows)
+    assert "Raises:" in table  # the sections after the block are untouched
