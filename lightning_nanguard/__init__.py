@@ -25,7 +25,7 @@ from lightning_nanguard.forensics.offline import BundleReplay, replay_bundle
 from lightning_nanguard.preset import default_callbacks
 from lightning_nanguard.reporting.incidents import Incident
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"
 
 __all__ = [
     "Action",
