@@ -1,10 +1,11 @@
 """Do no harm: healthy runs with alarming but benign dynamics, with and without the preset.
 
-Each task (``_benign.py``: a domain switch that lifts the loss ~100x and recovers, rare hard batches, a loss falling
-by orders of magnitude, LR restarts, additive ``-inf`` attention masks, a warmup from a learning rate of 0) is fit
-twice from the same seed: unguarded, and with ``default_callbacks()``. The preset must end with the same loss (within
-1%) and intervene nowhere: no incident, no rollback, no dropped update, no quarantine, no LR or eps change, no module
-promoted. Under ``16-mixed`` too (the loss-scale collapse rule), and with the opt-in spike detection on.
+Each task (``_benign.py``: a domain switch that lifts the loss ~100x and recovers, rare hard batches, heavy-tailed
+valid inputs with 20-100x gradient-norm spikes, a loss falling by orders of magnitude, LR restarts, additive ``-inf``
+attention masks, a warmup from a learning rate of 0) is fit twice from the same seed: unguarded, and with
+``default_callbacks()``, whose GradNormMonitor probes every spike. The preset must end with the same loss (within 1%)
+and intervene nowhere: no incident, no rollback, no dropped update, no quarantine, no LR or eps change, no module
+promoted. Under ``16-mixed`` too (the loss-scale collapse rule), and with spikes dropped instead of probed.
 """
 
 from __future__ import annotations
@@ -71,8 +72,15 @@ def _assert_untouched(fit: Fit, callbacks: list[Callback], reference: Fit) -> No
     assert abs(ratio - 1.0) <= TOLERANCE, (fit.final_loss, reference.final_loss)
 
 
-@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
-@pytest.mark.parametrize("task", list(TASKS))
+# Gradient spikes of 20-100x overflow float16 at the GradScaler's scale: the scaler's routine skips, which the suite
+# records (as it should), so that task runs in float32 only.
+_FLOAT32_ONLY = {"heavy-tailed"}
+
+
+@pytest.mark.parametrize(
+    ("task", "precision"),
+    [(t, p) for t in TASKS for p in ("32-true", "16-mixed") if p == "32-true" or t not in _FLOAT32_ONLY],
+)
 def test_the_preset_leaves_a_healthy_run_alone(unguarded: _Unguarded, tmp_path: Any, task: str, precision: str) -> None:
     reference = unguarded[task, precision]
     assert torch.isfinite(torch.tensor(reference.final_loss))
@@ -82,6 +90,6 @@ def test_the_preset_leaves_a_healthy_run_alone(unguarded: _Unguarded, tmp_path: 
 
 @pytest.mark.parametrize("task", list(TASKS))
 def test_spike_detection_leaves_a_healthy_run_alone(unguarded: _Unguarded, tmp_path: Any, task: str) -> None:
-    # Off in the preset; turned on as its docstring suggests, with the update of a spike dropped.
-    callbacks = default_callbacks(GradNormMonitor={"spike_zscore": 6.0, "on_spike": "skip"})
+    # The preset probes spikes; dropping a spike's update instead, as the docstring suggests, is harmless too.
+    callbacks = default_callbacks(GradNormMonitor={"spike_zscore": 6.0, "spike_warmup": 50, "on_spike": "skip"})
     _assert_untouched(fit_task(task, callbacks, str(tmp_path)), callbacks, unguarded[task, "32-true"])
