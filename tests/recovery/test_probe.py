@@ -1,0 +1,97 @@
+"""The probe batch is scored deterministically and leaves no trace: RNG, buffers, modes, gradients, logged metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+
+from lightning_nanguard.recovery.probe import ProbeBatch
+
+
+class Diffusion(pl.LightningModule):
+    """A denoiser whose training_step samples noise and timesteps (as a diffusion model's does), with BatchNorm and
+    dropout, logging its loss and returning a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(5, 16), nn.BatchNorm1d(16), nn.Dropout(0.2), nn.Tanh(), nn.Linear(16, 4))
+        self.logged: list[str] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, Tensor]:
+        x = batch["x"]
+        noise = torch.randn_like(x)
+        t = torch.randint(0, 100, (x.shape[0], 1)).float() / 100
+        pred = self.net(torch.cat([x + t * noise, t], dim=1))
+        loss = nn.functional.mse_loss(pred, noise)
+        self.log("train_loss", loss)
+        return {"loss": loss, "pred": pred}
+
+    def log(self, name: str, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        self.logged.append(name)
+
+
+def _trainer() -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False)
+
+
+def test_a_scoring_is_deterministic_and_leaves_no_trace() -> None:
+    torch.manual_seed(0)
+    module, trainer = Diffusion().train(), _trainer()
+    probe = ProbeBatch(rows=4)
+    batch = {"x": torch.randn(32, 4), "ids": torch.arange(32), "scale": torch.tensor(2.0)}
+    assert probe.capture(batch, module, None)
+    assert probe.batch["x"].shape == (4, 4) and probe.batch["ids"].tolist() == [0, 1, 2, 3]
+    assert probe.batch["scale"].shape == ()  # not a batch dimension: kept whole
+    bn = module.net[1]
+    buffers = [b.clone() for b in module.buffers()]
+    first = probe.score(trainer, module)
+    torch.manual_seed(123)  # whatever state training is in, the probe sees the same noise and timesteps
+    rng = torch.get_rng_state()
+    second = probe.score(trainer, module)
+    assert first == second
+    assert torch.equal(torch.get_rng_state(), rng)  # the training stream is left as it was
+    assert all(torch.equal(a, b) for a, b in zip(buffers, module.buffers(), strict=True))
+    assert int(bn.num_batches_tracked) == 0
+    assert module.training and all(m.training for m in module.modules())
+    assert all(p.grad is None for p in module.parameters())
+    assert module.logged == []  # self.log is a no-op while the probe is scored
+
+
+def test_the_probe_follows_the_weights() -> None:
+    torch.manual_seed(0)
+    module, trainer = Diffusion(), _trainer()
+    probe = ProbeBatch()
+    probe.capture({"x": torch.randn(16, 4)}, module, None)
+    before = probe.score(trainer, module)
+    with torch.no_grad():
+        module.net[-1].weight.mul_(30.0)
+    assert probe.score(trainer, module) > 10 * before
+
+
+class Manual(Diffusion):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+def test_manual_optimization_is_not_probed() -> None:
+    probe = ProbeBatch()
+    assert not probe.capture({"x": torch.randn(8, 4)}, Manual(), None)
+    assert not probe.ready and "manual optimization" in probe.disabled
+
+
+def test_a_batch_without_a_batch_dimension_gives_no_probe() -> None:
+    assert not ProbeBatch().capture({"lr": 0.1, "scale": torch.tensor(1.0)}, Diffusion(), None)
+
+
+def test_a_training_step_that_returns_no_loss_scores_nan() -> None:
+    class NoLoss(Diffusion):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return None
+
+    probe = ProbeBatch()
+    probe.capture({"x": torch.randn(8, 4)}, NoLoss(), None)
+    assert probe.score(_trainer(), NoLoss()) != probe.score(_trainer(), NoLoss())  # NaN
