@@ -93,3 +93,19 @@ def test_spike_detection_leaves_a_healthy_run_alone(unguarded: _Unguarded, tmp_p
     # The preset probes spikes; dropping a spike's update instead, as the docstring suggests, is harmless too.
     callbacks = default_callbacks(GradNormMonitor={"spike_zscore": 6.0, "spike_warmup": 50, "on_spike": "skip"})
     _assert_untouched(fit_task(task, callbacks, str(tmp_path)), callbacks, unguarded[task, "32-true"])
+
+
+@pytest.mark.parametrize(
+    ("task", "zscore"),
+    [("hard-batches", 3.0), ("heavy-tailed", 3.0), ("domain-switch", 2.5), ("domain-switch-sgd", 2.5)],
+)
+def test_spikes_whose_probe_held_are_left_alone(unguarded: _Unguarded, tmp_path: Any, task: str, zscore: float) -> None:
+    # The spikes are real (a hard batch, a heavy-tailed row, the first steps of a new domain: a more sensitive
+    # detector catches the switch) and each is probed: the probe batch did not do as badly as the spiking batch, so
+    # nothing at all is done.
+    callbacks = default_callbacks(GradNormMonitor={"spike_zscore": zscore})
+    fit = fit_task(task, callbacks, str(tmp_path))
+    _assert_untouched(fit, callbacks, unguarded[task, "32-true"])
+    probe = _find(callbacks, AutoRollback).probe
+    snapshots = len(range(0, fit.trainer.global_step, 50))
+    assert probe.scorings > snapshots and probe.verdict is not None and not probe.verdict.rose
