@@ -31,7 +31,9 @@ def test_a_snapshot_taken_during_the_climb_is_passed_over() -> None:
     # The step-100 snapshot's probe loss is already 4x the step-50 one's: taken during the climb, not sound.
     book = _book({0: 0.7, 50: 0.05, 100: 0.2})
     verdict = book.judge(110, 1.5, kept=[50, 100], batch_loss=1.2)
-    assert verdict.rose and verdict.before_step == 50 and verdict.unsound == (100,)
+    assert verdict.rose
+    assert verdict.before_step == 50
+    assert verdict.unsound == (100,)
 
 
 def test_near_zero_a_ratio_alone_is_no_rise() -> None:
@@ -51,7 +53,8 @@ def test_a_probe_far_below_the_spiking_batch_is_a_new_domain_not_a_divergence() 
 def test_a_non_finite_probe_is_a_rise_and_no_snapshot_scored_is_none() -> None:
     assert _book({0: 0.5}).judge(10, math.inf, kept=[0], batch_loss=1.0).rose
     verdict = _book({}).judge(10, 5.0, kept=[0], batch_loss=1.0)
-    assert not verdict.rose and verdict.before_step is None
+    assert not verdict.rose
+    assert verdict.before_step is None
 
 
 def test_a_restore_forgets_the_abandoned_trajectory() -> None:

@@ -43,7 +43,8 @@ def test_a_scoring_is_deterministic_and_leaves_no_trace() -> None:
     probe = ProbeBatch(rows=4)
     batch = {"x": torch.randn(32, 4), "ids": torch.arange(32), "scale": torch.tensor(2.0)}
     assert probe.capture(batch, module, None)
-    assert probe.batch["x"].shape == (4, 4) and probe.batch["ids"].tolist() == [0, 1, 2, 3]
+    assert probe.batch["x"].shape == (4, 4)
+    assert probe.batch["ids"].tolist() == [0, 1, 2, 3]
     assert probe.batch["scale"].shape == ()  # not a batch dimension: kept whole
     bn = module.net[1]
     buffers = [b.clone() for b in module.buffers()]
@@ -55,7 +56,8 @@ def test_a_scoring_is_deterministic_and_leaves_no_trace() -> None:
     assert torch.equal(torch.get_rng_state(), rng)  # the training stream is left as it was
     assert all(torch.equal(a, b) for a, b in zip(buffers, module.buffers(), strict=True))
     assert int(bn.num_batches_tracked) == 0
-    assert module.training and all(m.training for m in module.modules())
+    assert module.training
+    assert all(m.training for m in module.modules())
     assert all(p.grad is None for p in module.parameters())
     assert module.logged == []  # self.log is a no-op while the probe is scored
 
@@ -80,7 +82,8 @@ class Manual(Diffusion):
 def test_manual_optimization_is_not_probed() -> None:
     probe = ProbeBatch()
     assert not probe.capture({"x": torch.randn(8, 4)}, Manual(), None)
-    assert not probe.ready and "manual optimization" in probe.disabled
+    assert not probe.ready
+    assert "manual optimization" in probe.disabled
 
 
 def test_a_batch_without_a_batch_dimension_gives_no_probe() -> None:

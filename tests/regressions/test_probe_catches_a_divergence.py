@@ -47,7 +47,9 @@ class Regression(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def _fit(schedule: Callable[[int], float], callbacks: list[Callback], root: Any) -> tuple[pl.Trainer, Regression, float]:
+def _fit(
+    schedule: Callable[[int], float], callbacks: list[Callback], root: Any
+) -> tuple[pl.Trainer, Regression, float]:
     pl.seed_everything(0, verbose=False)
     x, y, _, _ = teacher_regression(2, 512, 16)
     module = Regression(schedule)
@@ -101,9 +103,11 @@ def test_a_divergence_is_caught_at_the_first_spike_whose_probe_rose(tmp_path: An
     assert (str(first.trigger), str(first.cause)) == ("probe_rose", "weights_diverging"), records
     assert [str(a) for a in first.actions] == ["rollback", "backoff"]
     rose = [step for step, up in verdicts.seen if up]
-    assert rose and first.step == rose[0] < first_nan, (verdicts.seen, first_nan)  # the first rise, before any NaN
+    assert rose, verdicts.seen
+    assert first.step == rose[0] < first_nan, (verdicts.seen, first_nan)  # the first rise, before any NaN
     assert all(str(i.trigger) == "probe_rose" for i in records), records  # no non-finite event at all
     assert all(math.isfinite(loss) for loss in module.losses)
     assert math.isfinite(final)
     evidence = first.diagnosis["evidence"][0]
-    assert evidence["kind"] == "probe_loss" and evidence["probe_after"] > evidence["probe_before"]
+    assert evidence["kind"] == "probe_loss"
+    assert evidence["probe_after"] > evidence["probe_before"]

@@ -108,4 +108,6 @@ def test_spikes_whose_probe_held_are_left_alone(unguarded: _Unguarded, tmp_path:
     _assert_untouched(fit, callbacks, unguarded[task, "32-true"])
     probe = _find(callbacks, AutoRollback).probe
     snapshots = len(range(0, fit.trainer.global_step, 50))
-    assert probe.scorings > snapshots and probe.verdict is not None and not probe.verdict.rose
+    assert probe.scorings > snapshots
+    assert probe.verdict is not None
+    assert not probe.verdict.rose
