@@ -67,7 +67,9 @@ def test_a_divergence_after_the_switch_is_rolled_back_before_anything_is_non_fin
     # Without the probe (spikes not tested), the snapshot judged by its own step's reading catches it.
     unguarded = fit_task(_task(4.0), [], str(tmp_path / "unguarded"))
     assert unguarded.final_loss > 1e6  # the loss grows by orders of magnitude and never turns
-    fit, _, backoff, records = _preset(4.0, tmp_path / "preset", GradNormMonitor={"spike_zscore": None, "on_spike": "warn"})
+    fit, _, backoff, records = _preset(
+        4.0, tmp_path / "preset", GradNormMonitor={"spike_zscore": None, "on_spike": "warn"}
+    )
     first = records[0]
     assert (first.trigger, first.cause, list(first.actions)) == (
         "diverging",
