@@ -180,10 +180,16 @@ class GradNormMonitor(NanGuardCallback):
         # comes after ``setup`` and restores the counts and the spike statistics.
         self._engine, self._restored_skips, self._spike_state = engine, 0, {}
         if _deepspeed.is_deepspeed(trainer):  # DeepSpeed's engine owns the step: its outcome is read after it
+            probing = self.on_spike == "probe" and self.spike_zscore is not None
+            if probing:  # the preset's setting: spikes go unprobed there rather than the preset being refused
+                _notices.note(
+                    f"{type(self).__name__}(on_spike='probe'): spikes are not tested under DeepSpeedStrategy (its "
+                    "engine applies the update before the grad norm exists, and AutoRollback keeps no probe there)."
+                )
             _deepspeed.install_grad_watch(
                 trainer,
                 engine,
-                spike_zscore=self.spike_zscore,
+                spike_zscore=None if probing else self.spike_zscore,
                 max_consecutive_skips=self.max_consecutive_skips,
                 skipped_before=self._restored_skips,
             )
