@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
-from lightning_nanguard.recovery.probe import ProbeBatch
+from lightning_nanguard.recovery.probe import ProbeBatch, SnapshotProbe
 
 
 class Diffusion(pl.LightningModule):
@@ -98,3 +98,32 @@ def test_a_training_step_that_returns_no_loss_scores_nan() -> None:
     probe = ProbeBatch()
     probe.capture({"x": torch.randn(8, 4)}, NoLoss(), None)
     assert probe.score(_trainer(), NoLoss()) != probe.score(_trainer(), NoLoss())  # NaN
+
+
+class _Quarantine:
+    """What the probe reads of the quarantine: the quarantined samples, and the samples behind a batch's rows."""
+
+    def __init__(self) -> None:
+        self.current = {"train": list(range(100, 132))}
+        self.samples: set[int] = set()
+
+    def samples_of(self, batch: Any, rows: list[int]) -> set[int]:
+        return {self.current["train"][r] for r in rows}
+
+
+def test_a_probe_holding_a_quarantined_sample_is_dropped_and_taken_again() -> None:
+    torch.manual_seed(0)
+    module, trainer, quarantine = Diffusion(), _trainer(), _Quarantine()
+    probe = SnapshotProbe()
+    probe.start(True)
+    probe.snapshot_taken(trainer, module, 0, {"x": torch.randn(32, 4)}, quarantine)  # type: ignore[arg-type]
+    assert probe.batch.samples == frozenset(range(100, 108))
+    assert list(probe.book.scores) == [0]
+    quarantine.samples = {103}  # one of the probe's samples turned out bad
+    assert probe.spike(trainer, module, 10, [0], quarantine) is None  # type: ignore[arg-type]
+    assert not probe.batch.ready
+    assert probe.book.scores == {}
+    quarantine.current = {"train": list(range(200, 232))}
+    probe.snapshot_taken(trainer, module, 50, {"x": torch.randn(32, 4)}, quarantine)  # type: ignore[arg-type]
+    assert probe.batch.samples == frozenset(range(200, 208))
+    assert list(probe.book.scores) == [50]
