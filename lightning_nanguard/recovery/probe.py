@@ -6,9 +6,10 @@ at a spike (``policies.probe`` judges the scores). A scoring is one forward of t
 ``training_step`` under ``no_grad``, in the training precision (the precision plugin's ``train_step_context``), and
 it is deterministic and side-effect free:
 
-* the torch RNG is seeded with ``PROBE_SEED`` for the call (noise and timesteps a diffusion ``training_step`` samples
-  are the same at every scoring) and the training streams (CPU, and every CUDA device once CUDA is initialised) are
-  put back afterwards, as are the modules' train/eval modes and the autocast and grad modes;
+* the torch, Python ``random`` and NumPy RNGs are seeded with ``PROBE_SEED`` for the call (noise and timesteps a
+  diffusion ``training_step`` samples are the same at every scoring) and the training streams (torch's CPU one and
+  every CUDA device's once CUDA is initialised, Python's, NumPy's global one) are put back afterwards, as are the
+  modules' train/eval modes and the autocast and grad modes;
 * every buffer runs on a copy (BatchNorm statistics and counters are never written), the originals put back;
 * ``self.log``/``self.log_dict`` are no-ops for the call (the probe's loss is not a training metric).
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
@@ -35,6 +37,11 @@ from lightning_nanguard._lightning_compat import AttributePatches
 from lightning_nanguard.forensics.replay import preserved_state
 from lightning_nanguard.policies.probe import ProbeBook, ProbeVerdict
 from lightning_nanguard.recovery.quarantine import Quarantine
+
+try:  # NumPy's global RNG is a training stream too where a training_step draws from it
+    import numpy as np
+except ImportError:  # pragma: no cover - torch installs it
+    np = None  # type: ignore[assignment]
 
 __all__ = ["PROBE_ROWS", "PROBE_SEED", "ProbeBatch", "SnapshotProbe"]
 
@@ -105,7 +112,7 @@ class ProbeBatch:
         nan = torch.full((), math.nan, device=device)
         patches = AttributePatches()
         try:
-            with preserved_state(pl_module), _buffers_on_copies(pl_module), torch.no_grad():
+            with preserved_state(pl_module), _host_rngs_seeded(), _buffers_on_copies(pl_module), torch.no_grad():
                 patches.set(pl_module, "log", _no_log)
                 patches.set(pl_module, "log_dict", _no_log)
                 torch.manual_seed(PROBE_SEED)  # preserved_state puts the training streams back
@@ -132,6 +139,22 @@ def _loss_of(out: Any) -> Tensor | None:
         loss: Tensor = out["loss"]
         return loss
     return None
+
+
+@contextlib.contextmanager
+def _host_rngs_seeded() -> Iterator[None]:
+    """Python's and NumPy's global RNGs seeded with ``PROBE_SEED`` for the block, their states put back after."""
+    state = random.getstate()
+    np_state = np.random.get_state() if np is not None else None
+    try:
+        random.seed(PROBE_SEED)
+        if np is not None:
+            np.random.seed(PROBE_SEED)
+        yield
+    finally:
+        random.setstate(state)
+        if np is not None and np_state is not None:
+            np.random.set_state(np_state)
 
 
 @contextlib.contextmanager

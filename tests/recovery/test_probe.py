@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -25,7 +27,8 @@ class Diffusion(pl.LightningModule):
         noise = torch.randn_like(x)
         t = torch.randint(0, 100, (x.shape[0], 1)).float() / 100
         pred = self.net(torch.cat([x + t * noise, t], dim=1))
-        loss = nn.functional.mse_loss(pred, noise)
+        jitter = float(np.random.rand()) + random.random()  # host RNGs drawn too (augmentations often are)
+        loss = nn.functional.mse_loss(pred, noise) + 1e-3 * jitter
         self.log("train_loss", loss)
         return {"loss": loss, "pred": pred}
 
@@ -50,10 +53,14 @@ def test_a_scoring_is_deterministic_and_leaves_no_trace() -> None:
     buffers = [b.clone() for b in module.buffers()]
     first = probe.score(trainer, module)
     torch.manual_seed(123)  # whatever state training is in, the probe sees the same noise and timesteps
-    rng = torch.get_rng_state()
+    random.seed(7)
+    np.random.seed(7)
+    rng, host, np_rng = torch.get_rng_state(), random.getstate(), np.random.get_state()
     second = probe.score(trainer, module)
     assert first == second
-    assert torch.equal(torch.get_rng_state(), rng)  # the training stream is left as it was
+    assert torch.equal(torch.get_rng_state(), rng)  # the training streams are left as they were
+    assert random.getstate() == host
+    assert np.array_equal(np.random.get_state()[1], np_rng[1])
     assert all(torch.equal(a, b) for a, b in zip(buffers, module.buffers(), strict=True))
     assert int(bn.num_batches_tracked) == 0
     assert module.training
