@@ -12,6 +12,7 @@ from lightning_nanguard.callbacks import (
 from lightning_nanguard.checkpoints import last_good_checkpoint, verify_checkpoint
 from lightning_nanguard.contract import Action
 from lightning_nanguard.exceptions import (
+    BundleError,
     CheckpointVerificationError,
     NanGuardConfigError,
     NanGuardError,
@@ -21,14 +22,17 @@ from lightning_nanguard.exceptions import (
     RecoveryBudgetExhausted,
     UnsupportedSetupError,
 )
+from lightning_nanguard.forensics.offline import BundleReplay, replay_bundle
 from lightning_nanguard.preset import default_callbacks
 from lightning_nanguard.reporting.incidents import Incident
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"
 
 __all__ = [
     "Action",
     "AutoRollback",
+    "BundleError",
+    "BundleReplay",
     "CheckpointGuard",
     "CheckpointVerificationError",
     "FP32Evaluation",
@@ -46,5 +50,6 @@ __all__ = [
     "UnsupportedSetupError",
     "default_callbacks",
     "last_good_checkpoint",
+    "replay_bundle",
     "verify_checkpoint",
 ]

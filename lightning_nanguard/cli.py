@@ -5,6 +5,7 @@
 * ``nanguard demo`` trains a small model on a real instability, unguarded and with the preset, side by side.
 * ``nanguard ablate`` runs a grid of configurations (each stabilizer alone, all, none, or LightningCLI YAMLs).
 * ``nanguard verify PATH...`` verifies checkpoint files (or every ``*.ckpt`` of a directory).
+* ``nanguard replay BUNDLE`` re-runs an incident's step offline from its bundle (``commands.replay``).
 * ``nanguard --version`` prints the installed version.
 
 Exit codes are in ``EXIT_CODES`` (and in ``nanguard --help``).
@@ -29,7 +30,8 @@ EXIT_CODES = """\
 exit codes:
   0  success: the report was printed (a run without incidents says "no incidents"), or every checkpoint verified
   1  nanguard verify: at least one checkpoint failed verification (each failure is printed with its reason)
-  2  usage error, or no nanguard log where nanguard report looked (nor a run directory with nanguard's files)
+  2  usage error, or no nanguard log where nanguard report looked (nor a run directory with nanguard's files), or a
+     bundle nanguard replay cannot read or replay (damaged, crafted, or naming no LightningModule: nothing ran)
   3  nanguard report: the run ended unrecovered (nanguard stopped it, or its final parameters were non-finite)
 """
 
@@ -149,8 +151,8 @@ def _limit(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nanguard",
-        description="lightning_nanguard tools: report a run's incidents, verify checkpoint files, run the demo and "
-        "ablation grids.",
+        description="lightning_nanguard tools: report a run's incidents, verify checkpoint files, replay an incident's "
+        "step from its bundle, run the demo and ablation grids.",
         epilog=EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -79,6 +79,7 @@ class Signal(_Value):
     GRAD_NORM_SPIKE = "grad_norm_spike"
     LOSS_AND_GRAD_NORM_SPIKE = "loss_and_grad_norm_spike"
     DIVERGING = "diverging"  # the state just snapshotted was taken mid-divergence (loss and grad norm far up)
+    PROBE_ROSE = "probe_rose"  # a spike, and the probe batch's loss under the current weights rose with it
     LOSS_SCALE_COLLAPSE = "loss_scale_collapse"
 
 
@@ -106,6 +107,8 @@ class Cause(_Value):
     FULLY_MASKED_SOFTMAX = "fully_masked_softmax"  # a softmax row whose every position is masked (-inf)
     LOW_PRECISION_ROUNDING = "low_precision_rounding"  # a value rounded to 1.0 (or 0) in a half dtype, then log
     EXP_OVERFLOW = "exp_overflow"  # exp of an argument past log(dtype max)
+    # Decided by the probe batch re-scored at a spike: the weights got worse on data they had learned.
+    WEIGHTS_DIVERGING = "weights_diverging"
 
 
 class EvidenceKind(_Value):
@@ -131,6 +134,7 @@ class EvidenceKind(_Value):
     REPLAY_LOSS_ONLY = "replay_loss_only"  # every module output finite, the loss not
     REPLAY_NOT_REPRODUCED = "replay_not_reproduced"  # the replay was finite
     REPLAY_SKIPPED = "replay_skipped"  # why no replay (accumulation, manual optimization, budget, mode)
+    PROBE_LOSS = "probe_loss"  # the probe batch's loss at the last sound snapshot and under the current weights
 
 
 @dataclass(frozen=True)

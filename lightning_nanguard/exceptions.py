@@ -6,7 +6,8 @@ The hierarchy, so that a caller can catch as broadly or narrowly as it needs::
     ├── NonFiniteTrainingError              training went non-finite and the configured budget ran out
     │   └── RecoveryBudgetExhausted         a recovery (rollback, backoff) budget ran out
     ├── CheckpointVerificationError         a checkpoint failed its checksum / readability / finiteness check
-    └── UnsupportedSetupError               a strategy or optimizer setup nanguard refuses rather than mishandle
+    ├── UnsupportedSetupError               a strategy or optimizer setup nanguard refuses rather than mishandle
+    └── BundleError                         an incident bundle that cannot be read or replayed (what to do is said)
     NanGuardConfigError (ValueError)        a constructor argument broke its rule (raised at construction)
     NanGuardWarning (UserWarning)           the category of every warning nanguard gives (filter it by category)
 """
@@ -14,6 +15,7 @@ The hierarchy, so that a caller can catch as broadly or narrowly as it needs::
 from __future__ import annotations
 
 __all__ = [
+    "BundleError",
     "CheckpointVerificationError",
     "NanGuardConfigError",
     "NanGuardError",
@@ -48,6 +50,12 @@ class CheckpointVerificationError(NanGuardError):
 
 class UnsupportedSetupError(NanGuardError):
     """A training setup nanguard cannot handle correctly; refused at setup instead of guessed at."""
+
+
+class BundleError(NanGuardError):
+    """An incident bundle that cannot be read or replayed: damaged, missing a file or a key, holding a value outside
+    the plain types a bundle stores, or naming a class that is no LightningModule. The message says why and what to
+    do; nothing the bundle names was run."""
 
 
 class NanGuardConfigError(ValueError):

@@ -22,7 +22,9 @@ __all__ = ["CALLBACKS", "PRESET", "default_callbacks"]
 # Each callback's arguments in the preset (the constructors' defaults where not named). Kept in step with
 # examples/cli/preset.yaml by a test.
 PRESET: dict[type[Callback], dict[str, Any]] = {
-    GradNormMonitor: {},
+    # A spike (3 standard deviations, from the 10th step on) only costs a forward of AutoRollback's probe batch: its
+    # loss rose with the spike -> roll back before the climb and lower the LR; it did not -> nothing at all.
+    GradNormMonitor: {"spike_zscore": 3.0, "spike_warmup": 10, "on_spike": "probe"},
     AutoRollback: {},
     # A cut learning rate comes back once the schedule itself falls below it (a decay, the end of a warm restart);
     # recovery by time (recover_after) stays off: climbing back into a cause that persists costs more (README,

@@ -7,6 +7,8 @@ import lightning_nanguard
 EXPECTED = {
     "Action",
     "AutoRollback",
+    "BundleError",
+    "BundleReplay",
     "CheckpointGuard",
     "CheckpointVerificationError",
     "FP32Evaluation",
@@ -24,6 +26,7 @@ EXPECTED = {
     "UnsupportedSetupError",
     "default_callbacks",
     "last_good_checkpoint",
+    "replay_bundle",
     "verify_checkpoint",
 }
 
@@ -44,4 +47,5 @@ def test_error_hierarchy() -> None:
     assert issubclass(e.RankDivergenceError, e.NanGuardError)
     assert issubclass(e.NonFiniteTrainingError, e.NanGuardError)
     assert issubclass(e.NanGuardError, RuntimeError)
+    assert issubclass(e.BundleError, e.NanGuardError)
     assert issubclass(e.NanGuardConfigError, ValueError)

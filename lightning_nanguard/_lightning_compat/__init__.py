@@ -65,6 +65,7 @@ from lightning_nanguard._lightning_compat.strategies import (
     strategy_class_names,
 )
 from lightning_nanguard._lightning_compat.torch_ops import (
+    aten_op,
     ddp_ignored_names,
     foreach_copy_,
     foreach_norm,
@@ -86,6 +87,7 @@ __all__ = [
     "TorchDispatchMode",
     "accepts_found_inf",
     "active_scaler",
+    "aten_op",
     "autograd_node",
     "checkpoint_log_step",
     "checkpoint_scaler_scale",

@@ -9,6 +9,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_map
 
 __all__ = [
+    "aten_op",
     "ddp_ignored_names",
     "foreach_copy_",
     "foreach_norm",
@@ -30,6 +31,23 @@ foreach_norm = torch._foreach_norm
 
 # torch's fused copy of tensor lists (the snapshot's copies): private in torch, a plain alias like ``foreach_norm``.
 foreach_copy_ = torch._foreach_copy_
+
+
+def aten_op(name: str) -> Any | None:
+    """The aten operator overload ``name`` spells (``"aten.div.Tensor"``: ``torch.ops.aten.div.Tensor``), or ``None``
+    where it spells none: only aten's operator table is looked up, never a namespace, module or method a name could
+    reach otherwise (a bundle's op name is data)."""
+    parts = name.split(".")
+    if len(parts) != 3 or parts[0] != "aten" or not all(p.isidentifier() and not p.startswith("__") for p in parts):
+        return None
+    try:
+        packet = getattr(torch.ops.aten, parts[1])
+    except (AttributeError, RuntimeError):
+        return None
+    if not isinstance(packet, torch._ops.OpOverloadPacket) or parts[2] not in packet.overloads():  # type: ignore[no-untyped-call]
+        return None
+    op = getattr(packet, parts[2])
+    return op if isinstance(op, torch._ops.OpOverload) else None
 
 
 def ddp_ignored_names(module: torch.nn.Module) -> set[str]:

@@ -18,10 +18,13 @@ from lightning_nanguard.engine.incidents import EventHandled
 from lightning_nanguard.engine.state_check import model_finite
 from lightning_nanguard.exceptions import NanGuardConfigError
 from lightning_nanguard.policies.causes import trusts_state
+from lightning_nanguard.policies.probe import ProbeVerdict
 from lightning_nanguard.policies.rollback import RollbackPolicy
 from lightning_nanguard.policies.snapshot_health import History, SnapshotBook
 from lightning_nanguard.recovery.disk_restore import has_rollback_checkpoint
 from lightning_nanguard.recovery.final_checkpoint import checkpoint_dir, require_checkpoint_dir, save_final_checkpoint
+from lightning_nanguard.recovery.probe import SnapshotProbe
+from lightning_nanguard.recovery.quarantine import Quarantine
 from lightning_nanguard.recovery.rollback import repair_buffers, restore_state
 from lightning_nanguard.recovery.snapshot import SnapshotRing
 from lightning_nanguard.reporting import keys
@@ -130,6 +133,7 @@ class AutoRollback(NanGuardCallback):
             num_snapshots if source == "memory" else 0, pin_memory=True, max_bytes=max_snapshot_bytes
         )
         self.divergence: Divergence | None = None  # the verdict behind the last ``diverging()`` that answered True
+        self.probe = SnapshotProbe()  # scored at each snapshot and spike where spikes are probed
         self._engine: Engine | None = None
 
     @override
@@ -163,6 +167,8 @@ class AutoRollback(NanGuardCallback):
             require_checkpoint_dir(trainer, self.checkpoint_dir, "AutoRollback(source='disk')")
         else:  # every slot allocated now, outside the training steps
             self.ring.prepare(trainer, pl_module, trainer.optimizers)
+        guard = self._engine.registry.guard if self._engine is not None else None
+        self.probe.start(self.source == "memory" and guard is not None and guard.on_spike == "probe")
         super().on_train_start(trainer, pl_module)
 
     @override
@@ -170,7 +176,7 @@ class AutoRollback(NanGuardCallback):
         self.ring.clear()  # free the buffers; snapshots never outlive the fit
 
     # ------------------------------------------------------------------ the engine's Restorer
-    def before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> bool:
+    def before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, batch: object) -> bool:
         if (book := self.book).busy:  # a snapshot to judge, or a suspect's trend to follow
             book.diverging = book.score(step, self._history(), self.ring.steps())
         due = self.ring.incomplete or (not step % self.every_n_steps and book.due(step, self.ring.steps()))
@@ -183,7 +189,20 @@ class AutoRollback(NanGuardCallback):
         keep = book.keep(self.ring.steps())
         self.ring.take(pl_module, trainer.optimizers, step=step, log_step=log_step, scale=scale, keep=keep)
         book.taken(step, self.ring.steps())
+        self.probe.snapshot_taken(trainer, pl_module, step, batch, self._quarantine())
         return True
+
+    def probe_spike(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, batch_loss: float | None
+    ) -> ProbeVerdict | None:
+        verdict = self.probe.spike(trainer, pl_module, step, self.ring.steps(), self._quarantine(), batch_loss)
+        if verdict is not None and verdict.rose:  # taken during the climb: a restore passes over them
+            self.book.judge.unsound.update(verdict.unsound)
+        return verdict
+
+    @property
+    def probe_verdict(self) -> ProbeVerdict | None:
+        return self.probe.verdict
 
     def can_restore(self, trainer: pl.Trainer, step: int) -> bool:
         """A verified snapshot, or a verified checkpoint of a step at or before ``step``, exists (every rank agrees)."""
@@ -204,6 +223,7 @@ class AutoRollback(NanGuardCallback):
             return None
         self.policy.record(step, restored.step)
         self.book.restored(step, restored.step)
+        self.probe.restored(restored.step)
         if restored.passed_over and self._engine is not None:
             self._engine.bus.emit(trainer, PassedOverSnapshots(restored.step, restored.passed_over))
         recurrence, in_window = decision.recurrence, decision.in_window
@@ -228,6 +248,9 @@ class AutoRollback(NanGuardCallback):
     def save_final(self, trainer: pl.Trainer, step: int) -> str:
         """A verified checkpoint of the (restored, finite) state before a budget stop. Every rank calls it."""
         return save_final_checkpoint(trainer, self.checkpoint_dir, step)
+
+    def _quarantine(self) -> Quarantine | None:
+        return self._engine.registry.quarantine if self._engine is not None else None
 
     def _history(self) -> History:
         return self._engine.history if self._engine is not None else ()

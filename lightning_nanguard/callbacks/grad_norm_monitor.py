@@ -61,8 +61,11 @@ class GradNormMonitor(NanGuardCallback):
             detection off. The test runs on the host floats the step's one read brings back.
         spike_warmup: finite steps observed before spikes are tested.
         on_spike: ``"warn"`` records and warns; ``"skip"`` drops the update; ``"rollback"`` drops it and has
-            ``AutoRollback`` restore the last good state (and ``OptimizerBackoff`` lower the learning rate).
-            Requires ``spike_zscore``.
+            ``AutoRollback`` restore the last good state (and ``OptimizerBackoff`` lower the learning rate);
+            ``"probe"`` measures whether the weights got worse: AutoRollback's probe batch (a few training samples,
+            scored at each snapshot) is re-scored with the current weights; its loss rose more than 2x against the
+            newest sound snapshot's: roll back to before the climb and lower the learning rate (cause
+            ``weights_diverging``); it did not: nothing is done (a debug-level line). Requires ``spike_zscore``.
         quarantine: quarantine the data that caused an incident (``input_data``/``targets`` causes).
         quarantine_file: a JSON file of sample indices to quarantine from the start (``[12, 507]`` or
             ``{"samples": [...]}``: the format of a run's ``<log_dir>/nanguard/quarantine.json``).
@@ -100,7 +103,7 @@ class GradNormMonitor(NanGuardCallback):
         histogram: bool = False,
         spike_zscore: float | None = None,
         spike_warmup: int = 50,
-        on_spike: Literal["warn", "skip", "rollback"] = "warn",
+        on_spike: Literal["warn", "skip", "rollback", "probe"] = "warn",
         quarantine: bool = True,
         quarantine_file: str | None = None,
         forensics: Literal["first", "every", "off"] = "first",
@@ -121,7 +124,7 @@ class GradNormMonitor(NanGuardCallback):
         check_choice(owner, "histogram", histogram, (True, False))
         check_float(owner, "spike_zscore", spike_zscore, low=0.0, low_inclusive=False, allow_none=True)
         check_int(owner, "spike_warmup", spike_warmup, minimum=1)
-        check_choice(owner, "on_spike", on_spike, ("warn", "skip", "rollback"))
+        check_choice(owner, "on_spike", on_spike, ("warn", "skip", "rollback", "probe"))
         if on_spike != "warn" and spike_zscore is None:
             raise NanGuardConfigError(
                 f"{owner}(on_spike={on_spike!r}): needs spike_zscore (e.g. 6.0); without it no spike is ever detected."
@@ -165,6 +168,11 @@ class GradNormMonitor(NanGuardCallback):
                 f"{type(self).__name__}(on_spike='rollback') hands a spike to AutoRollback, which is not installed: "
                 "a spike is only skipped. Add AutoRollback(), or use on_spike='skip'."
             )
+        if self.on_spike == "probe" and self.spike_zscore is not None and get_engine(trainer).restorer is None:
+            _notices.note(
+                f"{type(self).__name__}(on_spike='probe'): the probe batch is AutoRollback's, which is not installed: "
+                "spikes are only counted."
+            )
         super().on_train_start(trainer, pl_module)
 
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
@@ -172,10 +180,16 @@ class GradNormMonitor(NanGuardCallback):
         # comes after ``setup`` and restores the counts and the spike statistics.
         self._engine, self._restored_skips, self._spike_state = engine, 0, {}
         if _deepspeed.is_deepspeed(trainer):  # DeepSpeed's engine owns the step: its outcome is read after it
+            probing = self.on_spike == "probe" and self.spike_zscore is not None
+            if probing:  # the preset's setting: spikes go unprobed there rather than the preset being refused
+                _notices.note(
+                    f"{type(self).__name__}(on_spike='probe'): spikes are not tested under DeepSpeedStrategy (its "
+                    "engine applies the update before the grad norm exists, and AutoRollback keeps no probe there)."
+                )
             _deepspeed.install_grad_watch(
                 trainer,
                 engine,
-                spike_zscore=self.spike_zscore,
+                spike_zscore=None if probing else self.spike_zscore,
                 max_consecutive_skips=self.max_consecutive_skips,
                 skipped_before=self._restored_skips,
             )

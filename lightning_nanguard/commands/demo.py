@@ -8,9 +8,10 @@ import sys
 
 from lightning_nanguard.commands.table import LEGEND, Row, markdown
 
-__all__ = ["DEFAULT_INCIDENT", "add_parser", "row_of"]
+__all__ = ["DEFAULT_INCIDENT", "DEMO_FACTORY", "add_parser", "row_of"]
 
 DEFAULT_INCIDENT = "bad-data"
+DEMO_FACTORY = "lightning_nanguard.demo:demo_module"  # rebuilds a demo's module (it takes a network as an argument)
 
 
 def row_of(result: object) -> Row:
@@ -49,6 +50,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"  ... {len(guarded.incidents) - 12} more (nanguard report {guarded.log_dir})")
     if guarded.error:
         print(f"preset: {guarded.error.splitlines()[0][:300]}")
+    bundle = next((inc.bundle for inc in guarded.incidents if inc.bundle), "")
+    if bundle:
+        print(f"\nreplay its first incident offline:  nanguard replay {bundle} --factory {DEMO_FACTORY}")
     print(f"\nsee both runs side by side:  tensorboard --logdir {os.path.join(root, task.name)}")
     return 0 if guarded.finished else 1
 

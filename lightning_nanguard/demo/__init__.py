@@ -6,7 +6,18 @@ switch that removes the fault and nothing else. ``run_task`` fits one under a li
 """
 
 from lightning_nanguard.demo.presets import CONFIGS, preset
-from lightning_nanguard.demo.registry import Built, Task, get_task, register_task, task_names
+from lightning_nanguard.demo.registry import Built, Task, demo_module, get_task, register_task, task_names
 from lightning_nanguard.demo.runner import RunResult, run_task
 
-__all__ = ["CONFIGS", "Built", "RunResult", "Task", "get_task", "preset", "register_task", "run_task", "task_names"]
+__all__ = [
+    "CONFIGS",
+    "Built",
+    "RunResult",
+    "Task",
+    "demo_module",
+    "get_task",
+    "preset",
+    "register_task",
+    "run_task",
+    "task_names",
+]

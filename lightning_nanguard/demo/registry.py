@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_nanguard.demo.common import DemoModule, TensorDataModule
 
-__all__ = ["Built", "Task", "get_task", "register_task", "task_names"]
+__all__ = ["Built", "Task", "demo_module", "get_task", "register_task", "task_names"]
 
 
 @dataclass
@@ -70,6 +71,14 @@ def get_task(name: str) -> Task:
         return _TASKS[name]
     except KeyError:
         raise KeyError(f"unknown demo task {name!r}; known: {', '.join(task_names())}") from None
+
+
+def demo_module(demo_task: str, seed: int = 0) -> DemoModule:
+    """The LightningModule of a demo task, built as ``nanguard demo`` builds it (its weights come from the bundle):
+    the factory of ``nanguard replay BUNDLE --factory lightning_nanguard.demo:demo_module``, which calls it with the
+    ``demo_task`` and ``seed`` the demo's runner recorded as the module's hyperparameters."""
+    with tempfile.TemporaryDirectory() as work_dir:
+        return get_task(demo_task).build(seed, True, work_dir).module
 
 
 def task_names() -> list[str]:

@@ -145,6 +145,9 @@ def run_task(
         shutil.rmtree(stale, ignore_errors=True)
     pl.seed_everything(seed, verbose=False)
     built = task.build(seed, healthy, work_dir)
+    # What rebuilds this module for an offline replay of its incident bundles (``demo_module``, the demo's factory:
+    # nanguard replay BUNDLE --factory lightning_nanguard.demo:demo_module).
+    built.module.save_hyperparameters({"demo_task": name, "seed": seed})
     logger = TensorBoardLogger(root_dir, name=name, version=version, default_hp_metric=False)
     kwargs: dict[str, Any] = {
         "default_root_dir": work_dir,

@@ -20,7 +20,7 @@ from lightning_nanguard.forensics import ReplayBook
 from lightning_nanguard.policies.loss_scale import CollapseFacts
 from lightning_nanguard.signals.spike import RunningZScore
 
-__all__ = ["DropReason", "FitLedger", "Interval", "judge_spike", "nonfinite_signal"]
+__all__ = ["DropReason", "FitLedger", "Interval", "judge_spike", "nonfinite_signal", "spike_of"]
 
 _SPIKE_OF = {  # (loss spiked, grad norm spiked) -> the signal
     (True, False): Signal.LOSS_SPIKE,
@@ -140,9 +140,22 @@ def nonfinite_signal(reading: Reading) -> Signal:
 
 def judge_spike(spikes: tuple[RunningZScore, RunningZScore], reading: Reading) -> Signal | None:
     """The spike a finite step is (its z-scores kept on the reading), or ``None``."""
+    spike, zscores = spike_of(spikes, reading.grad_norm if reading.has_grads else None, reading.loss)
+    if zscores is not None:
+        reading.zscores = zscores
+    return spike
+
+
+def spike_of(
+    spikes: tuple[RunningZScore, RunningZScore], grad_norm: float | None, loss: float | None
+) -> tuple[Signal | None, dict[str, float] | None]:
+    """The spike a finite step's host values are, and its z-scores (``None`` where it is none)."""
     grad_z, loss_z = spikes
-    grad_spike = reading.has_grads and grad_z.observe(reading.grad_norm)
-    loss_spike = reading.loss is not None and loss_z.observe(reading.loss)
-    if grad_spike or loss_spike:
-        reading.zscores = {"grad_norm_zscore": grad_z.last_z, "loss_zscore": loss_z.last_z}
-    return _SPIKE_OF.get((bool(loss_spike), bool(grad_spike)))
+    grad_spike = grad_norm is not None and grad_z.observe(grad_norm)
+    loss_spike = loss is not None and loss_z.observe(loss)
+    if not (grad_spike or loss_spike):
+        return None, None
+    return _SPIKE_OF[(bool(loss_spike), bool(grad_spike))], {
+        "grad_norm_zscore": grad_z.last_z,
+        "loss_zscore": loss_z.last_z,
+    }

@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 from lightning_nanguard.contract import Divergence
 from lightning_nanguard.engine.reading import Reading
 from lightning_nanguard.policies.loss_scale import CollapseFacts
+from lightning_nanguard.policies.probe import ProbeVerdict
 from lightning_nanguard.recovery.backoff_scales import BackoffResult
 
 __all__ = [
@@ -43,7 +44,7 @@ class GuardSettings:
     owner: str
     on_nonfinite: str = "skip"  # "skip" | "warn" | "stop"
     max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS
-    on_spike: str = "warn"  # "warn" | "skip" | "rollback"
+    on_spike: str = "warn"  # "warn" | "skip" | "rollback" | "probe"
     spike_zscore: float | None = None
     spike_warmup: int = 50
     quarantine: bool = True
@@ -73,12 +74,26 @@ class Restorer(Protocol):
     owner: str
     divergence: Divergence | None  # what the last ``diverging()`` that answered True saw
 
+    @property
+    def probe_verdict(self) -> ProbeVerdict | None:
+        """What the last ``probe_spike()`` found."""
+        ...
+
     def can_restore(self, trainer: pl.Trainer, step: int) -> bool: ...
 
     def budget_left(self, step: int) -> int: ...
 
-    def before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> bool:
-        """Snapshot when due; False when the state was found non-finite (the engine then handles that event)."""
+    def before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, batch: object) -> bool:
+        """Snapshot when due; False when the state was found non-finite (the engine then handles that event).
+        ``batch``: this batch, where it may give the probe its samples (``None``: its data is quarantined)."""
+        ...
+
+    def probe_spike(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, batch_loss: float | None
+    ) -> ProbeVerdict | None:
+        """At a spike of ``step`` (whose batch lost ``batch_loss``): the probe batch re-scored with the current
+        weights, against the newest sound snapshot's score (every rank calls it: one all-reduce). ``None`` when
+        nothing was probed."""
         ...
 
     def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Restored | None: ...

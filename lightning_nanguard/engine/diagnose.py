@@ -159,6 +159,9 @@ def gather_findings(
         precision=precision,
         step_seconds=max(clocks) if clocks else math.nan,
         divergence=_divergence(facts, registry),
+        probe=registry.restorer.probe_verdict
+        if facts.signal is Signal.PROBE_ROSE and registry.restorer is not None
+        else None,
     )
 
 

@@ -182,6 +182,8 @@ class Engine(StepFlow):
                 "for NaN only."
             )
         self._monitors, self._spikes, self._host_only = registry.monitors_steps, registry.spikes, registry.host_only
+        guard = registry.guard
+        self._probes = self._spikes is not None and guard is not None and guard.on_spike == "probe"
         if self._monitors:
             self.sensor.watch(pl_module)
             self.bus.subscribe(StateRestored, self._restored)

@@ -53,6 +53,7 @@ _SEVERITY = [
     Signal.NONFINITE_GRADS,
     Signal.NONFINITE_ON_OTHER_RANK,
     Signal.DIVERGING,
+    Signal.PROBE_ROSE,
     Signal.LOSS_AND_GRAD_NORM_SPIKE,
     Signal.LOSS_SPIKE,
     Signal.GRAD_NORM_SPIKE,

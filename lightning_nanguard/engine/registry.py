@@ -67,8 +67,9 @@ class Registry:
                 RunningZScore(settings.spike_zscore, settings.spike_warmup),
                 RunningZScore(settings.spike_zscore, settings.spike_warmup),
             )
-        # A spike that must be dropped has to be judged on the host before the update: no device path then.
-        self.host_only = (settings.spike_zscore is not None and settings.on_spike != "warn") or (
+        # A spike that must be dropped has to be judged on the host before the update: no device path then (a probed
+        # spike is judged after it, when its verdict reaches the host).
+        self.host_only = (settings.spike_zscore is not None and settings.on_spike in ("skip", "rollback")) or (
             settings.on_nonfinite == "warn"
         )
 

@@ -12,6 +12,7 @@ Lightning directly); ``engine.py`` builds the parts this flow uses and runs the 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from torch.optim import Optimizer
 
 from lightning_nanguard import _lightning_compat
 from lightning_nanguard.contract import Signal
-from lightning_nanguard.engine.accounting import DropReason, FitLedger, judge_spike
+from lightning_nanguard.engine.accounting import DropReason, FitLedger, judge_spike, spike_of
 from lightning_nanguard.engine.events import PendingEvent
 from lightning_nanguard.engine.incidents import IncidentPath
 from lightning_nanguard.engine.micro_batches import MicroBatch, MicroBatches
@@ -38,6 +39,8 @@ from lightning_nanguard.reporting import emit
 from lightning_nanguard.signals.spike import RunningZScore
 
 __all__ = ["StepFlow"]
+
+_log = logging.getLogger("lightning_nanguard")
 
 
 class StepFlow:
@@ -70,6 +73,7 @@ class StepFlow:
         self._window_losses: list[Tensor] = []
         self._monitors = False  # some member watches training steps (sensing runs)
         self._spikes: tuple[RunningZScore, RunningZScore] | None = None
+        self._probes = False  # a spike is judged by re-scoring the probe batch (GradNormMonitor(on_spike="probe"))
         self._host_only = False
         self._agree_scaler = False  # DDP + GradScaler with no step sensing: the scalers' skips are still agreed
         self._starts = True  # batch_start runs (False: hidden, its bookkeeping done at the batch end)
@@ -116,7 +120,8 @@ class StepFlow:
             self._drop = DropReason.QUARANTINED
         if restorer is not None:
             signal = None
-            if not restorer.before_batch(trainer, pl_module, trainer.global_step):
+            offered = batch if self._drop is None else None  # the probe never takes quarantined samples
+            if not restorer.before_batch(trainer, pl_module, trainer.global_step, offered):
                 signal = _unsound_signal(trainer, pl_module)
             elif restorer.diverging():
                 signal = Signal.DIVERGING
@@ -156,14 +161,19 @@ class StepFlow:
         losses, self._losses = self._losses, []
         # The common step's fused path (``Sensor.quick``): one host read, no layers; None where it does not apply.
         quick = self.sensor.quick(optimizer, losses, trainer.global_step)
+        judged = False  # the spike test already ran on this step's values
         if quick is not None:
+            finite = math.isfinite(quick.grad_norm) and math.isfinite(quick.loss)
+            spike = zscores = None
+            if finite and self._spikes is not None:  # a few float operations on the values read anyway
+                spike, zscores = spike_of(self._spikes, quick.grad_norm, quick.loss)
+                judged = True
             if (
-                math.isfinite(quick.grad_norm)
-                and math.isfinite(quick.loss)
+                finite
+                and spike is None
                 and self._quick is None
                 and not self._readings
                 and self._lean_end
-                and self._spikes is None
                 and self._drop is None
             ):
                 # Finite, and nothing to decide: the batch end accounts for it (its Reading is made only if asked
@@ -171,6 +181,7 @@ class StepFlow:
                 self._quick = quick
                 return
             reading = self.sensor.quick_reading(quick, self._batch_idx)
+            reading.spike, reading.zscores = spike, zscores
         else:
             reading = self.sensor.measure(
                 trainer,
@@ -202,9 +213,10 @@ class StepFlow:
             elif self.registry.drops_nonfinite():
                 drop = True
         elif self._spikes is not None:
-            reading.spike = judge_spike(self._spikes, reading)
+            if not judged:
+                reading.spike = judge_spike(self._spikes, reading)
             guard = self.registry.guard
-            drop = drop or (reading.spike is not None and guard is not None and guard.on_spike != "warn")
+            drop = drop or (reading.spike is not None and guard is not None and guard.on_spike in ("skip", "rollback"))
         if drop and not reading.dropped:
             drop_update(optimizer, path)
             reading.dropped = True
@@ -279,6 +291,8 @@ class StepFlow:
             self._last_quick, self._last_reading = None, reading
             collapse = watch.observe(trainer, reading) if watch is not None and reading.scale is not None else None
             event = ledger.account(reading, collapse, stopping=stopping, quarantined=quarantined)
+            if event is not None and reading.spike is not None and self._probes:
+                event = self._probe(trainer, pl_module, event, reading)
             if event is not None:
                 self._events.append(event)
         if self._events:
@@ -303,6 +317,23 @@ class StepFlow:
         self.incidents.handle(trainer, pl_module, events, self._batch, self._batch_idx, window)
         if not self._starts:
             self.refresh_batch_start()  # something may have been quarantined
+
+    def _probe(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, event: PendingEvent, reading: Reading
+    ) -> PendingEvent | None:
+        """A spike under ``on_spike="probe"``: the probe batch re-scored with the current weights. Its loss rose: the
+        weights are going wrong (a ``probe_rose`` event). It did not: the batch was unusual, nothing is done (a
+        debug-level line, no incident)."""
+        restorer = self.registry.restorer
+        loss = reading.loss
+        verdict = restorer.probe_spike(trainer, pl_module, reading.step, loss) if restorer is not None else None
+        if verdict is not None and verdict.rose:
+            return PendingEvent(Signal.PROBE_ROSE, event.readings)
+        if not reading.dropped:
+            self.ledger.skip_streak = 0
+        said = verdict.summary() if verdict is not None else "no probe to score"
+        _log.debug("nanguard: %s at step %d left alone: %s", event.signal, reading.step, said)
+        return None
 
     def _remember_micro_batch(self, trainer: pl.Trainer) -> None:
         """Keep a reference to this micro-batch (and its samples, where the quarantine knows them)."""

@@ -2,16 +2,17 @@
 
 One directory per incident, ``<log_dir>/nanguard/bundles/step-<global step>[-rank-<r>]/``:
 
-* ``manifest.json``: the LightningModule's import path (module and qualname) and its ``hparams``, the precision
-  (and the loss scale), the optimizers (class and every param group's hyperparameters, with its parameters' names),
-  the step and batch index, the origin with its verdict, the incident's diagnosis, and what was stored or left out
-  (and why);
+* ``manifest.json``: the LightningModule's import path (module and qualname; for a class defined in a script run as
+  ``__main__``, the script's path too) and its ``hparams``, the precision (and the loss scale), the optimizers (class
+  and every param group's hyperparameters, with its parameters' names), the step, epoch and batch index the step ran
+  at, the origin with its verdict, the incident's diagnosis, and what was stored or left out (and why);
 * ``step.pt``: the batch as ``training_step`` received it, the random states (torch, CUDA, Python, NumPy: those
   the in-process replay ran with), and the module's parameters and buffers;
 * ``op.pt``: the origin op's name and a copy of its inputs, for an op-level replay (when the trace kept them).
 
 Every ``.pt`` loads with ``torch.load(weights_only=True)`` (tensors and primitives; ``bundle_codec``), except a
-batch holding arbitrary objects, which goes to ``batch.pkl`` and is read only when the reader allows pickle.
+batch holding arbitrary objects, which goes to ``batch.pkl`` and is read only when the reader allows pickle. A bundle
+is data: ``bundle_read.read_bundle`` imports and calls nothing it names.
 
 Size: nothing is written past ``budget_mb`` (default ``DEFAULT_BUDGET_MB``) or when the disk has less free space
 than the bundle plus ``DISK_RESERVE_MB``; the returned ``BundleWritten.reason`` says why. When the whole state does
@@ -26,6 +27,7 @@ import json
 import os
 import pickle
 import shutil
+import sys
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -35,9 +37,11 @@ import torch
 from torch import Tensor
 
 from lightning_nanguard import _lightning_compat
-from lightning_nanguard.forensics.bundle_codec import Unencodable, capture_rng, decode, encode, nbytes
+from lightning_nanguard.exceptions import BundleError
+from lightning_nanguard.forensics.bundle_codec import Unencodable, capture_rng, encode, nbytes
+from lightning_nanguard.forensics.bundle_read import BUNDLES_DIR, FORMAT, Bundle, read_bundle
 from lightning_nanguard.forensics.replay import TracedPass
-from lightning_nanguard.policies.origin import Origin, explain
+from lightning_nanguard.policies.origin import explain
 
 __all__ = [
     "BUNDLES_DIR",
@@ -50,15 +54,9 @@ __all__ = [
     "write_bundle",
 ]
 
-BUNDLES_DIR = os.path.join("nanguard", "bundles")
 DEFAULT_BUDGET_MB = 64.0
 DISK_RESERVE_MB = 256.0  # free space a bundle never takes
-FORMAT = 1
 _MB = float(1 << 20)
-
-
-class BundleError(Exception):
-    """A bundle that cannot be read: the message says why and what to do."""
 
 
 @dataclass(frozen=True)
@@ -71,23 +69,6 @@ class BundleWritten:
     reason: str = ""
 
 
-@dataclass(frozen=True)
-class Bundle:
-    """A bundle as read back."""
-
-    path: str
-    manifest: dict[str, Any]
-    batch: Any
-    rng: dict[str, Any]
-    state: dict[str, Tensor]
-    call: tuple[str, Any, Any] | None
-
-    @property
-    def origin(self) -> Origin | None:
-        data = self.manifest.get("origin")
-        return Origin.from_dict(data) if data else None
-
-
 def _version(package: str) -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -95,6 +76,14 @@ def _version(package: str) -> str:
         return version(package)
     except PackageNotFoundError:
         return ""
+
+
+def _script(kind: type) -> str | None:
+    """The file of a class defined in a script run as ``__main__`` (``None`` for an importable class, a notebook)."""
+    if kind.__module__ != "__main__":
+        return None
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return os.path.abspath(path) if isinstance(path, str) else None
 
 
 def _jsonable(value: Any) -> bool:
@@ -153,11 +142,12 @@ def write_bundle(
     name: str | None = None,
     diagnosis: dict[str, Any] | None = None,
     step: int | None = None,
+    epoch: int | None = None,
 ) -> BundleWritten:
     """Write the bundle of one step under ``log_dir`` (call it right after ``trace_pass``: the random states it
         stores are then those the traced pass ran with). ``diagnosis`` is the incident's (``Diagnosis.to_dict()``),
-        kept in the manifest so ``nanguard replay`` can show the cause the incident named; ``step`` the incident's (the
-    Trainer's ``global_step`` when not given). Never raises for a full disk
+        kept in the manifest so ``nanguard replay`` can show the cause the incident named; ``step`` and ``epoch`` those the
+    step ran at (the Trainer's ``global_step`` and ``current_epoch`` when not given). Never raises for a full disk
         or an oversized state: the returned value says what was written, or why nothing was."""
     origin = traced.origin if traced is not None else None
     call = traced.call if traced is not None else None
@@ -201,6 +191,7 @@ def write_bundle(
             f"{DISK_RESERVE_MB:g} MB",
         )
     step = int(getattr(trainer, "global_step", 0) or 0) if step is None else step
+    epoch = int(getattr(trainer, "current_epoch", 0) or 0) if epoch is None else epoch
     rank = int(getattr(trainer, "global_rank", 0) or 0)
     world = int(getattr(trainer, "world_size", 1) or 1)
     name = name or (f"step-{step}" + (f"-rank-{rank}" if world > 1 else ""))
@@ -211,12 +202,14 @@ def write_bundle(
         "format": FORMAT,
         "module": kind_of.__module__,
         "qualname": kind_of.__qualname__,
+        "script": _script(kind_of),
         "hparams": hparams,
         "hparams_skipped": skipped,
         "precision": str(getattr(trainer, "precision", "32-true")),
         "scale": float(scaler.get_scale()) if scaler is not None else None,
         "optimizers": _optimizers(trainer, pl_module),
         "step": step,
+        "epoch": epoch,
         "batch_idx": batch_idx,
         "device": str(pl_module.device),
         "origin": origin.to_dict() if origin is not None else None,
@@ -249,35 +242,3 @@ def write_bundle(
         return BundleWritten(None, reason=f"writing {final} failed: {err}")
     written = sum(os.path.getsize(os.path.join(final, f)) for f in os.listdir(final))
     return BundleWritten(final, written, kind, "; ".join(left_out))
-
-
-def read_bundle(path: str, *, allow_pickle: bool = False) -> Bundle:
-    """Read a bundle directory (or its ``manifest.json``). Raises ``BundleError`` with what to do."""
-    directory = os.path.dirname(path) if os.path.basename(path) == "manifest.json" else path
-    manifest_path = os.path.join(directory, "manifest.json")
-    if not os.path.isfile(manifest_path):
-        raise BundleError(
-            f"no bundle at {path}: expected a directory with manifest.json (under <log_dir>/{BUNDLES_DIR})"
-        )
-    try:
-        with open(manifest_path, encoding="utf-8") as f:
-            manifest = json.load(f)
-        data = torch.load(os.path.join(directory, "step.pt"), map_location="cpu", weights_only=True)
-    except (OSError, ValueError, RuntimeError, pickle.UnpicklingError) as err:
-        raise BundleError(f"unreadable bundle {directory}: {type(err).__name__}: {err}".splitlines()[0]) from err
-    if manifest.get("format") != FORMAT:
-        raise BundleError(f"bundle format {manifest.get('format')!r} in {directory}: this nanguard reads {FORMAT}")
-    batch = decode(data["batch"])
-    if manifest.get("batch_pickled"):
-        if not allow_pickle:
-            raise BundleError(
-                f"the batch of {directory} holds objects stored with pickle (batch.pkl): allow pickle "
-                "(nanguard replay --allow-pickle) only if you trust this bundle"
-            )
-        with open(os.path.join(directory, "batch.pkl"), "rb") as f:
-            batch = pickle.load(f)  # the caller allowed it
-    call = None
-    op_path = os.path.join(directory, "op.pt")
-    if os.path.isfile(op_path):
-        call = tuple(decode(torch.load(op_path, map_location="cpu", weights_only=True)))
-    return Bundle(directory, manifest, batch, data["rng"], dict(data["state"]), call)  # type: ignore[arg-type]

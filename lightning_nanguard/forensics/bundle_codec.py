@@ -1,24 +1,48 @@
 """Values a bundle stores, as what ``torch.load(weights_only=True)`` reads back: tensors, primitives, lists, tuples and
-dicts. A named tuple, a ``torch.dtype`` or a ``torch.device`` becomes a tagged dict and comes back as itself."""
+dicts. A named tuple, a ``torch.dtype``, ``torch.device``, ``torch.layout`` or ``torch.memory_format`` becomes a
+tagged dict.
+
+Decoding is data only: ``decode`` builds nothing but tensors, numbers, strings, bytes, ``None``, lists, tuples,
+dicts, the torch dtypes, devices, layouts and memory formats it knows, and named tuples of its own making (the
+recorded type name and fields, never the recorded class: nothing a file names is imported or called). Anything else
+(an unknown tag, a value of another type, a malformed tagged dict) raises ``Undecodable``.
+"""
 
 from __future__ import annotations
 
-import importlib
+import collections
+import keyword
 import random
 from collections.abc import Mapping
+from functools import cache
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["Unencodable", "capture_rng", "decode", "encode", "nbytes", "restore_rng"]
+__all__ = [
+    "Undecodable",
+    "Unencodable",
+    "capture_rng",
+    "check_rng",
+    "decode",
+    "encode",
+    "nbytes",
+    "restore_rng",
+    "to_device",
+]
 
 _TAG = "__nanguard__"
-_PRIMITIVES = (str, int, float, bool, type(None))
+_PRIMITIVES = (str, bytes, int, float, bool, type(None))
+_ENUMS = {"dtype": torch.dtype, "layout": torch.layout, "memory_format": torch.memory_format}
 
 
 class Unencodable(TypeError):
     """A value no weights-only load can read back (an arbitrary object)."""
+
+
+class Undecodable(ValueError):
+    """A stored value outside the fixed set ``decode`` builds (an unknown tag, another type, a malformed entry)."""
 
 
 def encode(obj: Any, *, to_cpu: bool = True) -> Any:
@@ -38,36 +62,77 @@ def encode(obj: Any, *, to_cpu: bool = True) -> Any:
         kind = type(obj)
         fields = {k: encode(v, to_cpu=to_cpu) for k, v in zip(obj._fields, obj, strict=True)}
         return {_TAG: "namedtuple", "type": f"{kind.__module__}:{kind.__qualname__}", "fields": fields}
+    if isinstance(obj, torch.Size):
+        return obj
     if isinstance(obj, (list, tuple)):
-        return type(obj)(encode(v, to_cpu=to_cpu) for v in obj)
-    if isinstance(obj, Mapping) and all(isinstance(k, (str, int)) for k in obj):
+        return (list if isinstance(obj, list) else tuple)(encode(v, to_cpu=to_cpu) for v in obj)
+    if isinstance(obj, Mapping) and all(isinstance(k, (str, int)) for k in obj) and _TAG not in obj:
         return {k: encode(v, to_cpu=to_cpu) for k, v in obj.items()}
     raise Unencodable(f"{type(obj).__module__}.{type(obj).__qualname__}")
 
 
-def decode(obj: Any, device: torch.device | str | None = None) -> Any:
-    """The inverse of ``encode``, with tensors moved to ``device`` (kept where they are when ``None``)."""
+def decode(obj: Any) -> Any:
+    """The inverse of ``encode``, from the fixed set of plain types only (``Undecodable`` otherwise). A named tuple
+    comes back as a named tuple with the recorded type name and fields, made here (not the recorded class)."""
     if isinstance(obj, Tensor):
-        return obj.to(device) if device is not None else obj
+        return obj
+    if isinstance(obj, bool | int | float | str | bytes | None | torch.Size):
+        return obj
     if isinstance(obj, list):
-        return [decode(v, device) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(decode(v, device) for v in obj)
+        return [decode(v) for v in obj]
+    if isinstance(obj, tuple) and type(obj) is tuple:
+        return tuple(decode(v) for v in obj)
     if isinstance(obj, dict):
-        tag = obj.get(_TAG)
-        if tag == "dtype":
-            return getattr(torch, obj["value"])
-        if tag == "device":
-            return torch.device(obj["value"]) if device is None else torch.device(device)
-        if tag in ("layout", "memory_format"):
-            return getattr(torch, obj["value"])
-        if tag == "namedtuple":
-            module, _, qualname = obj["type"].partition(":")
-            kind: Any = importlib.import_module(module)
-            for part in qualname.split("."):
-                kind = getattr(kind, part)
-            return kind(**{k: decode(v, device) for k, v in obj["fields"].items()})
-        return {k: decode(v, device) for k, v in obj.items()}
+        if _TAG in obj:
+            return _tagged(obj)
+        if not all(isinstance(k, str | int) for k in obj):
+            raise Undecodable(f"holds a dict keyed by {sorted({type(k).__name__ for k in obj})}: only str and int keys")
+        return {k: decode(v) for k, v in obj.items()}
+    raise Undecodable(f"holds a {type(obj).__module__}.{type(obj).__qualname__}, not one of the plain types")
+
+
+def _tagged(obj: dict[Any, Any]) -> Any:
+    tag = obj[_TAG]
+    value = obj.get("value")
+    if tag in _ENUMS and set(obj) == {_TAG, "value"} and isinstance(value, str) and value.isidentifier():
+        found = getattr(torch, value, None)
+        if isinstance(found, _ENUMS[tag]):
+            return found
+        raise Undecodable(f"holds {value!r:.60}, which is no torch {tag}")
+    if tag == "device" and set(obj) == {_TAG, "value"} and isinstance(value, str):
+        try:
+            return torch.device(value)
+        except RuntimeError as err:
+            raise Undecodable(f"holds {value!r:.60}, which is no torch device") from err
+    if tag == "namedtuple" and set(obj) == {_TAG, "type", "fields"}:
+        kind, fields = obj["type"], obj["fields"]
+        if not isinstance(kind, str) or not isinstance(fields, dict) or not all(isinstance(k, str) for k in fields):
+            raise Undecodable("holds a malformed named tuple")
+        return _namedtuple(kind.rpartition(":")[2].rpartition(".")[2], tuple(fields))(
+            *(decode(v) for v in fields.values())
+        )
+    raise Undecodable(f"holds an unknown tagged value {str(tag)[:40]!r} (keys {sorted(map(str, obj))[:6]})")
+
+
+@cache
+def _namedtuple(name: str, fields: tuple[str, ...]) -> Any:
+    """A named tuple type made here from the recorded name and fields (identifiers only)."""
+    names = (name, *fields)
+    if not all(n.isidentifier() and not keyword.iskeyword(n) and not n.startswith("_") for n in names):
+        raise Undecodable(f"holds a named tuple {name[:40]!r} with fields {list(fields)[:8]}: not plain identifiers")
+    return collections.namedtuple(name, fields)
+
+
+def to_device(obj: Any, device: torch.device | str) -> Any:
+    """``obj`` (as ``decode`` returns it) with every tensor on ``device``, named tuples kept."""
+    if isinstance(obj, Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(to_device(v, device) for v in obj))
+    if isinstance(obj, list | tuple):
+        return type(obj)(to_device(v, device) for v in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
     return obj
 
 
@@ -97,6 +162,34 @@ def capture_rng() -> dict[str, Any]:
     except ImportError:
         pass
     return state
+
+
+def _byte_tensor(t: Any) -> bool:
+    return isinstance(t, Tensor) and t.dtype == torch.uint8 and t.dim() == 1
+
+
+def check_rng(state: Any) -> None:
+    """Raise ``Undecodable`` unless ``state`` has the shape ``capture_rng`` gives (so ``restore_rng`` cannot fail
+    half-way on a damaged bundle)."""
+    if not isinstance(state, dict) or not _byte_tensor(state.get("torch")):
+        raise Undecodable("the random states lack the torch generator's (a uint8 tensor)")
+    cuda = state.get("cuda", [])
+    if not isinstance(cuda, list) or not all(_byte_tensor(t) for t in cuda):
+        raise Undecodable("the CUDA random states are not uint8 tensors")
+    python = state.get("python")
+    if python is not None:
+        ok = isinstance(python, list) and len(python) == 3 and isinstance(python[1], list)
+        if not ok or not all(isinstance(v, int) for v in python[1]):
+            raise Undecodable("the Python random state is malformed")
+        try:
+            random.Random().setstate((python[0], tuple(python[1]), python[2]))
+        except (TypeError, ValueError) as err:
+            raise Undecodable(f"the Python random state is malformed: {err}") from err
+    numpy = state.get("numpy")
+    if numpy is not None and not (
+        isinstance(numpy, list) and len(numpy) == 5 and isinstance(numpy[0], str) and isinstance(numpy[1], Tensor)
+    ):
+        raise Undecodable("the NumPy random state is malformed")
 
 
 def restore_rng(state: Mapping[str, Any]) -> None:

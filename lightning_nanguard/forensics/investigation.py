@@ -171,8 +171,17 @@ def _replay(
     """The traced pass on every rank, then the float32 pass on every rank where a half-precision run reproduced."""
     scale = f.scale if _lightning_compat.get_scaler(trainer) is not None else None
     left_s = (_budget_ms(f, request) - book.spent_ms) / 1000.0  # the trace stops there (the pass runs on)
+    # The step as it ran: its own global_step and epoch (Lightning counted the step before the replay).
+    step, epoch = request.step, trainer.current_epoch
     traced = trace_pass(
-        trainer, pl_module, request.batch, request.batch_idx, scale=scale, time_budget_s=min(TRACE_S, left_s)
+        trainer,
+        pl_module,
+        request.batch,
+        request.batch_idx,
+        scale=scale,
+        time_budget_s=min(TRACE_S, left_s),
+        step=step,
+        epoch=epoch,
     )
     book.traced = traced
     first: list[PassResult] = _distributed.all_gather_objects(trainer, traced.result)  # type: ignore[assignment]
@@ -183,7 +192,7 @@ def _replay(
     # that still fits the budget.
     step_ms = f.step_seconds * 1000.0 if math.isfinite(f.step_seconds) and f.step_seconds > 0 else ms
     if f.half_precision and any(p.reproduced for p in first) and book.spent_ms + ms + step_ms <= _budget_ms(f, request):
-        mine = run_pass(trainer, pl_module, request.batch, request.batch_idx, float32=True)
+        mine = run_pass(trainer, pl_module, request.batch, request.batch_idx, float32=True, step=step, epoch=epoch)
         gathered: list[PassResult] = _distributed.all_gather_objects(trainer, mine)  # type: ignore[assignment]
         fp32 = list(gathered)
         ms += max(p.ms for p in gathered)

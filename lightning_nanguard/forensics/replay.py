@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
+from lightning_nanguard.forensics.isolation import preserved_state, swapped
 from lightning_nanguard.forensics.origin import OriginTracer
+from lightning_nanguard.forensics.step_view import seen_at
 from lightning_nanguard.policies.findings import PassResult
 from lightning_nanguard.policies.origin import Origin
 
@@ -194,48 +196,6 @@ def _range(tensors: list[Tensor]) -> tuple[float | None, float | None]:
     return lo, hi
 
 
-@contextlib.contextmanager
-def _swapped(module: nn.Module, *, float32: bool) -> Iterator[None]:
-    """Every buffer (and, with ``float32``, every half-precision parameter) runs on a copy; originals put back."""
-    saved: list[tuple[Tensor, Tensor]] = []
-    try:
-        for b in module.buffers():
-            saved.append((b, b.data))
-            copy = b.data.to(torch.float32, copy=True) if float32 and b.is_floating_point() else b.data.clone()
-            b.data = copy
-        if float32:
-            for p in module.parameters():
-                if p.is_floating_point() and p.dtype != torch.float32:
-                    saved.append((p, p.data))
-                    p.data = p.data.float()
-        yield
-    finally:
-        for t, data in reversed(saved):
-            t.data = data
-
-
-@contextlib.contextmanager
-def preserved_state(module: nn.Module) -> Iterator[None]:
-    """Restore RNG states, train/eval modes and the autocast state after the block, whatever it did."""
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
-    modes = [(m, m.training) for m in module.modules()]
-    autocast = {d: torch.is_autocast_enabled(d) for d in ("cpu", "cuda")}
-    grad_enabled = torch.is_grad_enabled()
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        for m, training in modes:
-            m.training = training
-        for d, enabled in autocast.items():
-            if torch.is_autocast_enabled(d) != enabled:
-                torch.set_autocast_enabled(d, enabled)
-        torch.set_grad_enabled(grad_enabled)
-
-
 def _loss_of(out: Any) -> Tensor | None:
     if isinstance(out, Tensor):
         return out
@@ -265,9 +225,14 @@ def run_pass(
     *,
     float32: bool,
     scale: float | None = None,
+    step: int | None = None,
+    epoch: int | None = None,
 ) -> PassResult:
-    """One replay of ``training_step`` with hooks: in the training precision, or in float32 (``float32=True``)."""
-    return _pass(trainer, pl_module, batch, batch_idx, float32=float32, scale=scale, trace=None).result
+    """One replay of ``training_step`` with hooks: in the training precision, or in float32 (``float32=True``).
+    ``step``/``epoch``: the ``global_step`` and ``current_epoch`` the step ran at (``step_view.seen_at``)."""
+    return _pass(
+        trainer, pl_module, batch, batch_idx, float32=float32, scale=scale, trace=None, at=(step, epoch)
+    ).result
 
 
 def trace_pass(
@@ -281,12 +246,14 @@ def trace_pass(
     max_ops: int = 200_000,
     time_budget_s: float = 60.0,
     backward_frames: bool = True,
+    step: int | None = None,
+    epoch: int | None = None,
 ) -> TracedPass:
     """``run_pass`` with the origin of its first non-finite value traced (``forensics.origin``): the op, its phase,
     the user's line and the statistics that explain it. ``origin`` is ``None`` when the pass was finite (or the
     trace found nothing: ``max_ops`` and ``time_budget_s`` bound it). ``backward_frames=False`` leaves anomaly mode
     off: cheaper, but a backward origin then names its autograd node and no line. Only ``trainer.precision_plugin``
-    is used."""
+    is used (and ``global_step``/``current_epoch`` are read as ``step``/``epoch`` where given)."""
     return _pass(
         trainer,
         pl_module,
@@ -295,6 +262,7 @@ def trace_pass(
         float32=float32,
         scale=scale,
         trace={"max_ops": max_ops, "time_budget_s": time_budget_s, "backward_frames": backward_frames},
+        at=(step, epoch),
     )
 
 
@@ -307,6 +275,7 @@ def _pass(
     float32: bool,
     scale: float | None,
     trace: dict[str, Any] | None,
+    at: tuple[int | None, int | None] = (None, None),
 ) -> TracedPass:
     recorder = _Recorder(pl_module)
     tracer: OriginTracer | None = None
@@ -322,7 +291,8 @@ def _pass(
     try:
         with (
             preserved_state(pl_module),
-            _swapped(pl_module, float32=float32),
+            seen_at(pl_module, trainer, *at),
+            swapped(pl_module, float32=float32),
             contextlib.ExitStack() as traced,
             contextlib.ExitStack() as stack,
         ):

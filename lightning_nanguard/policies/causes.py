@@ -18,7 +18,7 @@ from enum import Enum
 
 from lightning_nanguard.contract import Cause, Diagnosis
 from lightning_nanguard.policies.findings import Findings
-from lightning_nanguard.policies.rules import history, origin, replay, state, step
+from lightning_nanguard.policies.rules import history, origin, probe, replay, state, step
 
 __all__ = ["CAUSES", "EVIDENCE", "CauseSpec", "Remedy", "Rule", "Stage", "spec", "trusts_state"]
 
@@ -109,6 +109,12 @@ CAUSES: dict[Cause, CauseSpec] = {
             Cause.GRADIENT_EXPLOSION,
             "training is diverging",
             "lower the learning rate, clip gradients, warm up longer, or use a bigger batch",
+            remedy=Remedy.ROLLBACK_AND_BACKOFF,
+        ),
+        CauseSpec(
+            Cause.WEIGHTS_DIVERGING,
+            "the weights are going wrong: a spike, and the probe batch's loss rose with it",
+            "lower the peak learning rate or warm up longer; clip gradients",
             remedy=Remedy.ROLLBACK_AND_BACKOFF,
         ),
         CauseSpec(
@@ -237,6 +243,7 @@ EVIDENCE: tuple[Rule, ...] = (
     Rule(Cause.CORRUPT_STATE, Stage.CHEAP, state.loaded_from_checkpoint),
     Rule(Cause.OPTIMIZER_NUMERICS, Stage.CHEAP, state.optimizer_update),
     Rule(Cause.CORRUPT_STATE, Stage.CHEAP, state.corrupt_state),
+    Rule(Cause.WEIGHTS_DIVERGING, Stage.CHEAP, probe.probe_rose),
     Rule(Cause.GRADIENT_EXPLOSION, Stage.CHEAP, step.spike_or_collapse),
     Rule(Cause.GRADIENT_EXPLOSION, Stage.CHEAP, step.diverging),
     Rule(Cause.GRADIENT_EXPLOSION, Stage.CHEAP, step.scaler_overflow_climbing),

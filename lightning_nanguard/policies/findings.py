@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from lightning_nanguard.contract import Divergence, Evidence, EvidenceKind, Signal
 from lightning_nanguard.policies.origin import Origin
+from lightning_nanguard.policies.probe import ProbeVerdict
 from lightning_nanguard.signals.batch import BatchFindings
 from lightning_nanguard.signals.history import HistoryFindings
 from lightning_nanguard.signals.state import StateFindings
@@ -90,6 +91,7 @@ class Findings:
     output_size: int | None = None  # the model's output size as a replay saw it
     note: str = ""  # why no replay, or whose replay is reused
     divergence: Divergence | None = None  # a ``diverging`` event: the snapshot judged and the reference it failed
+    probe: ProbeVerdict | None = None  # a ``probe_rose`` event: the probe batch's loss before and after
 
     @property
     def replay_errors(self) -> list[str]:

@@ -17,6 +17,8 @@ corrupt state                                  ``skip`` + ``rollback``
 optimizer numerics (e.g. eps underflow)        ``skip`` + ``eps_backoff`` (+ ``rollback`` if damaged)
 half-precision overflow                        ``skip`` (+ ``promote`` the module once it recurred ``promote_after``
                                                times under ``*-mixed``) (+ ``rollback`` if damaged)
+a spike whose probe batch's loss rose         ``rollback`` + ``backoff`` (``on_spike="probe"``; the update landed:
+(weights diverging, still finite)              the rollback undoes it, passing over snapshots taken in the climb)
 gradient explosion / divergence, a spike       ``skip`` + ``rollback`` + ``backoff``
 (``on_spike="rollback"``), a loss-scale
 collapse
@@ -86,7 +88,7 @@ class RemedyFacts:
     has_update: bool = True  # a step's update is at stake (False: a snapshot check or the end-of-fit check)
     scaler_dropped: bool = False  # the GradScaler skipped this update itself (16-mixed, non-finite gradients)
     on_nonfinite: str = "skip"  # GradNormMonitor's choice: "skip" | "warn" | "stop"
-    on_spike: str = "warn"  # "warn" | "skip" | "rollback"
+    on_spike: str = "warn"  # "warn" | "skip" | "rollback" | "probe"
     on_collapse: str = "auto"  # "auto" | "warn" | "rollback" | "stop"
     skip_streak: int = 0  # consecutive non-finite steps, this one included
     max_consecutive_skips: int | None = None  # None: no such budget (GradNormMonitor not installed)
@@ -165,6 +167,8 @@ def _plan(f: RemedyFacts) -> Plan:
         return _spike(f)
     if f.signal is Signal.DIVERGING:
         return _diverging(f)
+    if f.signal is Signal.PROBE_ROSE:
+        return _probe_rose(f)
     drop = Action.SCALER_SKIP if f.scaler_dropped else Action.SKIP
     if not f.has_update:
         drop = Action.NONE
@@ -317,6 +321,21 @@ def _spike(f: RemedyFacts) -> Plan:
             acts, StopReason.SKIP_BUDGET, f"{f.skip_streak} dropped updates in a row, more than max_consecutive_skips"
         )
     return _with_restore(f, acts, "a loss/gradient-norm spike")
+
+
+def _probe_rose(f: RemedyFacts) -> Plan:
+    """A spike whose probe batch's loss rose with it: the weights are going wrong, while still finite.
+
+    The spike's update has landed (the probe scores the weights it made); the rollback undoes it with the rest of the
+    climb: the newest snapshot taken before the climb began (those after it are passed over, so a backoff planned
+    with it goes one notch deeper each) and a lower learning rate.
+    """
+    if not f.installed.rollback:
+        return Plan((), "the probe batch's loss rose, and no AutoRollback is installed to restore a sound state")
+    acts = [Action.ROLLBACK]
+    if f.installed.backoff and "rollback" in f.backoff_triggers:
+        acts.append(Action.BACKOFF)
+    return _with_restore(f, acts, "the weights are going wrong: the probe batch's loss rose with the spike")
 
 
 def _diverging(f: RemedyFacts) -> Plan:

@@ -71,6 +71,11 @@ class Quarantine:
         """The quarantined sample indices, over every loader."""
         return set().union(*self._record.samples.values()) if self._record.samples else set()
 
+    def samples_of(self, batch: Any, rows: list[int]) -> set[int]:
+        """The dataset indices behind ``rows`` of the current ``batch``, where they are known."""
+        picked, _ = samples_of_rows(batch, rows, self._loaders, self.current)
+        return {int(i) for _, i in picked}
+
     @property
     def fingerprints(self) -> set[str]:
         return self._record.fingerprints

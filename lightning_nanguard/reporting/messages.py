@@ -28,6 +28,7 @@ _SIGNAL_TEXT = {
     Signal.GRAD_NORM_SPIKE: "a gradient-norm spike",
     Signal.LOSS_AND_GRAD_NORM_SPIKE: "a loss and gradient-norm spike",
     Signal.DIVERGING: "a diverging run (loss and gradient norm far above the last sound snapshot's)",
+    Signal.PROBE_ROSE: "a spike whose probe batch lost more too (the weights got worse)",
     Signal.LOSS_SCALE_COLLAPSE: "a loss-scale collapse (the fp16 GradScaler keeps overflowing)",
 }
 

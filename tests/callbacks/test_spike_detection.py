@@ -108,7 +108,10 @@ def test_spike_statistics_survive_a_weights_only_checkpoint(tmp_path: Any) -> No
     [
         ({"spike_zscore": 0}, r"GradNormMonitor\(spike_zscore=0\): must be a number in \(0.0, inf\) or None"),
         ({"spike_warmup": 0}, r"GradNormMonitor\(spike_warmup=0\): must be an int >= 1"),
-        ({"on_spike": "stop"}, r"GradNormMonitor\(on_spike='stop'\): must be one of \['rollback', 'skip', 'warn'\]"),
+        (
+            {"on_spike": "stop"},
+            r"GradNormMonitor\(on_spike='stop'\): must be one of \['probe', 'rollback', 'skip', 'warn'\]",
+        ),
     ],
 )
 def test_bad_spike_arguments(kwargs: dict[str, Any], match: str) -> None:

@@ -19,6 +19,8 @@ def test_demo_shows_the_preset_saving_a_run_that_dies_without_it(
     assert "| bad-data | preset | 0 | yes |" in out
     assert "input_data at batch" in out  # the incident names its cause and location
     assert f"tensorboard --logdir {os.path.join(tmp_path, 'bad-data')}" in out
+    bundle = os.path.join(tmp_path, "bad-data", "preset-seed0", "nanguard", "bundles", "step-9")
+    assert f"nanguard replay {bundle} --factory lightning_nanguard.demo:demo_module" in out  # it replays: README
     runs = sorted(os.listdir(os.path.join(tmp_path, "bad-data")))
     assert "preset-seed0" in runs
     assert "unguarded-seed0" in runs

@@ -177,4 +177,5 @@ def test_replay_says_how_to_make_the_module_importable_and_buildable(tmp_path: P
     _edit_manifest(written.path, module="__main__", hparams={})
     code, _, err = _replay(written.path, capsys=capsys)
     assert code == 2
-    assert "importable module" in err
+    assert "cannot be imported by name" in err
+    assert "--module" in err

@@ -39,6 +39,14 @@ def test_divergence_rolls_back_and_backs_off() -> None:
     assert plan(cause=Cause.GRADIENT_EXPLOSION) == (Action.SKIP, Action.ROLLBACK, Action.BACKOFF)
 
 
+def test_a_spike_whose_probe_rose_rolls_back_and_backs_off_without_a_drop() -> None:
+    # The update landed (the probe scored the weights it made): the rollback undoes it with the rest of the climb.
+    probe = {"signal": Signal.PROBE_ROSE, "cause": Cause.WEIGHTS_DIVERGING, "on_spike": "probe"}
+    assert plan(**probe) == (Action.ROLLBACK, Action.BACKOFF)
+    assert plan(**probe, installed=Installed(drop=True, rollback=True)) == (Action.ROLLBACK,)
+    assert plan(**probe, installed=Installed(drop=True, backoff=True)) == ()
+
+
 def test_optimizer_numerics_raise_eps_only_where_it_applies() -> None:
     assert plan(cause=Cause.OPTIMIZER_NUMERICS) == (Action.SKIP,)
     eps = Installed(drop=True, eps_backoff=True, backoff=True)

@@ -25,8 +25,8 @@ def _task(input_scale: float) -> Task:
     return Task("switch", lambda seed: linear_domain_switch(seed, input_scale), 200, slice(SWITCH * BATCH, None))
 
 
-def _preset(input_scale: float, root: Any) -> tuple[Any, AutoRollback, OptimizerBackoff, list[Any]]:
-    callbacks = default_callbacks()
+def _preset(input_scale: float, root: Any, **overrides: Any) -> tuple[Any, AutoRollback, OptimizerBackoff, list[Any]]:
+    callbacks = default_callbacks(**overrides)
     fit = fit_task(_task(input_scale), callbacks, str(root))
     rollback = next(c for c in callbacks if isinstance(c, AutoRollback))
     backoff = next(c for c in callbacks if isinstance(c, OptimizerBackoff))
@@ -45,10 +45,31 @@ def test_a_new_domain_is_not_rolled_back_nor_the_learning_rate_lowered(tmp_path:
     assert fit.final_loss == pytest.approx(unguarded.final_loss, rel=0.01)
 
 
+def test_a_divergence_after_the_switch_is_caught_by_the_probe_before_anything_is_non_finite(tmp_path: Any) -> None:
+    # The preset probes spikes: the switch's first spikes re-score the probe batch (old-domain samples), and as the
+    # weights blow up it does as badly as the new batches: rolled back to the step-50 snapshot before the step-100
+    # one is even taken.
+    fit, _, backoff, records = _preset(4.0, tmp_path / "preset")
+    first = records[0]
+    assert (first.trigger, first.cause, list(first.actions)) == (
+        "probe_rose",
+        "weights_diverging",
+        ["rollback", "backoff"],
+    )
+    assert SWITCH < first.step <= SWITCH + 3
+    assert first.values["restored_from_step"] == EVERY
+    assert all(math.isfinite(v) for v in fit.module.losses)
+    assert backoff.lr_scale < 1.0
+    assert fit.final_loss < 10.0
+
+
 def test_a_divergence_after_the_switch_is_rolled_back_before_anything_is_non_finite(tmp_path: Any) -> None:
+    # Without the probe (spikes not tested), the snapshot judged by its own step's reading catches it.
     unguarded = fit_task(_task(4.0), [], str(tmp_path / "unguarded"))
     assert unguarded.final_loss > 1e6  # the loss grows by orders of magnitude and never turns
-    fit, _, backoff, records = _preset(4.0, tmp_path / "preset")
+    fit, _, backoff, records = _preset(
+        4.0, tmp_path / "preset", GradNormMonitor={"spike_zscore": None, "on_spike": "warn"}
+    )
     first = records[0]
     assert (first.trigger, first.cause, list(first.actions)) == (
         "diverging",

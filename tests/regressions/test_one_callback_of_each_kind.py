@@ -35,7 +35,11 @@ class CountingModel(TinyModel):
 # A second callback of each kind, with settings that differ from the preset's (their state keys differ, so Lightning
 # accepts the list and nanguard decides at setup).
 SECOND: list[tuple[Callback, str, str]] = [
-    (GradNormMonitor(layer_depth=2), "GradNormMonitor()", "GradNormMonitor(layer_depth=2)"),
+    (
+        GradNormMonitor(layer_depth=2),
+        "GradNormMonitor(spike_zscore=3.0, spike_warmup=10, on_spike='probe')",
+        "GradNormMonitor(layer_depth=2)",
+    ),
     (AutoRollback(every_n_steps=7), "AutoRollback()", "AutoRollback(every_n_steps=7)"),
     (
         OptimizerBackoff(lr_factor=0.25),

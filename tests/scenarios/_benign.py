@@ -124,6 +124,20 @@ def _hard_batches(seed: int) -> tuple[pl.LightningModule, TensorDataset]:
 
 
 @torch.no_grad()
+def _heavy_tailed(seed: int) -> tuple[pl.LightningModule, TensorDataset]:
+    # Valid inputs with a heavy tail (a Student-t with 1.5 degrees of freedom): most batches are ordinary, a few hold
+    # a row tens of times larger than the rest, and their gradient norm jumps 20-100x for one step.
+    g = torch.Generator().manual_seed(seed)
+    n = 160 * BATCH
+    normal = torch.randn(n, 8, generator=g)
+    chi = torch.distributions.Chi2(torch.tensor(1.5)).sample((n, 1)) / 1.5
+    x = normal / chi.sqrt().clamp_min(1e-3)
+    w = torch.randn(8, 1, generator=g) / math.sqrt(8)
+    y = x @ w + 0.1 * torch.randn(n, 1, generator=g)
+    return Regression(8, hidden=0), TensorDataset(x, y)
+
+
+@torch.no_grad()
 def _solved(seed: int) -> tuple[pl.LightningModule, TensorDataset]:
     # A task the model solves exactly (a noiseless linear target): the loss falls from ~1 to ~1e-8.
     g = torch.Generator().manual_seed(seed)
@@ -213,6 +227,7 @@ TASKS = {
         Task("domain-switch", _domain_switch, 200, slice(SWITCH * BATCH, None)),
         Task("domain-switch-sgd", lambda seed: linear_domain_switch(seed, 1.0), 200, slice(SWITCH * BATCH, None)),
         Task("hard-batches", _hard_batches, 160, slice(None)),
+        Task("heavy-tailed", _heavy_tailed, 160, slice(None)),
         Task("solved", _solved, 200, slice(None)),
         Task("lr-restarts", _restarts, 160, slice(None)),
         Task("masked-attention", _masked_attention, 120, slice(None)),

@@ -1,10 +1,11 @@
 """Do no harm: healthy runs with alarming but benign dynamics, with and without the preset.
 
-Each task (``_benign.py``: a domain switch that lifts the loss ~100x and recovers, rare hard batches, a loss falling
-by orders of magnitude, LR restarts, additive ``-inf`` attention masks, a warmup from a learning rate of 0) is fit
-twice from the same seed: unguarded, and with ``default_callbacks()``. The preset must end with the same loss (within
-1%) and intervene nowhere: no incident, no rollback, no dropped update, no quarantine, no LR or eps change, no module
-promoted (by an overflow or by the headroom forecast). Under ``16-mixed`` too (the loss-scale collapse rule), and with the opt-in spike detection on.
+Each task (``_benign.py``: a domain switch that lifts the loss ~100x and recovers, rare hard batches, heavy-tailed
+valid inputs with 20-100x gradient-norm spikes, a loss falling by orders of magnitude, LR restarts, additive ``-inf``
+attention masks, a warmup from a learning rate of 0) is fit twice from the same seed: unguarded, and with
+``default_callbacks()``, whose GradNormMonitor probes every spike. The preset must end with the same loss (within 1%)
+and intervene nowhere: no incident, no rollback, no dropped update, no quarantine, no LR or eps change, no module
+promoted (by an overflow or by the headroom forecast). Under ``16-mixed`` too (the loss-scale collapse rule), and with spikes dropped instead of probed.
 """
 
 from __future__ import annotations
@@ -73,8 +74,15 @@ def _assert_untouched(fit: Fit, callbacks: list[Callback], reference: Fit) -> No
     assert abs(ratio - 1.0) <= TOLERANCE, (fit.final_loss, reference.final_loss)
 
 
-@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
-@pytest.mark.parametrize("task", list(TASKS))
+# Gradient spikes of 20-100x overflow float16 at the GradScaler's scale: the scaler's routine skips, which the suite
+# records (as it should), so that task runs in float32 only.
+_FLOAT32_ONLY = {"heavy-tailed"}
+
+
+@pytest.mark.parametrize(
+    ("task", "precision"),
+    [(t, p) for t in TASKS for p in ("32-true", "16-mixed") if p == "32-true" or t not in _FLOAT32_ONLY],
+)
 def test_the_preset_leaves_a_healthy_run_alone(unguarded: _Unguarded, tmp_path: Any, task: str, precision: str) -> None:
     reference = unguarded[task, precision]
     assert torch.isfinite(torch.tensor(reference.final_loss))
@@ -84,6 +92,24 @@ def test_the_preset_leaves_a_healthy_run_alone(unguarded: _Unguarded, tmp_path: 
 
 @pytest.mark.parametrize("task", list(TASKS))
 def test_spike_detection_leaves_a_healthy_run_alone(unguarded: _Unguarded, tmp_path: Any, task: str) -> None:
-    # Off in the preset; turned on as its docstring suggests, with the update of a spike dropped.
-    callbacks = default_callbacks(GradNormMonitor={"spike_zscore": 6.0, "on_spike": "skip"})
+    # The preset probes spikes; dropping a spike's update instead, as the docstring suggests, is harmless too.
+    callbacks = default_callbacks(GradNormMonitor={"spike_zscore": 6.0, "spike_warmup": 50, "on_spike": "skip"})
     _assert_untouched(fit_task(task, callbacks, str(tmp_path)), callbacks, unguarded[task, "32-true"])
+
+
+@pytest.mark.parametrize(
+    ("task", "zscore"),
+    [("hard-batches", 3.0), ("heavy-tailed", 3.0), ("domain-switch", 2.5), ("domain-switch-sgd", 2.5)],
+)
+def test_spikes_whose_probe_held_are_left_alone(unguarded: _Unguarded, tmp_path: Any, task: str, zscore: float) -> None:
+    # The spikes are real (a hard batch, a heavy-tailed row, the first steps of a new domain: a more sensitive
+    # detector catches the switch) and each is probed: the probe batch did not do as badly as the spiking batch, so
+    # nothing at all is done.
+    callbacks = default_callbacks(GradNormMonitor={"spike_zscore": zscore})
+    fit = fit_task(task, callbacks, str(tmp_path))
+    _assert_untouched(fit, callbacks, unguarded[task, "32-true"])
+    probe = _find(callbacks, AutoRollback).probe
+    snapshots = len(range(0, fit.trainer.global_step, 50))
+    assert probe.scorings > snapshots
+    assert probe.verdict is not None
+    assert not probe.verdict.rose

@@ -23,7 +23,7 @@ TASK = register_task(
         description="SGD+momentum at 2x the stable learning rate under 16-mixed: the loss grows geometrically until "
         "the fp16 forward overflows and the GradScaler skips every step, its scale decaying towards 0",
         failure="the loss goes to inf, every later step is skipped by the GradScaler; the run ends with an inf/NaN loss",
-        causes=("gradient_explosion",),
+        causes=("gradient_explosion", "weights_diverging"),
         precision="16-mixed",
         max_epochs=6,
         build=build,

@@ -34,7 +34,7 @@ TASK = register_task(
         description="SGD+momentum on a cosine schedule with a warm restart to 7x for 28 steps (fp32): the run diverges "
         "during the restart; afterwards the schedule is safe again, so a learning rate cut for good is a cost",
         failure="the loss blows up during the restart and ends inf/NaN",
-        causes=("gradient_explosion",),
+        causes=("gradient_explosion", "weights_diverging"),
         precision="32-true",
         max_epochs=12,
         build=build,

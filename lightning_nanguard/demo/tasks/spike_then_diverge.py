@@ -30,7 +30,7 @@ TASK = register_task(
         description="SGD+momentum warmed up to 4x the stable learning rate (fp32): as the warmup crosses the "
         "stability edge the loss spikes, then the oscillation grows until it overflows",
         failure="loss spikes during warmup, then grows without bound to inf/NaN",
-        causes=("gradient_explosion",),
+        causes=("gradient_explosion", "weights_diverging"),
         precision="32-true",
         max_epochs=12,
         build=build,

@@ -1,0 +1,53 @@
+"""A replay pass leaves no trace: the buffers it writes are copies, and the RNG, modes and autocast are put back."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["preserved_state", "swapped"]
+
+
+@contextlib.contextmanager
+def swapped(module: nn.Module, *, float32: bool) -> Iterator[None]:
+    """Every buffer (and, with ``float32``, every half-precision parameter) runs on a copy; originals put back."""
+    saved: list[tuple[Tensor, Tensor]] = []
+    try:
+        for b in module.buffers():
+            saved.append((b, b.data))
+            copy = b.data.to(torch.float32, copy=True) if float32 and b.is_floating_point() else b.data.clone()
+            b.data = copy
+        if float32:
+            for p in module.parameters():
+                if p.is_floating_point() and p.dtype != torch.float32:
+                    saved.append((p, p.data))
+                    p.data = p.data.float()
+        yield
+    finally:
+        for t, data in reversed(saved):
+            t.data = data
+
+
+@contextlib.contextmanager
+def preserved_state(module: nn.Module) -> Iterator[None]:
+    """Restore RNG states, train/eval modes and the autocast state after the block, whatever it did."""
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
+    modes = [(m, m.training) for m in module.modules()]
+    autocast = {d: torch.is_autocast_enabled(d) for d in ("cpu", "cuda")}
+    grad_enabled = torch.is_grad_enabled()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        for m, training in modes:
+            m.training = training
+        for d, enabled in autocast.items():
+            if torch.is_autocast_enabled(d) != enabled:
+                torch.set_autocast_enabled(d, enabled)
+        torch.set_grad_enabled(grad_enabled)

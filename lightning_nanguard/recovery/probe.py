@@ -1,0 +1,255 @@
+"""The probe batch: a few training samples kept on the device, scored with the current weights, leaving no trace.
+
+Whether a spike is the weights going wrong or just an unusual batch is measured, not guessed: the probe (the first
+``rows`` samples of an early training batch, never quarantined ones) is scored when each snapshot is taken and again
+at a spike (``policies.probe`` judges the scores). A scoring is one forward of the LightningModule's own
+``training_step`` under ``no_grad``, in the training precision (the precision plugin's ``train_step_context``), and
+it is deterministic and side-effect free:
+
+* the torch, Python ``random`` and NumPy RNGs are seeded with ``PROBE_SEED`` for the call (noise and timesteps a
+  diffusion ``training_step`` samples are the same at every scoring) and the training streams (torch's CPU one and
+  every CUDA device's once CUDA is initialised, Python's, NumPy's global one) are put back afterwards, as are the
+  modules' train/eval modes and the autocast and grad modes;
+* every buffer runs on a copy (BatchNorm statistics and counters are never written), the originals put back;
+* ``self.log``/``self.log_dict`` are no-ops for the call (the probe's loss is not a training metric).
+
+Under DDP each rank scores its own probe rows on the bare LightningModule (no DDP wrapper: no gradient reduction can
+start) and the ranks' losses are averaged in one all-reduce, so every rank reads the same value. Manual optimization
+is not probed: its ``training_step`` calls the optimizers itself, and a scoring must never step them (a notice says
+so once). Whatever ``training_step`` does outside its tensors (appending to a list, a counter) is not undone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+from collections.abc import Collection, Iterator, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+
+from lightning_nanguard import _distributed, _notices
+from lightning_nanguard._lightning_compat import AttributePatches
+from lightning_nanguard.forensics.replay import preserved_state
+from lightning_nanguard.policies.probe import ProbeBook, ProbeVerdict
+from lightning_nanguard.recovery.quarantine import Quarantine
+
+try:  # NumPy's global RNG is a training stream too where a training_step draws from it
+    import numpy as np
+except ImportError:  # pragma: no cover - torch installs it
+    np = None  # type: ignore[assignment]
+
+__all__ = ["PROBE_ROWS", "PROBE_SEED", "ProbeBatch", "SnapshotProbe"]
+
+PROBE_ROWS = 8  # samples in the probe: enough to average out one sample's quirks, a fraction of a batch's forward
+PROBE_SEED = 20_261_128  # the RNG state of every scoring
+
+
+class ProbeBatch:
+    """A few training samples, on the device, and their loss under the current weights.
+
+    Args:
+        rows: the samples taken from the batch the probe is captured from (all of them when it has fewer).
+    """
+
+    def __init__(self, rows: int = PROBE_ROWS) -> None:
+        self.rows = rows
+        self.batch: Any = None
+        self.samples: frozenset[int] = frozenset()  # the dataset indices of the probe's rows, where known
+        self.disabled = ""  # why this fit is not probed ("" while it is)
+
+    @property
+    def ready(self) -> bool:
+        return self.batch is not None and not self.disabled
+
+    def clear(self) -> None:
+        self.batch, self.samples = None, frozenset()
+
+    def reset(self) -> None:
+        """A new fit: nothing captured, nothing disabled."""
+        self.clear()
+        self.disabled = ""
+
+    def capture(self, batch: Any, pl_module: pl.LightningModule, quarantine: Quarantine | None) -> bool:
+        """Keep the first ``rows`` samples of ``batch`` (detached copies, on the batch's device). False when nothing
+        could be taken (no tensor with a batch dimension) or this fit is not probed."""
+        if self.disabled:
+            return False
+        if not pl_module.automatic_optimization:
+            self.disabled = "manual optimization (its training_step steps the optimizers)"
+            _notices.note(f"nanguard: spikes are not probed under {self.disabled}; they are only counted.")
+            return False
+        size = _batch_size(batch)
+        if size is None:
+            return False
+        take = min(self.rows, size)
+
+        def cut(t: Tensor) -> Tensor:
+            return t[:take].detach().clone() if t.dim() and t.shape[0] == size else t.detach().clone()
+
+        self.batch = apply_to_collection(batch, Tensor, cut)
+        self.samples = _samples(batch, take, quarantine)
+        return True
+
+    def holds_any(self, samples: set[int]) -> bool:
+        """Some of the probe's samples are among ``samples`` (the quarantine's)."""
+        return not self.samples.isdisjoint(samples)
+
+    def score(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> float:
+        """The probe's loss under the current weights, averaged over the ranks (every rank calls it: one
+        all-reduce under DDP). NaN when ``training_step`` returned no loss or raised."""
+        value = self._local(trainer, pl_module)
+        if trainer.world_size > 1:
+            value = _distributed.sum_across_ranks(trainer, value.reshape(1)).reshape(()) / trainer.world_size
+        return float(value)
+
+    def _local(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Tensor:
+        device = pl_module.device
+        nan = torch.full((), math.nan, device=device)
+        patches = AttributePatches()
+        try:
+            with preserved_state(pl_module), _host_rngs_seeded(), _buffers_on_copies(pl_module), torch.no_grad():
+                patches.set(pl_module, "log", _no_log)
+                patches.set(pl_module, "log_dict", _no_log)
+                torch.manual_seed(PROBE_SEED)  # preserved_state puts the training streams back
+                with trainer.precision_plugin.train_step_context():
+                    loss = _loss_of(pl_module.training_step(self.batch, 0))
+        except Exception as exc:  # a scoring must never take training down with it
+            _notices.note(f"nanguard: the probe batch could not be scored ({type(exc).__name__}: {exc}).")
+            return nan
+        finally:
+            patches.restore()
+        if loss is None or loss.numel() != 1:
+            return nan
+        return loss.detach().float().reshape(()).to(device)
+
+
+def _no_log(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _loss_of(out: Any) -> Tensor | None:
+    if isinstance(out, Tensor):
+        return out
+    if isinstance(out, Mapping) and isinstance(out.get("loss"), Tensor):
+        loss: Tensor = out["loss"]
+        return loss
+    return None
+
+
+@contextlib.contextmanager
+def _host_rngs_seeded() -> Iterator[None]:
+    """Python's and NumPy's global RNGs seeded with ``PROBE_SEED`` for the block, their states put back after."""
+    state = random.getstate()
+    np_state = np.random.get_state() if np is not None else None
+    try:
+        random.seed(PROBE_SEED)
+        if np is not None:
+            np.random.seed(PROBE_SEED)
+        yield
+    finally:
+        random.setstate(state)
+        if np is not None and np_state is not None:
+            np.random.set_state(np_state)
+
+
+@contextlib.contextmanager
+def _buffers_on_copies(module: nn.Module) -> Iterator[None]:
+    """Every buffer runs on a copy for the block; the originals are put back (nothing the forward wrote stays)."""
+    saved: list[tuple[Tensor, Tensor]] = []
+    try:
+        for b in module.buffers():
+            saved.append((b, b.data))
+            b.data = b.data.clone()
+        yield
+    finally:
+        for b, data in reversed(saved):
+            b.data = data
+
+
+def _batch_size(batch: Any) -> int | None:
+    """The leading dimension of the batch's first tensor (``None``: no tensor with one)."""
+    found: list[int] = []
+
+    def first(t: Tensor) -> Tensor:
+        if t.dim() and not found:
+            found.append(int(t.shape[0]))
+        return t
+
+    apply_to_collection(batch, Tensor, first)
+    return found[0] if found and found[0] > 0 else None
+
+
+def _samples(batch: Any, take: int, quarantine: Quarantine | None) -> frozenset[int]:
+    """The dataset indices of the batch's first ``take`` rows, where the quarantine knows them."""
+    if quarantine is None or not quarantine.current:
+        return frozenset()
+    try:
+        return frozenset(quarantine.samples_of(batch, list(range(take))))
+    except Exception:  # the rows cannot be mapped: the probe is then never matched against the quarantine
+        return frozenset()
+
+
+class SnapshotProbe:
+    """AutoRollback's probe: the batch, scored at each snapshot and at each spike (``policies.probe`` judges).
+
+    Active only where spikes are probed (``GradNormMonitor(on_spike="probe")``); otherwise it costs nothing. The
+    probe is taken from the batch of the first snapshot whose data is not quarantined; if the quarantine later takes
+    one of its samples, it is dropped with its scores and taken again at the next snapshot.
+    """
+
+    def __init__(self) -> None:
+        self.batch = ProbeBatch()
+        self.book = ProbeBook()
+        self.active = False
+        self.verdict: ProbeVerdict | None = None  # the last spike's
+        self.scorings = 0  # forwards of the probe in this fit (snapshots and spikes)
+
+    def start(self, active: bool) -> None:
+        """A new fit: nothing captured or scored; ``active``: spikes are probed in it."""
+        self.batch.reset()
+        self.book.reset()
+        self.active, self.verdict, self.scorings = active, None, 0
+
+    def _fresh(self, quarantine: Quarantine | None) -> bool:
+        """The probe holds no quarantined sample (else it is dropped, with its scores)."""
+        if self.batch.ready and quarantine is not None and self.batch.holds_any(quarantine.samples):
+            self.batch.clear()
+            self.book.reset()
+        return self.batch.ready
+
+    def snapshot_taken(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, batch: Any, quarantine: Quarantine | None
+    ) -> None:
+        """Score the probe with the weights of the snapshot of ``step`` just taken (capturing it from ``batch``
+        first, where there is none yet; ``batch`` is ``None`` when its data is quarantined)."""
+        if not self.active:
+            return
+        if not self._fresh(quarantine) and (batch is None or not self.batch.capture(batch, pl_module, quarantine)):
+            return
+        self.scorings += 1
+        self.book.record(step, self.batch.score(trainer, pl_module))
+
+    def spike(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        step: int,
+        kept: Collection[int],
+        quarantine: Quarantine | None,
+        batch_loss: float | None = None,
+    ) -> ProbeVerdict | None:
+        """At a spike of ``step`` (whose batch lost ``batch_loss``): the probe re-scored with the current weights,
+        judged against the newest sound snapshot among ``kept``. ``None`` when there is no probe."""
+        if not (self.active and self._fresh(quarantine)):
+            return None
+        self.scorings += 1
+        self.verdict = self.book.judge(step, self.batch.score(trainer, pl_module), kept, batch_loss)
+        return self.verdict
+
+    def restored(self, step: int) -> None:
+        self.book.restored(step)

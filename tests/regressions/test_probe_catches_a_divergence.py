@@ -1,0 +1,113 @@
+"""A divergence is caught at the first spike whose probe batch's loss rose, while everything is still finite.
+
+Two real fits of an MLP under SGD with momentum whose learning rate goes past the stability edge: a warmup that
+overshoots its peak (4x the stable rate), and a constant rate that jumps 10x in one step. Unguarded, each ends in
+NaN; with the preset, the probe (a few training samples scored at each snapshot) is re-scored at each spike: the
+first spike whose probe loss rose is the incident (``probe_rose``, cause ``weights_diverging``), before any non-finite
+value, and the run ends finite with no non-finite step. The spikes before it, whose probe held, did nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_nanguard import AutoRollback, default_callbacks
+from lightning_nanguard.demo.tasks._data import mlp, teacher_regression
+from lightning_nanguard.engine import get_engine
+
+STEPS = 300
+STABLE = 0.075  # SGD+momentum's stable learning rate on this task
+
+
+class Regression(pl.LightningModule):
+    def __init__(self, schedule: Callable[[int], float]) -> None:
+        super().__init__()
+        self.net = mlp(16, seed=0)
+        self.schedule = schedule
+        self.losses: list[float] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.SGD(self.parameters(), lr=STABLE, momentum=0.9)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, self.schedule)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _fit(
+    schedule: Callable[[int], float], callbacks: list[Callback], root: Any
+) -> tuple[pl.Trainer, Regression, float]:
+    pl.seed_everything(0, verbose=False)
+    x, y, _, _ = teacher_regression(2, 512, 16)
+    module = Regression(schedule)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(root),
+        deterministic=True,
+        callbacks=callbacks,
+    )
+    trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=32, shuffle=True))
+    with torch.no_grad():
+        final = float(nn.functional.mse_loss(module.net(x), y))
+    return trainer, module, final
+
+
+def _overshoot(step: int) -> float:
+    return 4.0 * min(1.0, (step + 1) / 40)  # a warmup to 4x the stable rate
+
+
+def _jump(step: int) -> float:
+    return 10.0 if step >= 60 else 1.0  # a constant rate that jumps 10x at step 60
+
+
+class _Verdicts(Callback):
+    """Every probe verdict of the fit, in order (read from AutoRollback after each batch)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, bool]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        rollback = next(c for c in trainer.callbacks if isinstance(c, AutoRollback))  # type: ignore[attr-defined]
+        verdict = rollback.probe.verdict
+        if verdict is not None and (not self.seen or self.seen[-1][0] != verdict.step):
+            self.seen.append((verdict.step, verdict.rose))
+
+
+@pytest.mark.parametrize("schedule", [_overshoot, _jump], ids=["warmup-overshoot", "lr-jump-10x"])
+def test_a_divergence_is_caught_at_the_first_spike_whose_probe_rose(tmp_path: Any, schedule: Any) -> None:
+    _, unguarded, _ = _fit(schedule, [], tmp_path / "unguarded")
+    first_nan = next(i for i, loss in enumerate(unguarded.losses) if not math.isfinite(loss))  # the fault is real
+    verdicts = _Verdicts()
+    trainer, module, final = _fit(schedule, [*default_callbacks(), verdicts], tmp_path / "preset")
+    records = get_engine(trainer).sink.records
+    assert records, "nothing was caught"
+    first = records[0]
+    assert (str(first.trigger), str(first.cause)) == ("probe_rose", "weights_diverging"), records
+    assert [str(a) for a in first.actions] == ["rollback", "backoff"]
+    rose = [step for step, up in verdicts.seen if up]
+    assert rose, verdicts.seen
+    assert first.step == rose[0] < first_nan, (verdicts.seen, first_nan)  # the first rise, before any NaN
+    assert all(str(i.trigger) == "probe_rose" for i in records), records  # no non-finite event at all
+    assert all(math.isfinite(loss) for loss in module.losses)
+    assert math.isfinite(final)
+    evidence = first.diagnosis["evidence"][0]
+    assert evidence["kind"] == "probe_loss"
+    assert evidence["probe_after"] > evidence["probe_before"]

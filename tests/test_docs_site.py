@@ -1,0 +1,142 @@
+"""The documentation site covers the public surface: every public name has a docstring and a place in the API
+reference, every CLI command its help, every page its place in the nav, every generated table its rows.
+
+Offline and without mkdocs: the pages are read as text and the generators of tools/docs_site.py (mkdocs.yml's hook)
+are called directly; CI's `mkdocs build --strict` renders them.
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import importlib
+import importlib.util
+import inspect
+import os
+import re
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import yaml
+
+import lightning_nanguard
+import lightning_nanguard.callbacks
+from lightning_nanguard import testing
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs")
+
+
+def _tool(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", f"{name}.py"))
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SITE = _tool("docs_site")
+GRIFFE = _tool("docs_griffe")
+
+
+def _read(page: str) -> str:
+    with open(os.path.join(DOCS, page), encoding="utf-8") as f:
+        return f.read()
+
+
+def _nav_pages(nav: Any) -> set[str]:
+    if isinstance(nav, str):
+        return {nav}
+    if isinstance(nav, list):
+        return set().union(*(_nav_pages(item) for item in nav))
+    if isinstance(nav, dict):
+        return set().union(*(_nav_pages(value) for value in nav.values()))
+    return set()
+
+
+def test_every_public_name_has_a_docstring_and_is_in_the_api_reference() -> None:
+    names = SITE.public_names()
+    assert {"lightning_nanguard.GradNormMonitor", "lightning_nanguard.testing.FaultInjector"} <= set(names)
+    assert len(names) == len(lightning_nanguard.__all__) + len(testing.__all__)
+    assert SITE.undocumented(DOCS) == []
+
+
+def test_a_missing_docstring_or_reference_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "api.md").write_text("::: lightning_nanguard.GradNormMonitor\n", encoding="utf-8")
+    problems = SITE.undocumented(str(tmp_path))
+    assert "lightning_nanguard.AutoRollback is in no '::: lightning_nanguard.AutoRollback' line" in " ".join(problems)
+    assert not any("GradNormMonitor" in p for p in problems)
+    monkeypatch.setattr(lightning_nanguard.GradNormMonitor, "__doc__", None)
+    assert "lightning_nanguard.GradNormMonitor has no docstring" in SITE.undocumented(str(tmp_path))
+
+
+def test_every_rendered_name_exists() -> None:
+    for ident in sorted({i for p in _pages() for i in SITE.DIRECTIVE.findall(_read(p))}):
+        module_name, _, attr = ident.rpartition(".")
+        assert hasattr(importlib.import_module(module_name), attr), f"'::: {ident}' names nothing"
+
+
+def test_every_cli_command_has_help_and_a_section() -> None:
+    commands = SITE.commands()
+    assert {"report", "verify", "demo", "ablate", "replay"} <= set(commands)
+    for name, parser in commands.items():
+        assert (parser.description or "").strip(), f"nanguard {name}: no description"
+    reference = SITE.cli_reference()
+    for name in commands:
+        title = f"## nanguard {name}".rstrip()
+        assert f"{title}\n" in reference, f"nanguard {name}: no section in the CLI page"
+    assert "<!-- generated: cli -->" in _read("cli.md")
+
+
+def _pages() -> list[str]:
+    return sorted(os.path.relpath(p, DOCS) for p in glob.glob(os.path.join(DOCS, "**", "*.md"), recursive=True))
+
+
+def test_every_page_is_in_the_nav_and_every_nav_entry_exists() -> None:
+    with open(os.path.join(ROOT, "mkdocs.yml"), encoding="utf-8") as f:
+        config = yaml.safe_load(f)
+    nav = _nav_pages(config["nav"])
+    assert set(_pages()) == nav
+
+
+def test_causes_table_has_every_cause_and_remedy() -> None:
+    from lightning_nanguard.contract import Cause
+    from lightning_nanguard.policies.causes import CAUSES, EVIDENCE, Remedy
+
+    assert set(SITE.remedy_wording()) == set(Remedy)
+    rows = SITE.causes_table().splitlines()[2:]
+    assert [re.match(r"\| `(\w+)` \|", row).group(1) for row in rows] == [c.value for c in CAUSES]  # type: ignore[union-attr]
+    assert set(CAUSES) == set(Cause)
+    hints = SITE.hints_table().splitlines()[2:]
+    assert [re.match(r"\| `(\w+)` \|", row).group(1) for row in hints] == [c.value for c in CAUSES]  # type: ignore[union-attr]
+    evidence = SITE.evidence_table().splitlines()[2:]
+    assert len(evidence) == len(EVIDENCE)
+    assert all(not row.endswith("| - |") for row in evidence), "an evidence rule without a docstring"
+
+
+def test_every_marker_names_a_part() -> None:
+    used = {name for page in _pages() for name in SITE.MARKER.findall(_read(page))}
+    assert used == set(SITE.PARTS)
+    with pytest.raises(ValueError, match="unknown generated part"):
+        SITE.expand("<!-- generated: nothing -->")
+
+
+def test_python_examples_on_the_pages_parse() -> None:
+    for page in _pages():
+        for block in re.findall(r"```python\n(.*?)```", _read(page), flags=re.S):
+            ast.parse(block)
+
+
+@pytest.mark.parametrize("callback", sorted(lightning_nanguard.callbacks.__all__))
+def test_logged_keys_become_a_table(callback: str) -> None:
+    doc = inspect.cleandoc(getattr(lightning_nanguard, callback).__doc__)
+    keys = re.findall(r"^ +(``nanguard/[^ ]+``(?:, ``[^ ]+``)*)  ", doc, flags=re.MULTILINE)
+    assert keys, f"{callback}'s docstring lists no logged key"
+    table = GRIFFE.logged_keys_table(doc)
+    rows = re.findall(r"^\| (``nanguard/.*?``|``.*?``, ``.*?``) \| (.+) \|$", table, flags=re.MULTILINE)
+    assert [key for key, _ in rows] == keys
+    assert all(text.strip() for _, text in rows)
+    assert "Raises:" in table  # the sections after the block are untouched
