@@ -215,21 +215,36 @@ class SnapshotProbe:
         self.book.reset()
         self.active, self.verdict, self.scorings = active, None, 0
 
-    def _fresh(self, quarantine: Quarantine | None) -> bool:
-        """The probe holds no quarantined sample (else it is dropped, with its scores)."""
-        if self.batch.ready and quarantine is not None and self.batch.holds_any(quarantine.samples):
+    def _agreed(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        quarantine: Quarantine | None,
+        batch: Any = None,
+        *,
+        capture: bool,
+    ) -> bool:
+        """Every rank's probe is ready to be scored (the same answer on every rank, so that each calls the scoring's
+        all-reduce or none does). A probe that holds a quarantined sample is dropped, and where it is dropped on any
+        rank every rank drops its scores, so the ranks' books stay the same; where ``capture``, a rank without a
+        probe takes one from ``batch`` (``None`` when its data is quarantined). One all-reduce of two flags under
+        DDP, at a snapshot or a spike only."""
+        holds = self.batch.ready and quarantine is not None and self.batch.holds_any(quarantine.samples)
+        if holds:
             self.batch.clear()
+        if capture and not self.batch.ready and batch is not None:
+            self.batch.capture(batch, pl_module, quarantine)
+        dropped, unready = _distributed.any_rank_each(trainer, [holds, not self.batch.ready])
+        if dropped:
             self.book.reset()
-        return self.batch.ready
+        return not unready
 
     def snapshot_taken(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, batch: Any, quarantine: Quarantine | None
     ) -> None:
         """Score the probe with the weights of the snapshot of ``step`` just taken (capturing it from ``batch``
         first, where there is none yet; ``batch`` is ``None`` when its data is quarantined)."""
-        if not self.active:
-            return
-        if not self._fresh(quarantine) and (batch is None or not self.batch.capture(batch, pl_module, quarantine)):
+        if not (self.active and self._agreed(trainer, pl_module, quarantine, batch, capture=True)):
             return
         self.scorings += 1
         self.book.record(step, self.batch.score(trainer, pl_module))
@@ -245,7 +260,7 @@ class SnapshotProbe:
     ) -> ProbeVerdict | None:
         """At a spike of ``step`` (whose batch lost ``batch_loss``): the probe re-scored with the current weights,
         judged against the newest sound snapshot among ``kept``. ``None`` when there is no probe."""
-        if not (self.active and self._fresh(quarantine)):
+        if not (self.active and self._agreed(trainer, pl_module, quarantine, capture=False)):
             return None
         self.scorings += 1
         self.verdict = self.book.judge(step, self.batch.score(trainer, pl_module), kept, batch_loss)

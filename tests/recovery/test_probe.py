@@ -134,3 +134,29 @@ def test_a_probe_holding_a_quarantined_sample_is_dropped_and_taken_again() -> No
     probe.snapshot_taken(trainer, module, 50, {"x": torch.randn(32, 4)}, quarantine)  # type: ignore[arg-type]
     assert probe.batch.samples == frozenset(range(200, 208))
     assert list(probe.book.scores) == [50]
+
+
+def test_the_ranks_agree_whether_the_probe_is_scored(monkeypatch: Any) -> None:
+    """Under DDP each rank holds other samples, so a quarantine can take one rank's probe only: every rank then drops
+    its scores, and none scores (none enters the scoring's all-reduce) until every rank has a probe again."""
+    from lightning_nanguard import _distributed
+
+    torch.manual_seed(0)
+    module, trainer, quarantine = Diffusion(), _trainer(), _Quarantine()
+    probe = SnapshotProbe()
+    probe.start(True)
+    probe.snapshot_taken(trainer, module, 0, {"x": torch.randn(32, 4)}, quarantine)  # type: ignore[arg-type]
+    assert list(probe.book.scores) == [0]
+    other_rank = {"dropped": True, "unready": False}  # the other rank's probe held a quarantined sample
+
+    def agree(trainer: Any, flags: list[Any]) -> list[bool]:
+        return [bool(flags[0]) or other_rank["dropped"], bool(flags[1]) or other_rank["unready"]]
+
+    monkeypatch.setattr(_distributed, "any_rank_each", agree)
+    probe.snapshot_taken(trainer, module, 10, {"x": torch.randn(32, 4)}, quarantine)  # type: ignore[arg-type]
+    assert list(probe.book.scores) == [10]  # this rank's scores were dropped with the other's, then scored again
+    other_rank.update(dropped=False, unready=True)  # the other rank has no probe yet
+    assert probe.spike(trainer, module, 20, [10], quarantine) is None  # type: ignore[arg-type]
+    probe.snapshot_taken(trainer, module, 30, {"x": torch.randn(32, 4)}, quarantine)  # type: ignore[arg-type]
+    assert list(probe.book.scores) == [10]
+    assert probe.batch.ready  # this rank keeps its own probe
