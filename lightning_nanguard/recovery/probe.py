@@ -11,7 +11,10 @@ it is deterministic and side-effect free:
   every CUDA device's once CUDA is initialised, Python's, NumPy's global one) are put back afterwards, as are the
   modules' train/eval modes and the autocast and grad modes;
 * every buffer runs on a copy (BatchNorm statistics and counters are never written), the originals put back;
-* ``self.log``/``self.log_dict`` are no-ops for the call (the probe's loss is not a training metric).
+* ``self.log``/``self.log_dict`` are no-ops for the call (the probe's loss is not a training metric);
+* the modules' own Python state is put back (``forensics.isolation.preserved_attributes``): a list of step outputs
+  appended to, a counter, a dict, an attribute set on the first call, torchmetrics states. A tensor attribute that is
+  neither a buffer nor a metric's and is changed in place (an EMA kept as a plain tensor) is not undone.
 
 Under DDP each rank scores its own probe rows on the bare LightningModule (no DDP wrapper: no gradient reduction can
 start) and the ranks' losses are averaged in one all-reduce, so every rank reads the same value. Manual optimization
@@ -34,7 +37,7 @@ from torch import Tensor, nn
 
 from lightning_nanguard import _distributed, _notices
 from lightning_nanguard._lightning_compat import AttributePatches
-from lightning_nanguard.forensics.replay import preserved_state
+from lightning_nanguard.forensics.isolation import preserved_attributes, preserved_state
 from lightning_nanguard.policies.probe import ProbeBook, ProbeVerdict
 from lightning_nanguard.recovery.quarantine import Quarantine
 
@@ -111,18 +114,20 @@ class ProbeBatch:
         device = pl_module.device
         nan = torch.full((), math.nan, device=device)
         patches = AttributePatches()
-        try:
-            with preserved_state(pl_module), _host_rngs_seeded(), _buffers_on_copies(pl_module), torch.no_grad():
-                patches.set(pl_module, "log", _no_log)
-                patches.set(pl_module, "log_dict", _no_log)
-                torch.manual_seed(PROBE_SEED)  # preserved_state puts the training streams back
-                with trainer.precision_plugin.train_step_context():
-                    loss = _loss_of(pl_module.training_step(self.batch, 0))
-        except Exception as exc:  # a scoring must never take training down with it
-            _notices.note(f"nanguard: the probe batch could not be scored ({type(exc).__name__}: {exc}).")
-            return nan
-        finally:
-            patches.restore()
+        # Outermost: what the call (and the patches) left in the module's Python state is put back last.
+        with preserved_attributes(pl_module):
+            try:
+                with preserved_state(pl_module), _host_rngs_seeded(), _buffers_on_copies(pl_module), torch.no_grad():
+                    patches.set(pl_module, "log", _no_log)
+                    patches.set(pl_module, "log_dict", _no_log)
+                    torch.manual_seed(PROBE_SEED)  # preserved_state puts the training streams back
+                    with trainer.precision_plugin.train_step_context():
+                        loss = _loss_of(pl_module.training_step(self.batch, 0))
+            except Exception as exc:  # a scoring must never take training down with it
+                _notices.note(f"nanguard: the probe batch could not be scored ({type(exc).__name__}: {exc}).")
+                return nan
+            finally:
+                patches.restore()
         if loss is None or loss.numel() != 1:
             return nan
         return loss.detach().float().reshape(()).to(device)

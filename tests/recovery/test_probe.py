@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -160,3 +161,45 @@ def test_the_ranks_agree_whether_the_probe_is_scored(monkeypatch: Any) -> None:
     probe.snapshot_taken(trainer, module, 30, {"x": torch.randn(32, 4)}, quarantine)  # type: ignore[arg-type]
     assert list(probe.book.scores) == [10]
     assert probe.batch.ready  # this rank keeps its own probe
+
+
+class Bookkeeping(pl.LightningModule):
+    """A module whose training_step keeps Python state, as Lightning's docs show: the step outputs gathered for
+    ``on_train_epoch_end``, a counter, a dict of seen batches, an attribute set on first call, a torchmetrics mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchmetrics import MeanMetric
+
+        self.net = nn.Linear(4, 1)
+        self.training_step_outputs: list[Tensor] = []
+        self.calls = 0
+        self.seen: dict[int, float] = {}
+        self.train_mean = MeanMetric()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self.net(batch["x"]).pow(2).mean()
+        self.training_step_outputs.append(loss.detach())
+        self.calls += 1
+        self.seen[self.calls] = float(loss.detach())
+        self.first_loss = getattr(self, "first_loss", float(loss.detach()))
+        self.train_mean.update(loss.detach())
+        return loss
+
+
+def test_a_scoring_leaves_the_modules_python_state_as_it_was() -> None:
+    torch.manual_seed(0)
+    module, trainer = Bookkeeping(), _trainer()
+    module.training_step({"x": torch.randn(8, 4)}, 0)  # one training step's worth of state
+    outputs, seen, mean = list(module.training_step_outputs), dict(module.seen), module.train_mean.compute()
+    probe = ProbeBatch(rows=4)
+    assert probe.capture({"x": torch.randn(8, 4)}, module, None)
+    assert math.isfinite(probe.score(trainer, module))
+    assert module.training_step_outputs == outputs
+    assert module.calls == 1
+    assert module.seen == seen
+    assert module.train_mean.compute() == mean
+    assert "log" not in vars(module)
+    del module.first_loss
+    probe.score(trainer, module)
+    assert not hasattr(module, "first_loss")  # an attribute the call added is gone again
