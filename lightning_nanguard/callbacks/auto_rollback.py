@@ -132,10 +132,6 @@ class AutoRollback(NanGuardCallback):
         self.divergence: Divergence | None = None  # the verdict behind the last ``diverging()`` that answered True
         self._engine: Engine | None = None
 
-    @override
-    def _make_state_key(self) -> str:
-        return self._generate_state_key(every_n_steps=self.every_n_steps, source=self.source)
-
     @property
     def rollbacks(self) -> int:
         """Rollbacks in this fit (or the last one), across resumes."""

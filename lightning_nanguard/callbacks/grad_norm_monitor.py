@@ -11,6 +11,7 @@ from lightning_nanguard import _notices
 from lightning_nanguard._validation import check_choice, check_float, check_int, check_path
 from lightning_nanguard.callbacks import _deepspeed
 from lightning_nanguard.callbacks._base import NanGuardCallback
+from lightning_nanguard.callbacks._state import report_unloaded
 from lightning_nanguard.engine import Engine, get_engine
 from lightning_nanguard.engine.capabilities import GuardSettings
 from lightning_nanguard.engine.grad_metrics import grad_metrics, layers_due
@@ -143,10 +144,6 @@ class GradNormMonitor(NanGuardCallback):
         self._spike_state: dict[str, Any] = {}
         self._engine: Engine | None = None
 
-    @override
-    def _make_state_key(self) -> str:
-        return self._generate_state_key(on_nonfinite=self.on_nonfinite, layer_depth=self.layer_depth)
-
     @property
     def skipped_steps(self) -> int:
         """Updates dropped in this fit (or the last one) by nanguard or the GradScaler, across resumes."""
@@ -231,8 +228,17 @@ class GradNormMonitor(NanGuardCallback):
         if spikes is not None and self._spike_state:  # a resume: after ``setup``, into this fit's statistics
             spikes[0].load(self._spike_state.get("grad", {}))
             spikes[1].load(self._spike_state.get("loss", {}))
-        if self._quarantine is not None and "quarantine" in state_dict:
-            self._quarantine.load_state_dict(state_dict["quarantine"])
+        saved = state_dict.get("quarantine")
+        if self._quarantine is not None and saved is not None:
+            self._quarantine.load_state_dict(saved)
+        elif isinstance(saved, dict) and (saved.get("samples") or saved.get("fingerprints")):
+            held = len(saved.get("samples") or ()) + len(saved.get("fingerprints") or ())
+            report_unloaded(
+                type(self).__name__,
+                f"quarantine ({held} samples or batches kept out of training)",
+                "this GradNormMonitor has quarantine=False",
+                "that data is trained on again. Resume with GradNormMonitor(quarantine=True) to keep it out.",
+            )
 
     # ------------------------------------------------------------------ metrics (one batched logger call)
     def _metrics(self, trainer: pl.Trainer) -> dict[str, float]:

@@ -122,10 +122,6 @@ class LossScaleWatchdog(NanGuardCallback):
         self._active = False
         self._deepspeed: DeepSpeedScaleWatch | None = None
 
-    @override
-    def _make_state_key(self) -> str:
-        return self._generate_state_key(min_scale=self.min_scale, on_collapse=self.on_collapse)
-
     @property
     def scale_history(self) -> list[tuple[int, float]]:
         """The recent ``(global_step, scale)`` changes, oldest first (the scale a step ran with)."""

@@ -123,7 +123,6 @@ class OptimizerBackoff(NanGuardCallback):
         self.recover_with_schedule = recover_with_schedule
         self.eps_backoff, self.eps_factor, self.max_eps = eps_backoff, float(eps_factor), float(max_eps)
         self.on_hazard, self.safe_eps = on_hazard, float(safe_eps)
-        self._triggers_text = triggers
         self.triggers: frozenset[str] = trigger_set
         self._policy = BackoffPolicy(
             lr_factor=self.lr_factor,
@@ -137,10 +136,6 @@ class OptimizerBackoff(NanGuardCallback):
         )
         self._scales = BackoffScales(self._policy, eps_mode=eps_backoff, eps_factor=self.eps_factor, max_eps=max_eps)
         self._state_loaded = False
-
-    @override
-    def _make_state_key(self) -> str:
-        return self._generate_state_key(lr_factor=self.lr_factor, triggers=self._triggers_text)
 
     @property
     def lr_scale(self) -> float:
