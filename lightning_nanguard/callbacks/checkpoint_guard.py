@@ -211,6 +211,8 @@ class CheckpointGuard(NanGuardCallback):
         elif event.kind == "refused_save":
             self.refused_saves += 1
             self._report(event)
+        elif event.kind == "loaded" and event.reason:
+            _notices.note(f"CheckpointGuard: {event.path} loaded; {event.reason}.")
         elif event.kind == "unverified":
             _notices.warn(f"CheckpointGuard: {event.path}: {event.reason}.")
         elif event.kind == "fallback":

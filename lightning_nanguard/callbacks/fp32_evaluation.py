@@ -11,12 +11,12 @@ from typing_extensions import override
 from lightning_nanguard import _distributed, _lightning_compat, _notices
 from lightning_nanguard._validation import check_choice, check_int
 from lightning_nanguard.callbacks._base import mute_idle_hooks, unmute_hooks
-from lightning_nanguard.callbacks._state import adopt_saved_state, saved_state_key
 from lightning_nanguard.callbacks._common import (
     check_strategy_supported,
     fp32_evaluation_sharded_refusal,
     rerun_incident,
 )
+from lightning_nanguard.callbacks._state import adopt_saved_state, saved_state_key
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.exceptions import UnsupportedSetupError
 from lightning_nanguard.precision import FULL_PRECISION, classify_precision

@@ -108,7 +108,9 @@ def test_a_quarantine_the_resumed_monitor_cannot_hold_is_reported(tmp_path: Any)
     first = _fit(tmp_path, 1, [GradNormMonitor()])
     path = os.path.join(tmp_path, "first.ckpt")
     first.save_checkpoint(path)
-    with pytest.warns(NanGuardWarning, match=r"GradNormMonitor: the checkpoint's quarantine \(1 samples.*quarantine=False"):
+    with pytest.warns(
+        NanGuardWarning, match=r"GradNormMonitor: the checkpoint's quarantine \(1 samples.*quarantine=False"
+    ):
         _fit(tmp_path, 2, [GradNormMonitor(quarantine=False)], ckpt_path=path)
 
 
