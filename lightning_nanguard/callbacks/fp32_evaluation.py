@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_nanguard import _distributed, _lightning_compat, _notices
-from lightning_nanguard._validation import check_choice, check_int
+from lightning_nanguard._validation import check_choice, check_conflicts, check_int
 from lightning_nanguard.callbacks._base import mute_idle_hooks, unmute_hooks
 from lightning_nanguard.callbacks._common import (
     check_strategy_supported,
@@ -95,6 +95,7 @@ class FP32Evaluation(Callback):
     def __init__(self, mode: Literal["always", "on_nonfinite"] = "always", promote_after: int | None = None) -> None:
         check_choice(type(self).__name__, "mode", mode, ("always", "on_nonfinite"))
         check_int(type(self).__name__, "promote_after", promote_after, minimum=1, allow_none=True)
+        check_conflicts("FP32Evaluation", type(self).__name__, locals())
         self.mode = mode
         self.promote_after = promote_after
         self.promoted: list[str] = []  # training modules running in float32, in promotion order

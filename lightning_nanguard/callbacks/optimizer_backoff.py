@@ -7,7 +7,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lightning_nanguard._validation import check_choice, check_float, check_int
+from lightning_nanguard._validation import check_choice, check_conflicts, check_float, check_int
 from lightning_nanguard.callbacks._base import NanGuardCallback, show_hooks
 from lightning_nanguard.callbacks._preflight import OnHazard, run_preflight
 from lightning_nanguard.contract import PassedOverSnapshots, StateRestored
@@ -117,6 +117,7 @@ class OptimizerBackoff(NanGuardCallback):
         check_float(owner, "max_eps", max_eps, low=0.0, high=1.0, low_inclusive=False)
         check_choice(owner, "on_hazard", on_hazard, ("fix", "warn", "raise", "off"))
         check_float(owner, "safe_eps", safe_eps, low=0.0, high=1.0, low_inclusive=False)
+        check_conflicts("OptimizerBackoff", owner, locals())
         self.lr_factor, self.min_lr_scale = float(lr_factor), float(min_lr_scale)
         self.skips_before_backoff, self.skip_window = skips_before_backoff, skip_window
         self.recover_after, self.recover_steps = recover_after, recover_steps
