@@ -78,6 +78,7 @@ class IncidentSink:
         final_state: str,
         notes: list[str],
         steps: int | None = None,
+        evaluation: str = "",
     ) -> str:
         text = format_summary(
             self.records,
@@ -88,6 +89,7 @@ class IncidentSink:
             notes=notes,
             end_step=int(trainer.global_step),
             steps=steps,
+            evaluation=evaluation,
         )
         _notices.note(text)
         if self.log_dir is not None and trainer.is_global_zero:
