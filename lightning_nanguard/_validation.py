@@ -176,6 +176,13 @@ CONFLICTS: dict[str, tuple[Conflict, ...]] = {
             "floor_patience or max_overflow_streak",
             {"on_collapse": "stop", "floor_patience": None, "max_overflow_streak": None},
         ),
+        Conflict(
+            ("on_collapse", "max_collapses"),
+            lambda on_collapse, budget: on_collapse == "warn" and budget == 0,
+            "on_collapse='warn' goes on after a collapse, and max_collapses=0 stops at the first: raise "
+            "max_collapses, or use on_collapse='stop'",
+            {"on_collapse": "warn", "max_collapses": 0},
+        ),
     ),
     "CheckpointGuard": (),
     "FP32Evaluation": (),

@@ -19,7 +19,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_nanguard import CheckpointGuard, verify_checkpoint
+from lightning_nanguard import CheckpointGuard, cli, verify_checkpoint
 from lightning_nanguard.checkpoint_sidecar import SIDECAR_SUFFIX, read_sidecar, write_sidecar
 from lightning_nanguard.checkpoints import LAST_GOOD_NAME
 from lightning_nanguard.engine import get_engine
@@ -127,3 +127,19 @@ def test_orphans_are_found_without_a_trainer(tmp_path: pathlib.Path) -> None:
     removed = sorted(os.path.basename(p) for p in remove_orphans(str(tmp_path)))
     assert removed == ["a.ckpt" + SIDECAR_SUFFIX, LAST_GOOD_NAME]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.ckpt", "b.ckpt" + SIDECAR_SUFFIX]
+
+
+def test_nanguard_verify_notes_a_stale_sidecar_and_write_sidecar_replaces_it(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "a.ckpt"
+    torch.save({"w": torch.ones(3)}, path)
+    write_sidecar(str(path))
+    torch.save({"w": torch.zeros(3)}, path)  # another save over it, without the guard
+    assert cli.main(["verify", str(path)]) == 0
+    assert "note: its sidecar a.ckpt.checksum is stale" in capsys.readouterr().out
+    assert cli.main(["verify", "--write-sidecar", str(path)]) == 0
+    assert "sidecar written" in capsys.readouterr().out
+    sidecar = read_sidecar(str(path))
+    assert sidecar is not None
+    assert not sidecar.stale
