@@ -234,7 +234,7 @@ class GradNormMonitor(NanGuardCallback):
             held = len(saved.get("samples") or ()) + len(saved.get("fingerprints") or ())
             report_unloaded(
                 type(self).__name__,
-                f"quarantine ({held} samples or batches kept out of training)",
+                f"quarantine ({held} kept out of training: samples, or batches by fingerprint)",
                 "this GradNormMonitor has quarantine=False",
                 "that data is trained on again. Resume with GradNormMonitor(quarantine=True) to keep it out.",
             )

@@ -109,7 +109,8 @@ def test_a_quarantine_the_resumed_monitor_cannot_hold_is_reported(tmp_path: Any)
     path = os.path.join(tmp_path, "first.ckpt")
     first.save_checkpoint(path)
     with pytest.warns(
-        NanGuardWarning, match=r"GradNormMonitor: the checkpoint's quarantine \(1 samples.*quarantine=False"
+        NanGuardWarning,
+        match=r"GradNormMonitor: the checkpoint's quarantine \(1 kept out of training.*quarantine=False",
     ):
         _fit(tmp_path, 2, [GradNormMonitor(quarantine=False)], ckpt_path=path)
 
