@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_nanguard import _notices
 
-__all__ = ["adopt_saved_state", "report_unloaded", "saved_state_key"]
+__all__ = ["adopt_saved_state", "saved_state_key", "warn_unloaded_quarantine"]
 
 
 def saved_state_key(callback: Callback) -> str:
@@ -51,6 +51,15 @@ def adopt_saved_state(callback: Callback, checkpoint: dict[str, Any]) -> None:
         )
 
 
-def report_unloaded(owner: str, what: str, why: str, fix: str) -> None:
-    """A saved state this callback cannot take: what is lost, why, and what to do to keep it."""
-    _notices.warn(f"{owner}: the checkpoint's {what} is not loaded ({why}); {fix}")
+def warn_unloaded_quarantine(owner: str, saved: object) -> None:
+    """A saved quarantine that a monitor with ``quarantine=False`` cannot hold: a ``NanGuardWarning`` naming what is
+    lost and how to keep it (nothing where the saved one is empty)."""
+    if not isinstance(saved, dict):
+        return
+    held = len(saved.get("samples") or ()) + len(saved.get("fingerprints") or ())
+    if held:
+        _notices.warn(
+            f"{owner}: the checkpoint's quarantine ({held} kept out of training: samples, or batches by fingerprint) "
+            f"is not loaded (this {owner} has quarantine=False): that data is trained on again. Resume with "
+            f"{owner}(quarantine=True) to keep it out."
+        )

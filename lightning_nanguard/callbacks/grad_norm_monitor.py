@@ -11,7 +11,7 @@ from lightning_nanguard import _notices
 from lightning_nanguard._validation import check_choice, check_conflicts, check_float, check_int, check_path
 from lightning_nanguard.callbacks import _deepspeed
 from lightning_nanguard.callbacks._base import NanGuardCallback
-from lightning_nanguard.callbacks._state import report_unloaded
+from lightning_nanguard.callbacks._state import warn_unloaded_quarantine
 from lightning_nanguard.engine import Engine, get_engine
 from lightning_nanguard.engine.capabilities import GuardSettings
 from lightning_nanguard.engine.grad_metrics import grad_metrics, layers_due
@@ -230,14 +230,8 @@ class GradNormMonitor(NanGuardCallback):
         saved = state_dict.get("quarantine")
         if self._quarantine is not None and saved is not None:
             self._quarantine.load_state_dict(saved)
-        elif isinstance(saved, dict) and (saved.get("samples") or saved.get("fingerprints")):
-            held = len(saved.get("samples") or ()) + len(saved.get("fingerprints") or ())
-            report_unloaded(
-                type(self).__name__,
-                f"quarantine ({held} kept out of training: samples, or batches by fingerprint)",
-                "this GradNormMonitor has quarantine=False",
-                "that data is trained on again. Resume with GradNormMonitor(quarantine=True) to keep it out.",
-            )
+        else:
+            warn_unloaded_quarantine(type(self).__name__, saved)
 
     # ------------------------------------------------------------------ metrics (one batched logger call)
     def _metrics(self, trainer: pl.Trainer) -> dict[str, float]:
