@@ -104,24 +104,28 @@ def run_directory(trainer: pl.Trainer) -> str | None:
     """The folder of the first logger's run, where nanguard's files go (``<log_dir>`` in the README): where Lightning
     puts that logger's checkpoints, less ``checkpoints``. TensorBoardLogger's and CSVLogger's ``log_dir``
     (``<save_dir>/<name>/<version>``); for any other logger ``<save_dir>/<name>/<version>`` too, never its bare
-    ``save_dir``, and with the Trainer's ``default_root_dir`` for a ``save_dir`` that is unset or the working directory
-    itself (a logger that keeps its history in memory reports the working directory: its files would litter it).
+    ``save_dir``, with the Trainer's ``default_root_dir`` for a ``save_dir`` that is the working directory (a logger
+    that keeps its history in memory reports it). ``None`` (no files) for a logger that saves nothing locally
+    (``save_dir`` ``None``: ``fast_dev_run``'s DummyLogger, a remote tracker), and never the working directory itself.
     Rank 0's, on every rank (one broadcast)."""
     logger = trainer.loggers[0]
+    cwd = os.path.realpath(os.getcwd())
     if isinstance(logger, (TensorBoardLogger, CSVLogger)):
-        return trainer.log_dir  # Lightning's own answer, broadcast
-    path: str | None = None
-    if trainer.is_global_zero:
-        save_dir = logger.save_dir
-        if save_dir is None or os.path.realpath(os.fspath(save_dir)) == os.path.realpath(os.getcwd()):
-            save_dir = trainer.default_root_dir
-        name, version = logger.name, logger.version
-        parts = [str(name)] if name else []
-        if version is not None:
-            parts.append(version if isinstance(version, str) else f"version_{version}")
-        path = os.path.join(os.fspath(save_dir), *parts)
-    found = _distributed.broadcast_object(trainer, path)
-    return found if isinstance(found, str) else None
+        path = trainer.log_dir  # Lightning's own answer, broadcast
+    else:
+        local: str | None = None
+        if trainer.is_global_zero and logger.save_dir is not None:
+            save_dir = os.fspath(logger.save_dir)
+            if os.path.realpath(save_dir) == cwd:
+                save_dir = os.fspath(trainer.default_root_dir)
+            name, version = logger.name, logger.version
+            parts = [str(name)] if name else []
+            if version is not None and version != "":
+                parts.append(version if isinstance(version, str) else f"version_{version}")
+            local = os.path.join(save_dir, *parts)
+        found = _distributed.broadcast_object(trainer, local)
+        path = found if isinstance(found, str) else None
+    return None if path is None or os.path.realpath(path) == cwd else path
 
 
 def repeat_markdown(record: Incident) -> str:

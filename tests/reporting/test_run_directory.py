@@ -3,7 +3,8 @@
 A logger that keeps its history in memory (scvi-tools' ``SimpleLogger``) reports the working directory as its
 ``save_dir``; ``trainer.log_dir`` is then the working directory and nanguard wrote ``./nanguard/`` into it (issue 30).
 The folder is now where Lightning puts that logger's checkpoints, less ``checkpoints``: ``<save_dir>/<name>/<version>``,
-with the Trainer's ``default_root_dir`` in place of a ``save_dir`` that is unset or the working directory.
+with the Trainer's ``default_root_dir`` in place of a ``save_dir`` that is the working directory; no files for a logger
+that saves nothing locally.
 """
 
 from __future__ import annotations
@@ -89,3 +90,14 @@ def test_a_logger_with_a_save_dir_of_its_own_gets_its_run_folder(tmp_path: pathl
 def test_tensorboard_keeps_its_log_dir(tmp_path: pathlib.Path) -> None:
     logger = TensorBoardLogger(str(tmp_path / "tb"), name="run", version=0)
     assert _fit(tmp_path, logger) == logger.log_dir
+
+
+def test_fast_dev_run_and_a_logger_that_saves_nothing_locally_get_no_files(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Lightning's own suite found it: fast_dev_run's DummyLogger (save_dir None) must not send files to the cwd.
+    monkeypatch.chdir(tmp_path)
+    trainer = make_trainer(tmp_path, logger=True, fast_dev_run=1, callbacks=default_callbacks())
+    trainer.fit(TinyModel())
+    assert get_engine(trainer).sink.log_dir is None
+    assert _files(tmp_path) == []
