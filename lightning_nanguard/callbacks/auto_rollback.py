@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from lightning_nanguard import _lightning_compat
-from lightning_nanguard._validation import check_choice, check_int, check_path
+from lightning_nanguard._validation import check_choice, check_conflicts, check_int, check_path
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.contract import Divergence, PassedOverSnapshots
 from lightning_nanguard.engine import Engine
@@ -113,9 +113,8 @@ class AutoRollback(NanGuardCallback):
             check_int(owner, name, value, minimum=minimum)
         check_int(owner, "max_snapshot_bytes", max_snapshot_bytes, minimum=1, allow_none=True)
         check_choice(owner, "source", source, ("memory", "disk"))
-        if source == "memory" and num_snapshots == 0:
-            raise NanGuardConfigError(f"{owner}(num_snapshots=0): must be >= 1 with source='memory'.")
         check_path(owner, "checkpoint_dir", checkpoint_dir)
+        check_conflicts("AutoRollback", owner, locals())
         if source == "disk" and checkpoint_dir is not None and not os.path.isdir(checkpoint_dir):
             raise NanGuardConfigError(
                 f"{owner}(source='disk', checkpoint_dir={os.fspath(checkpoint_dir)!r}): must be an existing directory "
@@ -135,10 +134,6 @@ class AutoRollback(NanGuardCallback):
         self.divergence: Divergence | None = None  # the verdict behind the last ``diverging()`` that answered True
         self.probe = SnapshotProbe()  # scored at each snapshot and spike where spikes are probed
         self._engine: Engine | None = None
-
-    @override
-    def _make_state_key(self) -> str:
-        return self._generate_state_key(every_n_steps=self.every_n_steps, source=self.source)
 
     @property
     def rollbacks(self) -> int:

@@ -8,16 +8,19 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from lightning_nanguard import _notices
-from lightning_nanguard._validation import check_choice, check_float, check_int, check_path
+from lightning_nanguard._validation import check_choice, check_conflicts, check_float, check_int, check_path
 from lightning_nanguard.callbacks import _deepspeed
 from lightning_nanguard.callbacks._base import NanGuardCallback
+from lightning_nanguard.callbacks._state import warn_unloaded_quarantine
 from lightning_nanguard.engine import Engine, get_engine
 from lightning_nanguard.engine.capabilities import GuardSettings
 from lightning_nanguard.engine.grad_metrics import grad_metrics, layers_due
-from lightning_nanguard.exceptions import NanGuardConfigError
 from lightning_nanguard.recovery.quarantine import Quarantine
 
 __all__ = ["GradNormMonitor"]
+
+# The largest incident bundle budget taken, in MB (1 TB): any larger number is no budget at all (a disk fills first).
+MAX_BUNDLE_MB = 1e6
 
 
 class GradNormMonitor(NanGuardCallback):
@@ -125,15 +128,12 @@ class GradNormMonitor(NanGuardCallback):
         check_float(owner, "spike_zscore", spike_zscore, low=0.0, low_inclusive=False, allow_none=True)
         check_int(owner, "spike_warmup", spike_warmup, minimum=1)
         check_choice(owner, "on_spike", on_spike, ("warn", "skip", "rollback", "probe"))
-        if on_spike != "warn" and spike_zscore is None:
-            raise NanGuardConfigError(
-                f"{owner}(on_spike={on_spike!r}): needs spike_zscore (e.g. 6.0); without it no spike is ever detected."
-            )
         check_choice(owner, "quarantine", quarantine, (True, False))
         check_path(owner, "quarantine_file", quarantine_file, must_exist=True)
         check_choice(owner, "forensics", forensics, ("first", "every", "off"))
         check_float(owner, "max_replay_steps", max_replay_steps, low=0.0)
-        check_float(owner, "bundle_mb", bundle_mb, low=0.0)
+        check_float(owner, "bundle_mb", bundle_mb, low=0.0, high=MAX_BUNDLE_MB)
+        check_conflicts("GradNormMonitor", owner, locals())
         self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
         self.layer_depth, self.log_every_n_steps, self.histogram = layer_depth, log_every_n_steps, histogram
         self.spike_zscore, self.spike_warmup, self.on_spike = spike_zscore, spike_warmup, on_spike
@@ -145,10 +145,6 @@ class GradNormMonitor(NanGuardCallback):
         self._restored_skips = 0
         self._spike_state: dict[str, Any] = {}
         self._engine: Engine | None = None
-
-    @override
-    def _make_state_key(self) -> str:
-        return self._generate_state_key(on_nonfinite=self.on_nonfinite, layer_depth=self.layer_depth)
 
     @property
     def skipped_steps(self) -> int:
@@ -245,8 +241,11 @@ class GradNormMonitor(NanGuardCallback):
         if spikes is not None and self._spike_state:  # a resume: after ``setup``, into this fit's statistics
             spikes[0].load(self._spike_state.get("grad", {}))
             spikes[1].load(self._spike_state.get("loss", {}))
-        if self._quarantine is not None and "quarantine" in state_dict:
-            self._quarantine.load_state_dict(state_dict["quarantine"])
+        saved = state_dict.get("quarantine")
+        if self._quarantine is not None and saved is not None:
+            self._quarantine.load_state_dict(saved)
+        else:
+            warn_unloaded_quarantine(type(self).__name__, saved)
 
     # ------------------------------------------------------------------ metrics (one batched logger call)
     def _metrics(self, trainer: pl.Trainer) -> dict[str, float]:
