@@ -101,6 +101,11 @@ class Restorer(Protocol):
         """Save a verified checkpoint before a stop; its path (``""`` when none was written)."""
         ...
 
+    def sound_reference(self, names: set[str]) -> tuple[int, dict[str, float]] | None:
+        """The newest snapshot judged sound (its step) and the largest |value| of each of ``names`` it holds on this
+        rank (incident path only: finite damage is judged against it); ``None`` when there is none in memory."""
+        ...
+
 
 class Backoff(Protocol):
     """OptimizerBackoff."""

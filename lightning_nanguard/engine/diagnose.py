@@ -24,6 +24,8 @@ from lightning_nanguard.contract import Action, Diagnosis, Divergence, Signal
 from lightning_nanguard.engine.accounting import FitLedger
 from lightning_nanguard.engine.events import EventFacts
 from lightning_nanguard.engine.registry import Registry
+from lightning_nanguard.engine.state_growth import LocalGrowth, local_growth
+from lightning_nanguard.engine.state_growth import merge as merge_growth
 from lightning_nanguard.forensics import ReplayRequest, investigate
 from lightning_nanguard.forensics.bundle import DEFAULT_BUDGET_MB, write_bundle
 from lightning_nanguard.policies.causes import CAUSES
@@ -130,14 +132,16 @@ def gather_findings(
     optimizers = list(trainer.optimizers)
     local_batch = read_batch(facts.batch)
     local_state = None if facts.state_ok else read_state(pl_module, optimizers, nonfinite_names(pl_module, optimizers))
-    # Each rank's clock too: a budget decided from one rank's step time could send the ranks different ways.
-    local = (local_batch, local_state, float(ledger.step_seconds))
+    # Each rank's clock too: a budget decided from one rank's step time could send the ranks different ways. And the
+    # parameters' growth since the last sound snapshot (finite damage), where AutoRollback keeps one in memory.
+    local = (local_batch, local_state, float(ledger.step_seconds), local_growth(registry, pl_module, facts))
     gathered = cast(
-        list[tuple[BatchFindings, StateFindings | None, float]], _distributed.all_gather_objects(trainer, local)
+        list[tuple[BatchFindings, StateFindings | None, float, LocalGrowth | None]],
+        _distributed.all_gather_objects(trainer, local),
     )
-    batches: tuple[BatchFindings, ...] = tuple(b for b, _, _ in gathered)
-    state = _merge_states([s for _, s, _ in gathered if s is not None], facts.state_names)
-    clocks = [t for _, _, t in gathered if math.isfinite(t) and t > 0]
+    batches: tuple[BatchFindings, ...] = tuple(g[0] for g in gathered)
+    state = _merge_states([g[1] for g in gathered if g[1] is not None], facts.state_names)
+    clocks = [g[2] for g in gathered if math.isfinite(g[2]) and g[2] > 0]
     step = facts.step
     history = list(ledger.history)
     scale = next((r.scale for r in facts.readings if r.scale is not None), None)
@@ -159,6 +163,7 @@ def gather_findings(
         precision=precision,
         step_seconds=max(clocks) if clocks else math.nan,
         divergence=_divergence(facts, registry),
+        grown=merge_growth([g[3] for g in gathered]),
     )
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-from lightning_nanguard.contract import Cause, Diagnosis
+from lightning_nanguard.contract import Basis, Cause, Diagnosis
 from lightning_nanguard.policies.findings import Findings
 from lightning_nanguard.policies.rules import history, origin, replay, state, step
 
@@ -221,49 +221,58 @@ class Stage(Enum):
 
 @dataclass(frozen=True)
 class Rule:
-    """One way a cause is decided: ``decide`` returns the diagnosis, or ``None`` when its evidence is not there."""
+    """One way a cause is decided: ``decide`` returns the diagnosis, or ``None`` when its evidence is not there.
+    ``basis`` is the kind of evidence it rests on (``Diagnosis.decided_by``): the rules are ranked by it, a
+    measurement (the state, the origin) before any heuristic (the batch's look, the history)."""
 
     cause: Cause
     stage: Stage
     decide: Callable[[Findings], Diagnosis | None]
+    basis: Basis
 
 
-# The evidence rules in the order they are tried, first match wins (docs/FORENSICS.md has the table): the state
-# first (a damaged state decides the remedy whatever else the event shows), then the step's own signals; then, where a
-# replay ran, the origin of the first non-finite value (the op and line: a certain cause); then the batch's evidence;
-# then the coarse replay (modules, float32); the history last. The cheap rules before the first replay rule settle an
-# event without a replay (``policies.diagnosis.needs_replay``); the cheap ones after it decide when no replay ran.
+# The evidence rules in the order they are tried, first match wins, ranked by certainty (docs/FORENSICS.md has the
+# table): the measured state first (non-finite, or parameters grown by orders of magnitude: a damaged state decides
+# the remedy whatever else the event shows), then the step's own signals; then, where a replay ran, the measured
+# origin of the first non-finite value (the op and line). The heuristics (class targets out of range, non-finite or
+# outsized rows) decide only where nothing was measured: after the origin (class targets out of range come before it
+# only where the origin itself names their rows), then the coarse replay (modules, float32); the history last. The
+# cheap rules before the first replay rule settle an event without a replay (``policies.diagnosis.needs_replay``);
+# the cheap ones after it decide when no replay ran.
+_S, _O, _SIG, _R, _H, _HIS = Basis.STATE, Basis.ORIGIN, Basis.SIGNAL, Basis.REPLAY, Basis.HEURISTIC, Basis.HISTORY
 EVIDENCE: tuple[Rule, ...] = (
-    Rule(Cause.CORRUPT_STATE, Stage.CHEAP, state.loaded_from_checkpoint),
-    Rule(Cause.OPTIMIZER_NUMERICS, Stage.CHEAP, state.optimizer_update),
-    Rule(Cause.CORRUPT_STATE, Stage.CHEAP, state.corrupt_state),
-    Rule(Cause.GRADIENT_EXPLOSION, Stage.CHEAP, step.spike_or_collapse),
-    Rule(Cause.GRADIENT_EXPLOSION, Stage.CHEAP, step.diverging),
-    Rule(Cause.GRADIENT_EXPLOSION, Stage.CHEAP, step.scaler_overflow_climbing),
-    Rule(Cause.HALF_PRECISION_OVERFLOW, Stage.CHEAP, step.scaler_overflow),
-    Rule(Cause.TARGETS, Stage.CHEAP, step.targets_out_of_range),  # the output size comes from a replay
-    Rule(Cause.INPUT_DATA, Stage.REPLAY, origin.nonfinite_input),
-    Rule(Cause.TARGETS, Stage.REPLAY, origin.nonfinite_target),
-    Rule(Cause.DIVISION_BY_ZERO, Stage.REPLAY, origin.division_by_zero),
-    Rule(Cause.LOG_OF_ZERO, Stage.REPLAY, origin.log_of_zero),
-    Rule(Cause.SQRT_AT_ZERO, Stage.REPLAY, origin.sqrt_at_zero),
-    Rule(Cause.MASKED_BRANCH_GRADIENT, Stage.REPLAY, origin.masked_branch_gradient),
-    Rule(Cause.FULLY_MASKED_SOFTMAX, Stage.REPLAY, origin.fully_masked_softmax),
-    Rule(Cause.LOW_PRECISION_ROUNDING, Stage.REPLAY, origin.low_precision_rounding),
-    Rule(Cause.EXP_OVERFLOW, Stage.REPLAY, origin.exp_overflow),
-    Rule(Cause.HALF_PRECISION_OVERFLOW, Stage.REPLAY, origin.half_precision_overflow),
-    Rule(Cause.GRADIENT_EXPLOSION, Stage.REPLAY, origin.overflow_past_float32),
-    Rule(Cause.INPUT_DATA, Stage.CHEAP, step.nonfinite_inputs),
-    Rule(Cause.TARGETS, Stage.CHEAP, step.nonfinite_targets),
-    Rule(Cause.INPUT_DATA, Stage.CHEAP, step.outsized_inputs),
-    Rule(Cause.GRADIENT_EXPLOSION, Stage.REPLAY, replay.finite_but_huge),
-    Rule(Cause.TRANSIENT, Stage.REPLAY, replay.not_reproduced),
-    Rule(Cause.GRADIENT_EXPLOSION, Stage.REPLAY, replay.loss_of_huge_outputs),
-    Rule(Cause.LOSS_FUNCTION, Stage.REPLAY, replay.loss_of_finite_outputs),
-    Rule(Cause.HALF_PRECISION_OVERFLOW, Stage.REPLAY, replay.half_precision_module),
-    Rule(Cause.GRADIENT_EXPLOSION, Stage.REPLAY, replay.nonfinite_in_float32),
-    Rule(Cause.UNKNOWN, Stage.REPLAY, replay.nonfinite_without_growth),
-    Rule(Cause.UNKNOWN, Stage.REPLAY, replay.no_float32_pass),
-    Rule(Cause.GRADIENT_EXPLOSION, Stage.LAST, history.rising_history),
-    Rule(Cause.UNKNOWN, Stage.LAST, history.nothing_decided),
+    Rule(Cause.CORRUPT_STATE, Stage.CHEAP, state.loaded_from_checkpoint, _S),
+    Rule(Cause.OPTIMIZER_NUMERICS, Stage.CHEAP, state.optimizer_update, _S),
+    Rule(Cause.CORRUPT_STATE, Stage.CHEAP, state.corrupt_state, _S),
+    Rule(Cause.GRADIENT_EXPLOSION, Stage.CHEAP, state.grown_state, _S),
+    Rule(Cause.GRADIENT_EXPLOSION, Stage.CHEAP, step.spike_or_collapse, _SIG),
+    Rule(Cause.GRADIENT_EXPLOSION, Stage.CHEAP, step.diverging, _SIG),
+    Rule(Cause.GRADIENT_EXPLOSION, Stage.CHEAP, step.scaler_overflow_climbing, _SIG),
+    Rule(Cause.HALF_PRECISION_OVERFLOW, Stage.CHEAP, step.scaler_overflow, _SIG),
+    Rule(Cause.INPUT_DATA, Stage.REPLAY, origin.nonfinite_input, _O),
+    Rule(Cause.TARGETS, Stage.REPLAY, origin.nonfinite_target, _O),
+    Rule(Cause.TARGETS, Stage.REPLAY, origin.targets_at_the_origin, _O),  # the origin names the rows out of range
+    Rule(Cause.DIVISION_BY_ZERO, Stage.REPLAY, origin.division_by_zero, _O),
+    Rule(Cause.LOG_OF_ZERO, Stage.REPLAY, origin.log_of_zero, _O),
+    Rule(Cause.SQRT_AT_ZERO, Stage.REPLAY, origin.sqrt_at_zero, _O),
+    Rule(Cause.MASKED_BRANCH_GRADIENT, Stage.REPLAY, origin.masked_branch_gradient, _O),
+    Rule(Cause.FULLY_MASKED_SOFTMAX, Stage.REPLAY, origin.fully_masked_softmax, _O),
+    Rule(Cause.LOW_PRECISION_ROUNDING, Stage.REPLAY, origin.low_precision_rounding, _O),
+    Rule(Cause.EXP_OVERFLOW, Stage.REPLAY, origin.exp_overflow, _O),
+    Rule(Cause.HALF_PRECISION_OVERFLOW, Stage.REPLAY, origin.half_precision_overflow, _O),
+    Rule(Cause.GRADIENT_EXPLOSION, Stage.REPLAY, origin.overflow_past_float32, _O),
+    Rule(Cause.TARGETS, Stage.CHEAP, step.targets_out_of_range, _H),  # the output size comes from a replay
+    Rule(Cause.INPUT_DATA, Stage.CHEAP, step.nonfinite_inputs, _H),
+    Rule(Cause.TARGETS, Stage.CHEAP, step.nonfinite_targets, _H),
+    Rule(Cause.INPUT_DATA, Stage.CHEAP, step.outsized_inputs, _H),
+    Rule(Cause.GRADIENT_EXPLOSION, Stage.REPLAY, replay.finite_but_huge, _R),
+    Rule(Cause.TRANSIENT, Stage.REPLAY, replay.not_reproduced, _R),
+    Rule(Cause.GRADIENT_EXPLOSION, Stage.REPLAY, replay.loss_of_huge_outputs, _R),
+    Rule(Cause.LOSS_FUNCTION, Stage.REPLAY, replay.loss_of_finite_outputs, _R),
+    Rule(Cause.HALF_PRECISION_OVERFLOW, Stage.REPLAY, replay.half_precision_module, _R),
+    Rule(Cause.GRADIENT_EXPLOSION, Stage.REPLAY, replay.nonfinite_in_float32, _R),
+    Rule(Cause.UNKNOWN, Stage.REPLAY, replay.nonfinite_without_growth, _R),
+    Rule(Cause.UNKNOWN, Stage.REPLAY, replay.no_float32_pass, _R),
+    Rule(Cause.GRADIENT_EXPLOSION, Stage.LAST, history.rising_history, _HIS),
+    Rule(Cause.UNKNOWN, Stage.LAST, history.nothing_decided, Basis.NONE),
 )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from lightning_nanguard.contract import Cause, Diagnosis, Evidence, EvidenceKind
+from lightning_nanguard.contract import Basis, Cause, Diagnosis, Evidence, EvidenceKind
 from lightning_nanguard.policies.causes import CAUSES, EVIDENCE, Stage
 from lightning_nanguard.policies.findings import Findings, at, batch_evidence, rows_by_rank
 from lightning_nanguard.policies.rules.replay import replay_usable
@@ -22,12 +22,13 @@ HEAD_MIN = 100
 
 
 def _decide(f: Findings, stages: tuple[Stage, ...]) -> Diagnosis | None:
+    """The first rule (in ``EVIDENCE``'s ranked order) whose evidence is there, its ``basis`` as ``decided_by``."""
     usable = replay_usable(f)
     for rule in EVIDENCE:
         if rule.stage in stages and (usable or rule.stage is not Stage.REPLAY):
             found = rule.decide(f)
             if found is not None:
-                return found
+                return replace(found, decided_by=rule.basis)
     return None
 
 
@@ -75,6 +76,8 @@ def classify(f: Findings) -> Diagnosis:
         caused_by_data=d.caused_by_data or CAUSES[d.cause].data_at_fault,  # never "input_data, not by data"
         rank_rows=d.rank_rows or _rank_rows(f, d.rows),
         origin=d.origin,
+        decided_by=d.decided_by,
+        counterfactual=d.counterfactual,
     )
 
 
@@ -100,7 +103,13 @@ def _with_magnitude_rows(f: Findings, d: Diagnosis) -> Diagnosis:
     if d.cause is Cause.HALF_PRECISION_OVERFLOW:
         return replace(d, evidence=(*d.evidence, found), rows=rows)
     return Diagnosis(
-        Cause.INPUT_DATA, where=at(f, ranks, rows), evidence=(found, *d.evidence), ranks=ranks, rows=rows, note=d.note
+        Cause.INPUT_DATA,
+        where=at(f, ranks, rows),
+        evidence=(found, *d.evidence),
+        ranks=ranks,
+        rows=rows,
+        note=d.note,
+        decided_by=Basis.HEURISTIC,
     )
 
 

@@ -19,6 +19,7 @@ from lightning_nanguard.signals.state import StateFindings
 __all__ = [
     "HUGE_OUTPUT",
     "Findings",
+    "Growth",
     "PassResult",
     "ReplayFindings",
     "at",
@@ -65,6 +66,16 @@ class ReplayFindings:
 
 
 @dataclass(frozen=True)
+class Growth:
+    """Parameters whose largest |value| grew more than ``factor`` x since the last sound snapshot (finite damage):
+    ``(name, now, then)`` each, the largest growth first."""
+
+    reference_step: int
+    factor: float
+    parameters: tuple[tuple[str, float, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Findings:
     """Everything one event's diagnosis rests on; per-rank parts are tuples in rank order (identical on all ranks)."""
 
@@ -90,6 +101,7 @@ class Findings:
     output_size: int | None = None  # the model's output size as a replay saw it
     note: str = ""  # why no replay, or whose replay is reused
     divergence: Divergence | None = None  # a ``diverging`` event: the snapshot judged and the reference it failed
+    grown: Growth | None = None  # parameters grown by orders of magnitude since the last sound snapshot
 
     @property
     def replay_errors(self) -> list[str]:

@@ -31,6 +31,7 @@ __all__ = [
     "origin_record",
     "overflow_past_float32",
     "sqrt_at_zero",
+    "targets_at_the_origin",
     "traced",
 ]
 
@@ -167,6 +168,30 @@ low_precision_rounding = _pattern(
 exp_overflow = _pattern(
     OriginKind.EXP_OVERFLOW, Cause.EXP_OVERFLOW, "An exp whose argument is past log(the dtype's max)."
 )
+
+
+def targets_at_the_origin(f: Findings) -> Diagnosis | None:
+    """Class targets out of range whose rows are the very records the measured origin names (an all-zero one-hot row
+    of a label the head does not have, divided by its sum): the measurement confirms the labels are to blame. Class
+    targets out of range that the origin does not name are a heuristic, tried only where nothing was measured."""
+    ranks, rows = rows_by_rank(f, "target_rows")
+    if not rows:
+        return None
+    for rank, origin, verdict in traced(f):
+        named = set(origin.trigger_rows)
+        if verdict.kind in (OriginKind.NONFINITE_INPUT, OriginKind.NONFINITE_STATE) or not named:
+            continue
+        if rank < len(f.batch) and named <= set(f.batch[rank].target_rows):
+            evidence = [e for e in batch_evidence(f) if e.kind is EvidenceKind.TARGETS_OUT_OF_RANGE]
+            return Diagnosis(
+                Cause.TARGETS,
+                where=at(f, ranks, rows),
+                evidence=(*evidence, origin_evidence(origin, verdict)),
+                ranks=ranks,
+                rows=rows,
+                origin=origin_record(rank, origin, verdict),
+            )
+    return None
 
 
 def _input_hits(f: Findings) -> list[Hit]:

@@ -1,0 +1,64 @@
+"""Judgement you can trust: a measurement outranks a heuristic, a data blame is tested before its quarantine, and a
+quarantine that does not stop the fault withdraws its blame. Real fits, short runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_nanguard import default_callbacks
+from lightning_nanguard.engine import get_engine
+from tests.helpers import make_trainer
+
+
+def _monitor(trainer: pl.Trainer) -> Any:
+    return next(c for c in trainer.callbacks if type(c).__name__ == "GradNormMonitor")  # type: ignore[attr-defined]
+
+
+class ClassConditional(pl.LightningModule):
+    """A class-conditional generator: integer labels (0..9) condition the model through an embedding, its output has
+    8 channels. The labels are an input, not targets; a 10x learning-rate jump blows the weights up by finite
+    updates until the forward overflows."""
+
+    def __init__(self, jump_at: int = 12) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8))
+        self.jump_at = jump_at
+
+    def forward(self, z: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return self.net(torch.cat([z, self.embed(c)], -1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, c = batch
+        if self.global_step == self.jump_at:
+            for group in self.trainer.optimizers[0].param_groups:
+                group["lr"] = 5.0  # 10x
+        return nn.functional.mse_loss(self(x[:, :8], c), x[:, 8:] * 3)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        x, c = torch.randn(256, 16, generator=g), torch.randint(0, 10, (256,), generator=g)
+        return DataLoader(TensorDataset(x, c), batch_size=16)
+
+
+def test_a_class_conditional_model_after_an_lr_jump_is_rolled_back_not_quarantined(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    trainer = make_trainer(tmp_path, max_steps=32, callbacks=default_callbacks())
+    trainer.fit(ClassConditional())
+    records = get_engine(trainer).sink.records
+    assert records, "the run must have met the fault"
+    first = records[0]
+    assert first.cause.value == "gradient_explosion"
+    assert "rollback" in [str(a) for a in first.actions]
+    assert first.diagnosis["decided_by"] == "measured_state"
+    assert first.diagnosis["where"].startswith("parameters grown since the snapshot of step ")
+    assert not any(r.cause.value == "targets" for r in records)
+    assert _monitor(trainer).quarantined_samples == []
