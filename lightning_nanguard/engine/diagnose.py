@@ -22,6 +22,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_nanguard import _distributed
 from lightning_nanguard.contract import Action, Diagnosis, Divergence, Signal
 from lightning_nanguard.engine.accounting import FitLedger
+from lightning_nanguard.engine.counterfactual import test_blame
 from lightning_nanguard.engine.events import EventFacts
 from lightning_nanguard.engine.registry import Registry
 from lightning_nanguard.engine.state_growth import LocalGrowth, local_growth
@@ -57,7 +58,8 @@ def diagnose(
             update_applied=bool(facts.readings) and not all(r.dropped for r in facts.readings),
         )
         findings = investigate(trainer, pl_module, findings, request, ledger.replays)
-    return classify(findings)
+    # A data blame is a hypothesis: the step without the blamed rows says whether to quarantine them.
+    return test_blame(trainer, pl_module, facts, findings, classify(findings), registry, ledger)
 
 
 def write_incident_bundle(

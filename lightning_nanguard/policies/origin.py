@@ -178,6 +178,18 @@ def _half(o: Origin) -> bool:
     return bool({o.output_dtype, *o.input_dtypes} & set(HALF))
 
 
+def _overflowed(o: Origin) -> bool:
+    """Arithmetic past the dtype's max: its inputs large enough for a product or a sum (of up to 1e6 terms) to reach
+    it, and an infinity out (or inputs past the square root of the max). An ``acos(1.5)`` or a ``std`` of one
+    element makes NaN from small finite inputs: no overflow, and no evidence of growth."""
+    top, big = o.stat("dtype_max"), o.stat("max_abs_input")
+    if not isinstance(top, (int, float)):
+        return False
+    if not isinstance(big, (int, float)):
+        return True  # no finite input to judge by
+    return big * big * 1e6 >= top and (o.produced == "inf" or big * big >= top)
+
+
 def explain(origin: Origin | None) -> OriginVerdict:
     """The pattern behind ``origin`` (``None``: nothing was traced), whether the data is at fault, and the hint."""
     if origin is None:
@@ -305,7 +317,7 @@ def explain(origin: Origin | None) -> OriginVerdict:
             + (", or run this op in float32" if _half(o) else ""),
             o.rows,
         )
-    if o.stat("dtype_max") is not None:
+    if _overflowed(o):
         return OriginVerdict(
             OriginKind.OVERFLOW,
             False,

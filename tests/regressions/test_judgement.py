@@ -62,3 +62,75 @@ def test_a_class_conditional_model_after_an_lr_jump_is_rolled_back_not_quarantin
     assert first.diagnosis["where"].startswith("parameters grown since the snapshot of step ")
     assert not any(r.cause.value == "targets" for r in records)
     assert _monitor(trainer).quarantined_samples == []
+
+
+class ConditionedHead(pl.LightningModule):
+    """Labels 0..9 condition the model through an embedding; the head has 5 outputs, so the labels 'do not fit' it.
+    At batch 2 the model's own formula goes NaN for every row (an acos past 1): the labels are innocent."""
+
+    def __init__(self, outsized_row: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.body = nn.Linear(12, 16)
+        self.head = nn.Linear(16, 5)
+        self.outsized_row = outsized_row
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, c = batch
+        h = torch.tanh(self.body(torch.cat([x, self.embed(c)], -1)))
+        if batch_idx == 2:
+            h = h + torch.acos(x[:, :1].abs() + 1.5)  # acos past 1: NaN, from finite inputs, on every row
+        return self.head(h).square().mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        x, c = torch.randn(64, 8, generator=g), torch.randint(0, 10, (64,), generator=g)
+        if self.outsized_row:
+            x[2 * 8 + 3] *= 1e5  # batch 2 row 3: an outsized but finite record
+        return DataLoader(TensorDataset(x, c), batch_size=8)
+
+
+def test_labels_blamed_by_the_heuristic_are_tested_and_not_quarantined(tmp_path: Any) -> None:
+    """Class labels beyond the head, no origin pattern: the heuristic blames them, the step replayed without them is
+    still NaN, so nothing is quarantined and the cause is decided from the rest."""
+    trainer = make_trainer(tmp_path, max_steps=4, callbacks=default_callbacks())
+    trainer.fit(ConditionedHead())
+    [record] = get_engine(trainer).sink.records
+    d = record.diagnosis
+    assert record.cause.value != "targets"
+    assert d["counterfactual"]["tested"]
+    assert not d["counterfactual"]["finite"]
+    assert "counterfactual" in [e["kind"] for e in d["evidence"]]
+    assert "quarantine" not in [str(a) for a in record.actions]
+    assert _monitor(trainer).quarantined_samples == []
+
+
+def test_a_blame_no_replay_can_test_quarantines_nothing_unless_the_record_holds_nan(tmp_path: Any) -> None:
+    """forensics='off': the outsized (finite) record is only a hypothesis no replay can test: not quarantined."""
+    from lightning_nanguard import GradNormMonitor
+
+    trainer = make_trainer(tmp_path, max_steps=4, callbacks=[GradNormMonitor(forensics="off")])
+    trainer.fit(ConditionedHead(outsized_row=True))
+    [record] = get_engine(trainer).sink.records
+    d = record.diagnosis
+    assert d["counterfactual"] == {"rows": [3], "tested": False, "why": "forensics='off'", "quarantine": False}
+    assert "could not be tested" in d["note"]
+    assert [str(a) for a in record.actions] == ["skip"]
+    assert _monitor(trainer).quarantined_samples == []
+
+
+def test_a_record_whose_removal_makes_the_step_finite_is_quarantined_with_the_counterfactual(tmp_path: Any) -> None:
+    from tests.forensics.models import BAD_BATCH, BATCH, RegressionNet
+
+    trainer = make_trainer(tmp_path, max_steps=4, callbacks=default_callbacks())
+    trainer.fit(RegressionNet(bad_rows=(BAD_BATCH * BATCH + 3,)))
+    [record] = get_engine(trainer).sink.records
+    d = record.diagnosis
+    assert record.cause.value == "input_data"
+    assert d["decided_by"] == "measured_origin"
+    assert d["counterfactual"]["finite"]
+    assert d["counterfactual"]["quarantine"]
+    assert _monitor(trainer).quarantined_samples == [BAD_BATCH * BATCH + 3]
