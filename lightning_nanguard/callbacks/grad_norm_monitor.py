@@ -109,6 +109,7 @@ class GradNormMonitor(NanGuardCallback):
         dropped_window: int = 1000,
         on_dropped_budget: Literal["stop", "warn"] = "stop",
         bundle_mb: float = 64.0,
+        max_quarantined_fraction: float = 0.005,
     ) -> None:
         owner = type(self).__name__
         check_choice(owner, "on_nonfinite", on_nonfinite, ("warn", "skip", "stop"))
@@ -131,6 +132,8 @@ class GradNormMonitor(NanGuardCallback):
         check_choice(owner, "forensics", forensics, ("first", "every", "off"))
         check_float(owner, "max_replay_steps", max_replay_steps, low=0.0)
         check_float(owner, "bundle_mb", bundle_mb, low=0.0)
+        check_float(owner, "max_quarantined_fraction", max_quarantined_fraction, low=0.0, high=1.0)
+        self.max_quarantined_fraction = float(max_quarantined_fraction)
         self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
         self.layer_depth, self.log_every_n_steps, self.histogram = layer_depth, log_every_n_steps, histogram
         self.spike_zscore, self.spike_warmup, self.on_spike = spike_zscore, spike_warmup, on_spike
@@ -194,6 +197,7 @@ class GradNormMonitor(NanGuardCallback):
             dropped_window=self.dropped_window,
             on_dropped_budget=self.on_dropped_budget,
             bundle_mb=self.bundle_mb,
+            max_quarantined_fraction=self.max_quarantined_fraction,
         )
         if self._quarantine is not None:
             self._quarantine.install()

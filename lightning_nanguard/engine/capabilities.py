@@ -34,6 +34,7 @@ __all__ = [
 DEFAULT_MAX_CONSECUTIVE_SKIPS = 20
 DEFAULT_MAX_DROPPED_FRACTION = 0.05
 DEFAULT_DROPPED_WINDOW = 1000
+DEFAULT_MAX_QUARANTINED_FRACTION = 0.005
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class GuardSettings:
     dropped_window: int = DEFAULT_DROPPED_WINDOW
     on_dropped_budget: str = "stop"  # "stop" | "warn"
     bundle_mb: float = 64.0  # an incident bundle's size budget (0: none written)
+    max_quarantined_fraction: float = DEFAULT_MAX_QUARANTINED_FRACTION  # past it, a data hypothesis is withdrawn
 
 
 @dataclass(frozen=True)

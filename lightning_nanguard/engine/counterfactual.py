@@ -35,7 +35,7 @@ from lightning_nanguard.policies.diagnosis import classify
 from lightning_nanguard.policies.findings import Findings, PassResult, ReplayFindings
 from lightning_nanguard.signals.tensors import iter_tensors
 
-__all__ = ["MEASURED", "strip_rows", "test_blame", "without_rows"]
+__all__ = ["MEASURED", "redecide", "strip_rows", "test_blame", "without_rows"]
 
 # Evidence that the blamed records themselves hold NaN/inf: measured, quarantined even where no replay can test it.
 MEASURED = (EvidenceKind.BATCH_NONFINITE, EvidenceKind.TARGETS_NONFINITE)
@@ -137,7 +137,7 @@ def test_blame(
         "quarantined)",
         record,
     )
-    return _not_the_data(findings, d, ev, {**record, "quarantine": False})
+    return redecide(findings, d, ev, {**record, "quarantine": False})
 
 
 def _untested(d: Diagnosis, why: str) -> Diagnosis:
@@ -169,10 +169,10 @@ def strip_rows(f: Findings) -> Findings:
     return dataclasses.replace(f, batch=batch, replay=tuple(clean(r) for r in f.replay))
 
 
-def _not_the_data(f: Findings, d: Diagnosis, ev: Evidence, record: dict[str, object]) -> Diagnosis:
+def redecide(f: Findings, d: Diagnosis, ev: Evidence, record: dict[str, object]) -> Diagnosis:
     """The records were not the cause: decide again without them (a formula keeps its cause, untriggered)."""
     again = classify(strip_rows(f))
-    note = f"the data blame ({d.cause.value} at {d.where}) was tested and withdrawn"
+    note = f"the data blame ({d.cause.value} at {d.where}) was withdrawn: nothing quarantined"
     return dataclasses.replace(
         again,
         evidence=(*again.evidence, ev),

@@ -27,6 +27,7 @@ from lightning_nanguard.engine.events import EventFacts
 from lightning_nanguard.engine.registry import Registry
 from lightning_nanguard.engine.state_growth import LocalGrowth, local_growth
 from lightning_nanguard.engine.state_growth import merge as merge_growth
+from lightning_nanguard.engine.withdrawal import Blames
 from lightning_nanguard.forensics import ReplayRequest, investigate
 from lightning_nanguard.forensics.bundle import DEFAULT_BUDGET_MB, write_bundle
 from lightning_nanguard.policies.causes import CAUSES
@@ -41,7 +42,12 @@ __all__ = ["diagnose", "gather_findings", "is_half", "precision_of", "trigger_no
 
 
 def diagnose(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, facts: EventFacts, registry: Registry, ledger: FitLedger
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    facts: EventFacts,
+    registry: Registry,
+    ledger: FitLedger,
+    blames: Blames | None = None,
 ) -> Diagnosis:
     """The diagnosis of one event: the cheap evidence (one all-gather), and a replay when that does not settle it
     (``forensics``). Every rank runs it; its collectives are made by every rank in the same order."""
@@ -58,8 +64,11 @@ def diagnose(
             update_applied=bool(facts.readings) and not all(r.dropped for r in facts.readings),
         )
         findings = investigate(trainer, pl_module, findings, request, ledger.replays)
+    diagnosis = classify(findings)
+    if blames is not None:  # a chain of quarantines that did not stop the fault: its blame is withdrawn
+        diagnosis = blames.judge(findings, diagnosis, facts.step)
     # A data blame is a hypothesis: the step without the blamed rows says whether to quarantine them.
-    return test_blame(trainer, pl_module, facts, findings, classify(findings), registry, ledger)
+    return test_blame(trainer, pl_module, facts, findings, diagnosis, registry, ledger)
 
 
 def write_incident_bundle(

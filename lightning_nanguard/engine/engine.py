@@ -243,7 +243,7 @@ class Engine(StepFlow):
                 self.member_names,
                 monitored=self.registry.monitors_steps or bool(self.registry.step_hooks),
                 final_state=self.ledger.final_state,
-                notes=quarantine.summary_lines() if quarantine is not None else [],
+                notes=[*(quarantine.summary_lines() if quarantine is not None else []), *self.incidents.blames.lines],
                 steps=trainer.global_step - self.first_step,
             )
         if raise_pending and self.ledger.pending_error is not None:

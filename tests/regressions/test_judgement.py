@@ -134,3 +134,46 @@ def test_a_record_whose_removal_makes_the_step_finite_is_quarantined_with_the_co
     assert d["counterfactual"]["finite"]
     assert d["counterfactual"]["quarantine"]
     assert _monitor(trainer).quarantined_samples == [BAD_BATCH * BATCH + 3]
+
+
+class GrowingSoftmax(pl.LightningModule):
+    """A hand-written softmax whose logits grow with the model's state (a temperature that sharpens every step): once
+    they pass 88.7, exp overflows, first on the records with the largest logits, then on fresh ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 4)
+        self.register_buffer("sharpness", torch.tensor(20.0))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        z = self.body(x) * self.sharpness
+        p = torch.exp(z) / torch.exp(z).sum(-1, keepdim=True)
+        return -torch.log(p.gather(1, y[:, None]).clamp_min(1e-30)).mean()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.sharpness *= 1.5
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(64, 8, generator=g), torch.randint(0, 4, (64,), generator=g)
+        return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+def test_a_state_driven_formula_fault_withdraws_its_trigger_blame_at_the_first_recurrence(tmp_path: Any) -> None:
+    from tests.forensics.test_forensics_fit import _EveryEvent
+
+    events = _EveryEvent()
+    trainer = make_trainer(tmp_path, max_steps=8, callbacks=[*default_callbacks(), events])
+    trainer.fit(GrowingSoftmax())
+    causes = [d["cause"] for d in events.diagnoses]
+    assert causes[:2] == ["exp_overflow", "exp_overflow"]
+    first, second = events.diagnoses[:2]
+    assert first["caused_by_data"]  # quarantined as the trigger (tested: finite without it)
+    assert not second["caused_by_data"]
+    assert "withdrawn" in [e["kind"] for e in second["evidence"]]
+    assert not any(d["caused_by_data"] for d in events.diagnoses[1:])
+    assert _monitor(trainer).quarantined_samples == []  # released
