@@ -177,3 +177,42 @@ def test_a_state_driven_formula_fault_withdraws_its_trigger_blame_at_the_first_r
     assert "withdrawn" in [e["kind"] for e in second["evidence"]]
     assert not any(d["caused_by_data"] for d in events.diagnoses[1:])
     assert _monitor(trainer).quarantined_samples == []  # released
+
+
+class ManualAccumulation(pl.LightningModule):
+    """Hand-written accumulation under manual optimization: ``manual_backward`` every batch, a step every 2nd."""
+
+    def __init__(self, bad_sample: int) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.bad_sample = bad_sample
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        opt = self.optimizers()
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.manual_backward(loss / 2)
+        if (batch_idx + 1) % 2 == 0:
+            opt.step()  # type: ignore[union-attr]
+            opt.zero_grad()  # type: ignore[union-attr]
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g)
+        x[self.bad_sample, 2] = float("nan")
+        return DataLoader(TensorDataset(x, y), batch_size=16)
+
+
+def test_manual_accumulation_finds_a_nan_record_in_the_window_first_micro_batch(tmp_path: Any) -> None:
+    trainer = make_trainer(tmp_path, max_steps=-1, max_epochs=2, callbacks=default_callbacks())
+    trainer.fit(ManualAccumulation(bad_sample=37))  # batch 2 row 5: the first micro-batch of the window (2, 3)
+    [record] = get_engine(trainer).sink.records
+    assert record.cause.value == "input_data"
+    assert record.where == "batch 2 rows [5]"
+    assert "quarantine" in [str(a) for a in record.actions]
+    assert _monitor(trainer).quarantined_samples == [37]
