@@ -27,9 +27,10 @@ from lightning_nanguard.contract import Diagnosis, Signal
 from lightning_nanguard.forensics.bundle import Bundle, BundleError, read_bundle
 from lightning_nanguard.forensics.bundle_codec import decode, restore_rng
 from lightning_nanguard.forensics.replay import trace_pass
-from lightning_nanguard.policies.diagnosis import classify
+from lightning_nanguard.policies.causes import explain
+from lightning_nanguard.policies.diagnosis import offline_diagnosis
 from lightning_nanguard.policies.findings import Findings, PassResult, ReplayFindings
-from lightning_nanguard.policies.origin import Origin, explain
+from lightning_nanguard.policies.origin import Origin
 from lightning_nanguard.signals.batch import read_batch
 
 __all__ = ["add_parser", "run"]
@@ -158,7 +159,7 @@ def _cause(bundle: Bundle, results: list[PassResult], precisions: list[str]) -> 
         precision=recorded,
         replay=(ReplayFindings(hooked=hooked, fp32=fp32),),
     )
-    return classify(findings)
+    return offline_diagnosis(bundle.manifest.get("diagnosis") or {}, findings)
 
 
 def _line(o: Origin) -> str:
@@ -253,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
             print("\n".join(_show(Origin.from_dict(r["origin"]))))
     if fixes is not None:
         print(f"float32 fixes it: {'yes' if fixes else 'no (non-finite in float32 too)'}")
-    print(f"verdict: {verdict.kind.value}: {verdict.summary}")
+    print(f"verdict: {verdict.kind}: {verdict.summary}")
     same = (
         ""
         if not named
@@ -265,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
     hint = diagnosis.hint or verdict.hint
     if hint:
         print(f"hint: {hint}")
-    print(f"data at fault: {'yes' if verdict.data_at_fault else 'no'}")
+    print(f"data at fault: {'yes' if diagnosis.caused_by_data else 'no'}")
     return 0
 
 

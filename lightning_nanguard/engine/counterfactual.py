@@ -31,11 +31,11 @@ from lightning_nanguard.engine.accounting import FitLedger
 from lightning_nanguard.engine.events import EventFacts
 from lightning_nanguard.engine.registry import Registry
 from lightning_nanguard.forensics.replay import run_pass
-from lightning_nanguard.policies.diagnosis import classify
-from lightning_nanguard.policies.findings import Findings, PassResult, ReplayFindings
+from lightning_nanguard.policies.diagnosis import classify, strip_rows
+from lightning_nanguard.policies.findings import Findings, PassResult
 from lightning_nanguard.signals.tensors import iter_tensors
 
-__all__ = ["MEASURED", "redecide", "strip_rows", "test_blame", "without_rows"]
+__all__ = ["MEASURED", "redecide", "test_blame", "without_rows"]
 
 # Evidence that the blamed records themselves hold NaN/inf: measured, quarantined even where no replay can test it.
 MEASURED = (EvidenceKind.BATCH_NONFINITE, EvidenceKind.TARGETS_NONFINITE)
@@ -149,24 +149,6 @@ def _untested(d: Diagnosis, why: str) -> Diagnosis:
     else:
         note = f"the data blame could not be tested ({why}): nothing quarantined"
     return dataclasses.replace(d, counterfactual=record, note="; ".join(x for x in (d.note, note) if x))
-
-
-def strip_rows(f: Findings) -> Findings:
-    """``f`` without the batch's blame: no non-finite, outsized or out-of-range rows, no origin of phase ``input``
-    and no triggering rows; the cause is then decided from the other evidence."""
-    batch = tuple(
-        dataclasses.replace(b, nonfinite_rows=(), nonfinite_target_rows=(), magnitude_rows=(), target_rows=())
-        for b in f.batch
-    )
-
-    def clean(r: ReplayFindings) -> ReplayFindings:
-        h = r.hooked
-        if h is None or h.origin is None:
-            return r
-        origin = None if h.origin.phase == "input" else dataclasses.replace(h.origin, rows=())
-        return dataclasses.replace(r, hooked=dataclasses.replace(h, origin=origin))
-
-    return dataclasses.replace(f, batch=batch, replay=tuple(clean(r) for r in f.replay))
 
 
 def redecide(f: Findings, d: Diagnosis, ev: Evidence, record: dict[str, object]) -> Diagnosis:

@@ -37,7 +37,8 @@ from torch import Tensor
 from lightning_nanguard import _lightning_compat
 from lightning_nanguard.forensics.bundle_codec import Unencodable, capture_rng, decode, encode, nbytes
 from lightning_nanguard.forensics.replay import TracedPass
-from lightning_nanguard.policies.origin import Origin, explain
+from lightning_nanguard.policies.causes import explain
+from lightning_nanguard.policies.origin import Origin
 
 __all__ = [
     "BUNDLES_DIR",

@@ -70,7 +70,7 @@ def test_fp16_overflow_names_the_layer_finite_in_float32(tmp_path: Any, precisio
     assert d["replayed"]
     assert d["replay_ms"] > 0
     origin = next(e for e in d["evidence"] if e["kind"] == "origin")
-    assert origin["pattern"] == "overflow"
+    assert origin["pattern"] == "half_precision_overflow"
     assert list(d["origin"]["input_dtypes"]) == ["torch.float16", "torch.float16"]
     assert 256 < origin["stats"]["max_abs_input"] < 65504  # its square overflows float16's max
     assert "replay_fp32_finite" in _kinds(d)
