@@ -72,6 +72,19 @@ from lightning_nanguard.policies.origin import Origin, SourceFrame, Stat
 __all__ = ["OriginTracer"]
 
 EVENTS_EXPLAINED = 256  # births past this many are kept without statistics or frame
+# Ops that multiply their input by a weight: a batch field of -inf reaching one is a feature, not a mask.
+_WEIGHTED = (
+    "aten.mm.",
+    "aten.addmm.",
+    "aten.bmm.",
+    "aten.baddbmm.",
+    "aten.matmul.",
+    "aten.linear.",
+    "aten.mv.",
+    "aten.addmv.",
+    "aten.convolution.",
+    "aten._convolution.",
+)
 
 
 class OriginTracer:
@@ -225,6 +238,8 @@ class OriginTracer:
         if not outs:
             return
         bad = [s for s in before if not s.finite]
+        if bad and str(func).startswith(_WEIGHTED):
+            self._features(bad)
         if func.is_view and ins:  # a view keeps its base's producer
             made = self._made.get(id(ins[0]))
             if made is not None and made[0]() is ins[0]:
@@ -255,6 +270,15 @@ class OriginTracer:
             )
         for t, (finite, nan) in zip(outs, checks, strict=True):
             self._remember(t, FINITE if finite else Status(False, nan, tag))
+
+    def _features(self, bad: list[Status]) -> None:
+        """A batch field of finite values and -inf taken for an additive mask is a feature after all once it goes
+        through a weight (a matmul, a linear layer, a convolution: a mask is added to scores, never multiplied by a
+        weight): its -inf rows are bad data (an ``input`` event), not intended."""
+        for s in bad:
+            ev = self._events[s.tag] if s.tag is not None else None
+            if ev is not None and ev.kind == "intended" and ev.rows and ev.fields and ev.fields[0] != "a constant":
+                ev.kind = "input"
 
     def _pick(self, bad: list[Status], *, nan: bool) -> int | None:
         """The event a non-finite output inherits: one carrying NaN when the output has NaN, a real one first."""

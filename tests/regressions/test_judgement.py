@@ -216,3 +216,41 @@ def test_manual_accumulation_finds_a_nan_record_in_the_window_first_micro_batch(
     assert record.where == "batch 2 rows [5]"
     assert "quarantine" in [str(a) for a in record.actions]
     assert _monitor(trainer).quarantined_samples == [37]
+
+
+class CompiledFeatures(pl.LightningModule):
+    """A ``torch.compile``d model whose data holds a record with a -inf feature and one with a NaN feature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def configure_model(self) -> None:
+        self.net = torch.compile(self.net, backend="eager")  # type: ignore[assignment]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g)
+        x[10, 3] = float("-inf")  # batch 1 row 2: a log-feature of 0, not a mask
+        x[35, 1] = float("nan")  # batch 4 row 3
+        return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+def test_a_compiled_model_quarantines_minus_inf_and_nan_records_at_their_first_incident(tmp_path: Any) -> None:
+    trainer = make_trainer(tmp_path, max_steps=-1, max_epochs=2, callbacks=default_callbacks())
+    trainer.fit(CompiledFeatures())
+    records = get_engine(trainer).sink.records
+    assert [(r.step, r.cause.value, r.where) for r in records] == [
+        (1, "input_data", "batch 1 rows [2]"),
+        (4, "input_data", "batch 4 rows [3]"),
+    ]
+    assert all(r.count == 1 for r in records)  # neither comes back in the second epoch
+    assert records[0].diagnosis["origin"]["produced"] == "-inf"
+    assert _monitor(trainer).quarantined_samples == [10, 35]
