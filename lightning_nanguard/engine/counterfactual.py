@@ -6,8 +6,7 @@ replayed once more without them (``forensics.replay.run_pass``, the same pass th
 counterfactual is kept in the incident (``Diagnosis.counterfactual`` and its evidence). Where it stays non-finite the
 records are not the cause: the blame is dropped, nothing is quarantined, and the cause is decided again from the
 other evidence (``policies.diagnosis.classify`` on the findings without the blamed rows). Where no replay is possible
-(manual optimization, gradient accumulation, ``forensics="off"``, the replay budget spent, a batch that cannot be
-replayed or cut), the incident says so, and only records that themselves hold NaN/inf (a measurement, not a
+(gradient accumulation, ``forensics="off"``, the replay budget spent, a batch that cannot be replayed or cut), the incident says so, and only records that themselves hold NaN/inf (a measurement, not a
 hypothesis) are quarantined.
 
 Incident path only, and only for a blame with rows to take out and a sound state; rank-consistent: whether to test is
@@ -78,8 +77,6 @@ def _my_rows(trainer: pl.Trainer, d: Diagnosis) -> tuple[int, ...]:
 def _why_not(pl_module: pl.LightningModule, facts: EventFacts, findings: Findings) -> str:
     """Why no replay can test the blame ("" when one can): the same conditions as the diagnosis' own replay, which
     must have run (or been reused) for this event: a blame no replay reproduced is not tested either."""
-    if not pl_module.automatic_optimization:
-        return "manual optimization: training_step steps the optimizers itself"
     if not facts.readings:
         return "no training step at hand"
     if not findings.replay:

@@ -156,8 +156,6 @@ def _why_not(trainer: pl.Trainer, pl_module: pl.LightningModule, f: Findings, re
     accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
     if accumulate > 1:
         return f"gradient accumulation: accumulate_grad_batches={accumulate}, only the last micro-batch is at hand"
-    if not pl_module.automatic_optimization:
-        return "manual optimization: training_step steps the optimizers itself"
     if not request.has_step:
         return "no training step at hand"
     if not f.batch or not all(b.replayable for b in f.batch):

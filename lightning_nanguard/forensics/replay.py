@@ -28,6 +28,7 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
+from lightning_nanguard.forensics.manual import replaying_manual_steps
 from lightning_nanguard.forensics.origin import OriginTracer
 from lightning_nanguard.policies.findings import PassResult
 from lightning_nanguard.policies.origin import Origin
@@ -338,7 +339,10 @@ def _pass(
             if trace is not None:
                 tracer = traced.enter_context(OriginTracer(pl_module, data, **trace))
                 recorder.aside = tracer.aside
-            loss = _loss_of(pl_module.training_step(data, batch_idx))
+            with replaying_manual_steps(pl_module) as manual:  # manual optimization: nothing is stepped
+                loss = _loss_of(pl_module.training_step(data, batch_idx))
+            if manual.losses:  # the losses given to manual_backward: their sum's gradients are theirs summed
+                loss = torch.stack([x.float().sum() for x in manual.losses]).sum()
             stack.close()  # leave the precision context before the backward, as Lightning does
             if loss is None:
                 error = "training_step returned no loss"

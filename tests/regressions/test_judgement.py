@@ -254,3 +254,52 @@ def test_a_compiled_model_quarantines_minus_inf_and_nan_records_at_their_first_i
     assert all(r.count == 1 for r in records)  # neither comes back in the second epoch
     assert records[0].diagnosis["origin"]["produced"] == "-inf"
     assert _monitor(trainer).quarantined_samples == [10, 35]
+
+
+class ManualGAN(pl.LightningModule):
+    """A GAN trained with manual optimization, a hand-written discriminator loss: one noise record drives the
+    discriminator's logit on its fake past ~6, where sigmoid rounds to 1.0 in bf16 and log(1 - p) is log(0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.gen = nn.Linear(4, 8)
+        self.disc = nn.Linear(8, 1)
+        with torch.no_grad():
+            self.gen.weight.abs_()
+            self.disc.weight.abs_()
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        real, z = batch
+        opt_g, opt_d = self.optimizers()  # type: ignore[misc]
+        fake = self.gen(z)
+        p_real, p_fake = torch.sigmoid(self.disc(real)), torch.sigmoid(self.disc(fake.detach()))
+        d_loss = -(torch.log(p_real) + torch.log(1 - p_fake)).mean()
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        g_loss = -torch.log(torch.sigmoid(self.disc(fake))).mean()
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.gen.parameters(), lr=1e-3), torch.optim.SGD(self.disc.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        real, z = torch.randn(32, 8, generator=g) * 0.1, torch.rand(32, 4, generator=g) * 0.1
+        z[2 * 8 + 5] = 8.0  # batch 2 row 5
+        return DataLoader(TensorDataset(real, z), batch_size=8)
+
+
+def test_a_manual_optimization_gan_names_the_op_and_line_of_its_log_of_zero(tmp_path: Any) -> None:
+    trainer = make_trainer(tmp_path, max_steps=-1, max_epochs=1, precision="bf16-mixed", callbacks=default_callbacks())
+    trainer.fit(ManualGAN())
+    records = get_engine(trainer).sink.records
+    assert records, "the run must have met the fault"
+    d = records[0].diagnosis
+    assert d["cause"] in ("low_precision_rounding", "log_of_zero")
+    assert d["origin"]["op"] == "aten.log.default"
+    assert d["origin"]["frame"]["code"] == "d_loss = -(torch.log(p_real) + torch.log(1 - p_fake)).mean()"
+    assert d["decided_by"] == "measured_origin"
