@@ -303,3 +303,45 @@ def test_a_manual_optimization_gan_names_the_op_and_line_of_its_log_of_zero(tmp_
     assert d["origin"]["op"] == "aten.log.default"
     assert d["origin"]["frame"]["code"] == "d_loss = -(torch.log(p_real) + torch.log(1 - p_fake)).mean()"
     assert d["decided_by"] == "measured_origin"
+
+
+class ZeroRecords(pl.LightningModule):
+    """A normalisation without eps; five all-zero records in batch 1 trigger it at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        h = x / x.norm(dim=-1, keepdim=True)
+        return nn.functional.mse_loss(self.head(h), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g)
+        x[16:21] = 0.0  # batch 1 rows 0-4
+        return DataLoader(TensorDataset(x, y), batch_size=16)
+
+
+def test_a_quarantined_share_past_the_budget_withdraws_the_blame(tmp_path: Any) -> None:
+    """Five of 64 records 'trigger' the formula: past max_quarantined_fraction (never fewer than 4 records), the
+    records are released and the incident and the summary say so."""
+    import json
+    import os
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(str(tmp_path), name="csv", version=0)
+    trainer = make_trainer(tmp_path, max_steps=3, callbacks=default_callbacks(), logger=logger)
+    trainer.fit(ZeroRecords())
+    [record] = get_engine(trainer).sink.records
+    assert record.cause.value == "division_by_zero"
+    with open(os.path.join(logger.log_dir, "nanguard", "quarantine.json")) as f:
+        assert json.load(f)["samples"] == []  # the file says they were released
+    assert "past max_quarantined_fraction=0.005" in record.message
+    assert _monitor(trainer).quarantined_samples == []
+    assert any("max_quarantined_fraction" in line for line in get_engine(trainer).incidents.blames.lines)
