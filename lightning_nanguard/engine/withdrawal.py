@@ -18,6 +18,7 @@ summary. Rank-consistent: every value here comes from the diagnosis and the quar
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -32,11 +33,14 @@ WINDOW = 200  # steps: the same fault from fresh records this soon after a quara
 MIN_RECORDS = 4  # the quarantined share is judged past this many records (0.5% of a tiny dataset is under one)
 
 
+def _measured(d: Diagnosis) -> bool:
+    """The blamed records hold NaN/inf themselves: a measurement, not a hypothesis."""
+    return any(e.kind in MEASURED for e in d.evidence) or (d.origin or {}).get("phase") == "input"
+
+
 def hypothesis(d: Diagnosis) -> bool:
     """``d`` blames records that do not hold NaN/inf themselves: a hypothesis a remedy can refute."""
-    if not d.caused_by_data or d.state_damaged:
-        return False
-    return not (any(e.kind in MEASURED for e in d.evidence) or (d.origin or {}).get("phase") == "input")
+    return d.caused_by_data and not d.state_damaged and not _measured(d)
 
 
 def place(d: Diagnosis) -> tuple[str, str]:
@@ -68,13 +72,17 @@ class Blames:
         self.lines: list[str] = []  # for the end-of-fit summary
 
     def judge(self, findings: Findings, d: Diagnosis, step: int) -> Diagnosis:
-        """``d``, withdrawn where its chain's quarantine did not stop the fault (before any new quarantine)."""
-        if not hypothesis(d):
+        """``d``, withdrawn where its chain's quarantine did not stop the fault (before any new quarantine). The
+        same cause at the same place counts as a recurrence whether or not this incident names its rows (a kept
+        replay reused without them): the quarantined records are left out, so whatever met it is fresh."""
+        if d.state_damaged or _measured(d):
             return d
         chain = self.chains.get(place(d))
         if chain is None or not chain.steps:
             return d
         if chain.withdrawn is not None:
+            if not d.caused_by_data:
+                return d
             ev = Evidence(
                 EvidenceKind.WITHDRAWN,
                 f"the data blame for {d.cause.value} at this place was withdrawn at step {chain.withdrawn}",
@@ -90,7 +98,11 @@ class Blames:
         )
         self.lines.append(line)
         ev = Evidence(EvidenceKind.WITHDRAWN, line, {"steps": list(chain.steps), "released": count})
-        return redecide(findings, d, ev, {"quarantine": False, "withdrawn": step, "released": count})
+        record: dict[str, object] = {"quarantine": False, "withdrawn": step, "released": count}
+        if not d.caused_by_data:
+            note = "; ".join(x for x in (d.note, line) if x)
+            return dataclasses.replace(d, evidence=(*d.evidence, ev), counterfactual=record, note=note)
+        return redecide(findings, d, ev, record)
 
     def settle(
         self, quarantine: Quarantine | None, d: Diagnosis, step: int, details: dict[Action, str], fraction: float

@@ -165,10 +165,13 @@ class GrowingSoftmax(pl.LightningModule):
 
 
 def test_a_state_driven_formula_fault_withdraws_its_trigger_blame_at_the_first_recurrence(tmp_path: Any) -> None:
+    from lightning_nanguard import GradNormMonitor
     from tests.forensics.test_forensics_fit import _EveryEvent
 
     events = _EveryEvent()
-    trainer = make_trainer(tmp_path, max_steps=8, callbacks=[*default_callbacks(), events])
+    callbacks = [c for c in default_callbacks() if not isinstance(c, GradNormMonitor)]
+    monitor = GradNormMonitor(max_replay_steps=1e9)  # a traced replay for each incident, however loaded the machine
+    trainer = make_trainer(tmp_path, max_steps=8, callbacks=[*callbacks, monitor, events])
     trainer.fit(GrowingSoftmax())
     causes = [d["cause"] for d in events.diagnoses]
     assert causes[:2] == ["exp_overflow", "exp_overflow"]
@@ -176,6 +179,7 @@ def test_a_state_driven_formula_fault_withdraws_its_trigger_blame_at_the_first_r
     assert first["caused_by_data"]  # quarantined as the trigger (tested: finite without it)
     assert not second["caused_by_data"]
     assert "withdrawn" in [e["kind"] for e in second["evidence"]]
+    assert "released" in next(e for e in second["evidence"] if e["kind"] == "withdrawn")["summary"]
     assert not any(d["caused_by_data"] for d in events.diagnoses[1:])
     assert _monitor(trainer).quarantined_samples == []  # released
 
