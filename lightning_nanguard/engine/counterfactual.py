@@ -107,6 +107,13 @@ def test_blame(
         why = "the batch cannot be cut without those rows"
     if why:
         return _untested(d, why)
+    if not any(r.hooked is not None and r.hooked.reproduced for r in findings.replay):
+        ev = Evidence(
+            EvidenceKind.COUNTERFACTUAL,
+            "the step replayed with these records is finite too: they are not its cause (nothing quarantined)",
+            {"rows": list(d.rows), "finite": True, "tested": True},
+        )
+        return redecide(findings, d, ev, {"rows": list(d.rows), "tested": True, "finite": True, "quarantine": False})
     result = (
         run_pass(trainer, pl_module, cut, facts.batch_idx, float32=False, scale=findings.scale)
         if cut is not None

@@ -72,6 +72,8 @@ from lightning_nanguard.policies.origin import Origin, SourceFrame, Stat
 __all__ = ["OriginTracer"]
 
 EVENTS_EXPLAINED = 256  # births past this many are kept without statistics or frame
+# Ops that look a parameter's rows up by an integer tensor: a batch field used so conditions the model.
+_INDEXING = ("aten.embedding.", "aten.embedding_bag.", "aten._embedding_bag.", "aten.index_select.")
 # Ops that multiply their input by a weight: a batch field of -inf reaching one is a feature, not a mask.
 _WEIGHTED = (
     "aten.mm.",
@@ -130,6 +132,7 @@ class OriginTracer:
         self._aside = 0  # > 0 while the replay's own bookkeeping runs (``aside``): its ops are not the pass's
         self._mode: Any = None
         self._anomaly: Any = None
+        self.index_fields: set[str] = set()  # integer batch fields that index a parameter (embedding rows)
 
     # ---------------------------------------------------------------------------------------------- the context
     def __enter__(self) -> OriginTracer:
@@ -169,6 +172,8 @@ class OriginTracer:
         if self.ops_checked % 64 == 0 and time.perf_counter() - self._start > self.time_budget_s:
             self._stop(f"stopped after time_budget_s={self.time_budget_s:g} s, {self.ops_checked} ops")
             return func(*args, **kwargs)
+        if str(func).startswith(_INDEXING):
+            self._indexed(args)
         try:
             ins = float_tensors((args, kwargs))
             before = [self._status(t) for t in ins]
@@ -181,6 +186,16 @@ class OriginTracer:
         except Exception as exc:
             self._stop(f"the tracer failed after {func}: {type(exc).__name__}: {exc}"[:200])
         return out
+
+    def _indexed(self, args: tuple[Any, ...]) -> None:
+        """An integer batch field that indexes a parameter (an embedding's rows): it conditions the model, it is no
+        class target (``index_fields``)."""
+        weight = args[0] if args else None
+        if not (isinstance(weight, Tensor) and id(weight) in self._state):
+            return
+        for a in args[1:]:
+            if isinstance(a, Tensor) and not a.is_floating_point() and id(a) in self._batch:
+                self.index_fields.add(self._batch[id(a)])
 
     # ------------------------------------------------------------------------------------------------ the trace
     def _remember(self, t: Tensor, status: Status) -> None:

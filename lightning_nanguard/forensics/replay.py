@@ -398,5 +398,6 @@ def _pass(
         error=error,
         origin=origin,
         trace_note=tracer.truncated if tracer is not None else "",
+        index_fields=tuple(sorted(tracer.index_fields)) if tracer is not None else (),
     )
     return TracedPass(result, origin, call, result.trace_note, tracer.ops_checked if tracer is not None else 0)

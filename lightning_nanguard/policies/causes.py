@@ -320,12 +320,12 @@ EVIDENCE: tuple[Rule, ...] = (
     _formula(Cause.EXP_OVERFLOW),
     Rule(Cause.HALF_PRECISION_OVERFLOW, Stage.REPLAY, origin.half_precision_overflow, _O),
     Rule(Cause.GRADIENT_EXPLOSION, Stage.REPLAY, origin.overflow_past_float32, _O),
-    Rule(Cause.TARGETS, Stage.CHEAP, step.targets_out_of_range, _H),  # the output size comes from a replay
     Rule(Cause.INPUT_DATA, Stage.CHEAP, step.nonfinite_inputs, _H),
     Rule(Cause.TARGETS, Stage.CHEAP, step.nonfinite_targets, _H),
     Rule(Cause.INPUT_DATA, Stage.CHEAP, step.outsized_inputs, _H),
     Rule(Cause.GRADIENT_EXPLOSION, Stage.REPLAY, replay.finite_but_huge, _R),
     Rule(Cause.TRANSIENT, Stage.REPLAY, replay.not_reproduced, _R),
+    Rule(Cause.TARGETS, Stage.CHEAP, step.targets_out_of_range, _H),  # the output size comes from a replay
     Rule(Cause.GRADIENT_EXPLOSION, Stage.REPLAY, replay.loss_of_huge_outputs, _R),
     Rule(Cause.LOSS_FUNCTION, Stage.REPLAY, replay.loss_of_finite_outputs, _R),
     Rule(Cause.HALF_PRECISION_OVERFLOW, Stage.REPLAY, replay.half_precision_module, _R),

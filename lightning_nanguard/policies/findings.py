@@ -53,6 +53,7 @@ class PassResult:
     error: str = ""  # the pass raised: the exception, in one line
     origin: Origin | None = None  # the op and line that made the first non-finite value (a traced pass only)
     trace_note: str = ""  # why the origin trace stopped early ("" it did not, or no trace ran)
+    index_fields: tuple[str, ...] = ()  # integer batch fields that index a parameter (they condition the model)
 
 
 @dataclass(frozen=True)

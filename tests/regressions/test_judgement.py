@@ -69,16 +69,17 @@ class ConditionedHead(pl.LightningModule):
     """Labels 0..9 condition the model through an embedding; the head has 5 outputs, so the labels 'do not fit' it.
     At batch 2 the model's own formula goes NaN for every row (an acos past 1): the labels are innocent."""
 
-    def __init__(self, outsized_row: bool = False) -> None:
+    def __init__(self, outsized_row: bool = False, embed: bool = True) -> None:
         super().__init__()
         self.embed = nn.Embedding(10, 4)
-        self.body = nn.Linear(12, 16)
+        self.body = nn.Linear(12 if embed else 18, 16)
         self.head = nn.Linear(16, 5)
-        self.outsized_row = outsized_row
+        self.outsized_row, self.use_embed = outsized_row, embed
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, c = batch
-        h = torch.tanh(self.body(torch.cat([x, self.embed(c)], -1)))
+        cond = self.embed(c) if self.use_embed else (c[:, None] == torch.arange(10)).float()  # a one-hot by hand
+        h = torch.tanh(self.body(torch.cat([x, cond], -1)))
         if batch_idx == 2:
             h = h + torch.acos(x[:, :1].abs() + 1.5)  # acos past 1: NaN, from finite inputs, on every row
         return self.head(h).square().mean()
@@ -94,11 +95,22 @@ class ConditionedHead(pl.LightningModule):
         return DataLoader(TensorDataset(x, c), batch_size=8)
 
 
-def test_labels_blamed_by_the_heuristic_are_tested_and_not_quarantined(tmp_path: Any) -> None:
-    """Class labels beyond the head, no origin pattern: the heuristic blames them, the step replayed without them is
-    still NaN, so nothing is quarantined and the cause is decided from the rest."""
+def test_labels_that_index_an_embedding_condition_the_model_and_are_no_targets(tmp_path: Any) -> None:
     trainer = make_trainer(tmp_path, max_steps=4, callbacks=default_callbacks())
     trainer.fit(ConditionedHead())
+    [record] = get_engine(trainer).sink.records
+    d = record.diagnosis
+    assert "targets_out_of_range" not in [e["kind"] for e in d["evidence"]]
+    assert d["counterfactual"] == {}  # no data was blamed, so none was tested
+    assert record.cause.value != "targets"
+    assert _monitor(trainer).quarantined_samples == []
+
+
+def test_labels_blamed_by_the_heuristic_are_tested_and_not_quarantined(tmp_path: Any) -> None:
+    """Class labels beyond the head (one-hot by hand, no embedding), no origin pattern: the heuristic blames them, the
+    step replayed without them is still NaN, so nothing is quarantined and the cause is decided from the rest."""
+    trainer = make_trainer(tmp_path, max_steps=4, callbacks=default_callbacks())
+    trainer.fit(ConditionedHead(embed=False))
     [record] = get_engine(trainer).sink.records
     d = record.diagnosis
     assert record.cause.value != "targets"
