@@ -75,18 +75,8 @@ EVENTS_EXPLAINED = 256  # births past this many are kept without statistics or f
 # Ops that look a parameter's rows up by an integer tensor: a batch field used so conditions the model.
 _INDEXING = ("aten.embedding.", "aten.embedding_bag.", "aten._embedding_bag.", "aten.index_select.")
 # Ops that multiply their input by a weight: a batch field of -inf reaching one is a feature, not a mask.
-_WEIGHTED = (
-    "aten.mm.",
-    "aten.addmm.",
-    "aten.bmm.",
-    "aten.baddbmm.",
-    "aten.matmul.",
-    "aten.linear.",
-    "aten.mv.",
-    "aten.addmv.",
-    "aten.convolution.",
-    "aten._convolution.",
-)
+_WEIGHTED: tuple[str, ...] = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten.matmul.", "aten.mv.")
+_WEIGHTED += ("aten.linear.", "aten.addmv.", "aten.convolution.", "aten._convolution.")
 
 
 class OriginTracer:
@@ -188,8 +178,7 @@ class OriginTracer:
         return out
 
     def _indexed(self, args: tuple[Any, ...]) -> None:
-        """An integer batch field that indexes a parameter (an embedding's rows): it conditions the model, it is no
-        class target (``index_fields``)."""
+        """An integer batch field that indexes a parameter's rows conditions the model: no class target."""
         weight = args[0] if args else None
         if not (isinstance(weight, Tensor) and id(weight) in self._state):
             return
@@ -287,9 +276,7 @@ class OriginTracer:
             self._remember(t, FINITE if finite else Status(False, nan, tag))
 
     def _features(self, bad: list[Status]) -> None:
-        """A batch field of finite values and -inf taken for an additive mask is a feature after all once it goes
-        through a weight (a matmul, a linear layer, a convolution: a mask is added to scores, never multiplied by a
-        weight): its -inf rows are bad data (an ``input`` event), not intended."""
+        """A batch field of -inf taken for a mask that goes through a weight is a feature: its rows are bad data."""
         for s in bad:
             ev = self._events[s.tag] if s.tag is not None else None
             if ev is not None and ev.kind == "intended" and ev.rows and ev.fields and ev.fields[0] != "a constant":
