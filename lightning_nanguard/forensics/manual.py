@@ -18,6 +18,8 @@ from typing import Any
 import lightning.pytorch as pl
 from torch import Tensor
 
+from lightning_nanguard._lightning_compat import AttributePatches
+
 __all__ = ["Recorded", "replaying_manual_steps"]
 
 
@@ -101,14 +103,10 @@ def replaying_manual_steps(pl_module: pl.LightningModule) -> Iterator[Recorded]:
         "clip_gradients": nothing,
         "toggled_optimizer": toggled,
     }
-    shadowed = {name: pl_module.__dict__[name] for name in stand_ins if name in pl_module.__dict__}
+    patches = AttributePatches()  # instance attributes: a stand-in shadows the class's method for the pass only
     try:
         for name, fn in stand_ins.items():
-            object.__setattr__(pl_module, name, fn)
+            patches.set(pl_module, name, fn)
         yield recorded
     finally:
-        for name in stand_ins:
-            if name in shadowed:
-                object.__setattr__(pl_module, name, shadowed[name])
-            else:
-                pl_module.__dict__.pop(name, None)
+        patches.restore()
