@@ -27,6 +27,7 @@ from lightning_nanguard.recovery.probe import SnapshotProbe
 from lightning_nanguard.recovery.quarantine import Quarantine
 from lightning_nanguard.recovery.rollback import repair_buffers, restore_state
 from lightning_nanguard.recovery.snapshot import SnapshotRing
+from lightning_nanguard.recovery.snapshot_stats import parameter_max_abs
 from lightning_nanguard.reporting import keys
 
 __all__ = ["AutoRollback"]
@@ -239,6 +240,12 @@ class AutoRollback(NanGuardCallback):
 
     def skip_batch(self) -> bool:
         return self.policy.skip_batch()
+
+    def sound_reference(self, names: set[str]) -> tuple[int, dict[str, float]] | None:
+        """The newest snapshot judged sound and its parameters' largest |value| (incident path only)."""
+        step = self.book.keep(self.ring.steps()) if self.source == "memory" else None
+        snapshot = self.ring.get(step) if step is not None else None
+        return None if snapshot is None or step is None else (step, parameter_max_abs(snapshot, names))
 
     def save_final(self, trainer: pl.Trainer, step: int) -> str:
         """A verified checkpoint of the (restored, finite) state before a budget stop. Every rank calls it."""

@@ -76,6 +76,8 @@ class GradNormMonitor(NanGuardCallback):
             later ones; ``"every"`` replays each incident; ``"off"`` uses the cheap evidence only.
         max_replay_steps: replays stop once they have cost this many training steps' worth of time in this fit.
         bundle_mb: the size budget, in MB, of each replayed incident's bundle (for ``nanguard replay``); ``0``: none.
+        max_quarantined_fraction: records blamed as a hypothesis (not holding NaN/inf) past this share of the
+            dataset (never fewer than 4): the blame is withdrawn and they are released (docs/FORENSICS.md).
 
     Logged keys (every logging step, one batched logger call):
         ``nanguard/grad_norm``                   total 2-norm of the gradients (unscaled, pre-clip), last step
@@ -115,6 +117,7 @@ class GradNormMonitor(NanGuardCallback):
         dropped_window: int = 1000,
         on_dropped_budget: Literal["stop", "warn"] = "stop",
         bundle_mb: float = 64.0,
+        max_quarantined_fraction: float = 0.005,
     ) -> None:
         owner = type(self).__name__
         check_choice(owner, "on_nonfinite", on_nonfinite, ("warn", "skip", "stop"))
@@ -133,12 +136,14 @@ class GradNormMonitor(NanGuardCallback):
         check_choice(owner, "forensics", forensics, ("first", "every", "off"))
         check_float(owner, "max_replay_steps", max_replay_steps, low=0.0)
         check_float(owner, "bundle_mb", bundle_mb, low=0.0, high=MAX_BUNDLE_MB)
+        check_float(owner, "max_quarantined_fraction", max_quarantined_fraction, low=0.0, high=1.0)
         check_conflicts("GradNormMonitor", owner, locals())
         self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
         self.layer_depth, self.log_every_n_steps, self.histogram = layer_depth, log_every_n_steps, histogram
         self.spike_zscore, self.spike_warmup, self.on_spike = spike_zscore, spike_warmup, on_spike
         self.quarantine, self.quarantine_file = quarantine, None if quarantine_file is None else str(quarantine_file)
         self.forensics, self.max_replay_steps, self.bundle_mb = forensics, float(max_replay_steps), float(bundle_mb)
+        self.max_quarantined_fraction = float(max_quarantined_fraction)
         self.max_dropped_fraction = None if max_dropped_fraction is None else float(max_dropped_fraction)
         self.dropped_window, self.on_dropped_budget = dropped_window, on_dropped_budget
         self._quarantine = Quarantine(self.quarantine_file) if quarantine else None
@@ -204,6 +209,7 @@ class GradNormMonitor(NanGuardCallback):
             dropped_window=self.dropped_window,
             on_dropped_budget=self.on_dropped_budget,
             bundle_mb=self.bundle_mb,
+            max_quarantined_fraction=self.max_quarantined_fraction,
         )
         if self._quarantine is not None:
             self._quarantine.install()

@@ -246,7 +246,7 @@ class Engine(StepFlow):
                 self.member_names,
                 monitored=self.registry.monitors_steps or bool(self.registry.step_hooks),
                 final_state=self.ledger.final_state,
-                notes=quarantine.summary_lines() if quarantine is not None else [],
+                notes=[*(quarantine.summary_lines() if quarantine is not None else []), *self.incidents.blames.lines],
                 steps=trainer.global_step - self.first_step,
                 # trainer.validate()/test()/predict(): the step monitors join fits only, and there is no step
                 evaluation=_evaluation_only(trainer),
