@@ -16,6 +16,13 @@ whose name holds ``ckpt_`` as an HPC checkpoint version (``hpc_ckpt_33.ckpt.sha2
 and ``ModelCheckpoint`` lists ``*.ckpt``. Sidecars named ``X.ckpt.sha256`` (written by earlier versions) are still
 read; writing a sidecar removes that older one.
 
+A sidecar is *stale* when its file was written again after it (a session with plain Lightning rewrote ``last.ckpt``,
+a script saved over the file): the file no longer matches it, was modified after it was written, and is whole (its
+zip members pass the CRC-32s torch's format stores). It vouches for a file that is gone, so neither its digest nor
+its record says anything about the file there now (``Sidecar.stale``, ``meta`` empty). A file that does not match
+and did not change since its sidecar, or whose zip members fail their CRC-32s (cut short, bytes changed in place), is
+damaged, not stale: the sidecar's record (its step) still describes what the file was.
+
 No Lightning, no torch: plain files.
 """
 
@@ -24,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import zipfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +41,7 @@ __all__ = [
     "LEGACY_SIDECAR_SUFFIX",
     "SIDECAR_SUFFIX",
     "Sidecar",
+    "check_zip_crc",
     "existing_sidecar",
     "read_sidecar",
     "remove_sidecars",
@@ -52,6 +61,7 @@ class Sidecar:
     path: str
     digest: str
     meta: dict[str, Any] = field(default_factory=dict)
+    stale: bool = False  # the file was written again after this sidecar, which no longer matches it
 
 
 def sidecar_path(path: str) -> str:
@@ -83,7 +93,34 @@ def read_sidecar(path: str) -> Sidecar | None:
             with contextlib.suppress(ValueError):
                 loaded = json.loads(line[len(_META_PREFIX) :])
                 meta = loaded if isinstance(loaded, dict) else {}
-    return Sidecar(found, fields[0].lower() if fields else "", meta)
+    digest = fields[0].lower() if fields else ""
+    if digest and _rewritten_since(path, found, digest):
+        return Sidecar(found, digest, {}, stale=True)
+    return Sidecar(found, digest, meta)
+
+
+# The verdict on the few files whose staleness was asked about, by their identity on disk (a rewrite changes the
+# inode, size, mtime or ctime) and their sidecar's: a resume asks several times about the file it resumes from.
+_STALE: dict[tuple[int, ...], bool] = {}
+
+
+def _rewritten_since(path: str, sidecar: str, digest: str) -> bool:
+    """``path`` was modified at or after its sidecar was written (which is written after its file is complete, so a
+    file of the sidecar's own save is older), its sha256 is not the sidecar's ``digest``, and it is whole."""
+    try:
+        st, sc = os.stat(path), os.stat(sidecar)
+    except OSError:
+        return False
+    if st.st_mtime_ns < sc.st_mtime_ns:
+        return False
+    identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, sc.st_ino, sc.st_mtime_ns)
+    stale = _STALE.get(identity)
+    if stale is None:
+        stale = hash_file(path)[1] != digest and check_zip_crc(path) is None
+        if len(_STALE) >= 16:
+            _STALE.clear()
+        _STALE[identity] = stale
+    return stale
 
 
 def write_sidecar(path: str, *, digest: str | None = None, meta: dict[str, Any] | None = None) -> str:
@@ -111,3 +148,24 @@ def remove_sidecars(path: str) -> None:
     for suffix in (SIDECAR_SUFFIX, LEGACY_SIDECAR_SUFFIX):
         with contextlib.suppress(FileNotFoundError):
             os.remove(path + suffix)
+
+
+def check_zip_crc(path: str) -> str | None:
+    """Why ``path``'s zip members fail their stored CRC-32, or ``None`` when they pass (or it is not a zip file).
+
+    torch's default format is a zip archive with a CRC-32 per member (``torch.load`` does not check them), so a
+    flipped bit inside a tensor's bytes is found without a sidecar. The legacy pickle format (``torch.save(...,
+    _use_new_zipfile_serialization=False)``) has no checksum at all and passes.
+    """
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"PK\x03\x04":
+        return None  # legacy format: nothing to check against (its contents are still loaded and checked)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
+        return f"the file is corrupt or truncated: its zip structure cannot be read ({type(err).__name__}: {err})"
+    if bad is not None:
+        return f"the file is corrupt: CRC-32 mismatch in zip member {bad!r} (bytes changed after it was written)"
+    return None

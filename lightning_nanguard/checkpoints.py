@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import re
-import zipfile
 from collections import defaultdict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from lightning_nanguard.checkpoint_manifest import (
 )
 from lightning_nanguard.checkpoint_sidecar import (
     SIDECAR_SUFFIX,
+    check_zip_crc,
     read_sidecar,
     sidecar_path,
     write_sidecar,
@@ -167,52 +167,48 @@ def check_sidecar(path: str, *, require_sidecar: bool = True) -> str | None:
     """Why ``path`` fails its existence and checksum check, or ``None`` when it passes.
 
     A symlink without a sidecar of its own (ModelCheckpoint's ``save_last="link"``) is checked against its target's.
+    A stale sidecar (the file was written again after it: ``checkpoint_sidecar``) is no evidence either way: the file
+    is checked as one without a sidecar (its zip CRC-32s), whatever ``require_sidecar`` says, and ``verify_and_load``
+    says so in its note. Not the ``nanguard-last-good.ckpt`` tag: nanguard writes it and its sidecar together, so a
+    tag that no longer matches was changed behind its back (its source rewritten in place) and fails.
     """
+    return _check_sidecar(path, require_sidecar=require_sidecar)[0]
+
+
+def _check_sidecar(path: str, *, require_sidecar: bool) -> tuple[str | None, str]:
+    """``check_sidecar``'s verdict and a note (a stale sidecar that was passed over)."""
     if not os.path.isfile(path):
         if os.path.islink(path):
-            return f"it is a symlink to {os.readlink(path)}, which does not exist (that save was refused or removed)"
+            reason = f"it is a symlink to {os.readlink(path)}, which does not exist (that save was refused or removed)"
+            return reason, ""
         if os.path.isdir(path):
-            return (
+            reason = (
                 "it is a directory, not a checkpoint file: a distributed checkpoint is verified by "
                 "verify_checkpoint (its manifest), not loaded as one file"
             )
-        return "file does not exist"
+            return reason, ""
+        return "file does not exist", ""
     sidecar = read_sidecar(path)
     if sidecar is None:
         if require_sidecar:
-            return (
+            reason = (
                 f"no checksum sidecar {os.path.basename(sidecar_path(path))} (the file was not written by "
                 "CheckpointGuard, or the save was interrupted before the sidecar was written)"
             )
-        return check_zip_crc(path)  # no sha256 to compare with: the CRC-32s torch's zip format stores
+            return reason, ""
+        return check_zip_crc(path), ""  # no sha256 to compare with: the CRC-32s torch's zip format stores
     if not sidecar.digest:
-        return f"checksum sidecar {os.path.basename(sidecar.path)} is empty"
-    if hash_file(path)[1] != sidecar.digest:
-        return (
-            f"sha256 does not match {os.path.basename(sidecar.path)} (the file is corrupt, truncated or was modified)"
+        return f"checksum sidecar {os.path.basename(sidecar.path)} is empty", ""
+    name = os.path.basename(sidecar.path)
+    if sidecar.stale and os.path.basename(path) != LAST_GOOD_NAME:
+        note = (
+            f"its sidecar {name} is stale (the file was written again after it, by a save without CheckpointGuard), "
+            "so the file was verified on its own: zip CRC-32s, a weights-only load, finiteness"
         )
-    return None
-
-
-def check_zip_crc(path: str) -> str | None:
-    """Why ``path``'s zip members fail their stored CRC-32, or ``None`` when they pass (or it is not a zip file).
-
-    torch's default format is a zip archive with a CRC-32 per member (``torch.load`` does not check them), so a
-    flipped bit inside a tensor's bytes is found without a sidecar. The legacy pickle format (``torch.save(...,
-    _use_new_zipfile_serialization=False)``) has no checksum at all and passes.
-    """
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"PK\x03\x04":
-        return None  # legacy format: nothing to check against (its contents are still loaded and checked)
-    try:
-        with zipfile.ZipFile(path) as archive:
-            bad = archive.testzip()
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
-        return f"the file is corrupt or truncated: its zip structure cannot be read ({type(err).__name__}: {err})"
-    if bad is not None:
-        return f"the file is corrupt: CRC-32 mismatch in zip member {bad!r} (bytes changed after it was written)"
-    return None
+        return None, note  # its zip CRC-32s passed (``Sidecar.stale``); the load and finiteness follow
+    if sidecar.stale or hash_file(path)[1] != sidecar.digest:
+        return f"sha256 does not match {name} (the file is corrupt, truncated or was modified)", ""
+    return None, ""
 
 
 def verify_and_load(
@@ -235,13 +231,18 @@ def verify_and_load(
         ``(result, checkpoint)``; ``checkpoint`` is ``None`` unless ``result.ok``. ``result.step`` is the file's
         ``global_step`` whenever it could be read, even when it fails for non-finite values.
     """
-    reason = check_sidecar(path, require_sidecar=require_sidecar)
+    reason, stale_note = _check_sidecar(path, require_sidecar=require_sidecar)
     if reason is not None:
         return VerifyResult(path, False, reason), None
+    # A file whose sidecar is stale is on its own: where it fails, the reason says both.
+    stale = ""
+    if stale_note:
+        name = os.path.basename(path) + SIDECAR_SUFFIX
+        stale = f"sha256 does not match its sidecar {name} (the file was written again after it), and on its own: "
     try:
         checkpoint = load(path) if load is not None else torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # any unreadable file is a failed verification, whatever torch raises
-        return VerifyResult(path, False, _load_failure(err)), None
+        return VerifyResult(path, False, stale + _load_failure(err)), None
     step = checkpoint_step(checkpoint)
     bad = nonfinite_tensors(checkpoint)
     note = ""
@@ -252,7 +253,8 @@ def verify_and_load(
         note = intended.note
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-        return VerifyResult(path, False, f"non-finite values in {', '.join(bad[:3])}{more}", step=step), None
+        return VerifyResult(path, False, f"{stale}non-finite values in {', '.join(bad[:3])}{more}", step=step), None
+    note = "; ".join(n for n in (stale_note, note) if n)
     return VerifyResult(path, True, note=note, step=step), checkpoint
 
 

@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from lightning_nanguard.checkpoint_manifest import is_distributed_checkpoint
+from lightning_nanguard.checkpoint_sidecar import read_sidecar
 from lightning_nanguard.checkpoints import SIDECAR_SUFFIX, checkpoint_candidates, verify_checkpoint, write_sidecar
 from lightning_nanguard.engine.sink import INCIDENTS_FILE, SUMMARY_FILE
 from lightning_nanguard.reporting.incidents import Incident, IncidentLog
@@ -108,6 +109,12 @@ def _unrecovered(records: list[Incident], summary: str | None) -> bool:
     return False
 
 
+def _needs_sidecar(path: str) -> bool:
+    """``path`` has no sidecar, or a stale one (the file was written again after it): ``--write-sidecar`` writes it."""
+    sidecar = read_sidecar(path)
+    return sidecar is None or sidecar.stale
+
+
 def _verify(args: argparse.Namespace) -> int:
     files: list[str] = []
     for path in args.paths:
@@ -123,7 +130,7 @@ def _verify(args: argparse.Namespace) -> int:
     for path in files:
         require = args.require_sidecar and not args.write_sidecar
         result = verify_checkpoint(path, require_sidecar=require)
-        if result.ok and args.write_sidecar and os.path.isfile(path) and not os.path.isfile(path + SIDECAR_SUFFIX):
+        if result.ok and args.write_sidecar and os.path.isfile(path) and _needs_sidecar(path):
             write_sidecar(path)
             print(f"OK   {path} (sidecar written: {os.path.basename(path)}{SIDECAR_SUFFIX})")
         elif result.ok:
@@ -205,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument(
         "--write-sidecar",
         action="store_true",
-        help="for a file without a sidecar whose contents verify, write the sidecar (trusting the file as it is now)",
+        help="for a file without a sidecar (or with a stale one) whose contents verify, write the sidecar (trusting "
+        "the file as it is now)",
     )
     verify.set_defaults(func=_verify)
     from lightning_nanguard.commands import ablate, demo, replay

@@ -22,6 +22,7 @@ import torch
 
 __all__ = [
     "Action",
+    "Basis",
     "Cause",
     "Diagnosis",
     "Divergence",
@@ -121,6 +122,9 @@ class EvidenceKind(_Value):
     HEAD_OVERSIZED = "head_oversized"  # the output layer is far larger than the labels in use
     STATE_NONFINITE = "state_nonfinite"  # named parameters / buffers / optimizer tensors
     RANKS_DIVERGED = "ranks_diverged"  # named parameters whose copies differ across DDP ranks
+    STATE_GROWN = "state_grown"  # parameters grown by orders of magnitude since the last sound snapshot
+    COUNTERFACTUAL = "counterfactual"  # the step replayed without the blamed rows: finite or not
+    WITHDRAWN = "withdrawn"  # an earlier data blame withdrawn: its quarantine did not stop the fault
     STATE_FROM_CHECKPOINT = "state_from_checkpoint"  # the state came non-finite from the resumed checkpoint
     HISTORY_RISING = "history_rising"  # loss / grad norm rising before the step
     HISTORY = "history"  # loss / grad norm over the last finite steps, not rising
@@ -135,6 +139,20 @@ class EvidenceKind(_Value):
     REPLAY_NOT_REPRODUCED = "replay_not_reproduced"  # the replay was finite
     REPLAY_SKIPPED = "replay_skipped"  # why no replay (accumulation, manual optimization, budget, mode)
     PROBE_LOSS = "probe_loss"  # the probe batch's loss at the last sound snapshot and under the current weights
+
+
+class Basis(_Value):
+    """Which kind of evidence decided a diagnosis, most certain first: a measurement outranks every heuristic."""
+
+    ORIGIN = "measured_origin"  # the op that made the first non-finite value from finite inputs (a traced replay)
+    STATE = "measured_state"  # the state itself: non-finite tensors, an update recomputed, parameters grown by orders
+    SIGNAL = (
+        "signal"  # the step's own signals: a spike, a loss-scale collapse, a GradScaler overflow, a diverging snapshot
+    )
+    REPLAY = "replay"  # the coarse replay: not reproduced, a module non-finite, finite in float32
+    HEURISTIC = "heuristic"  # the batch's look: non-finite or outsized rows, class targets out of range
+    HISTORY = "history"  # the recent history alone
+    NONE = "none"  # nothing decided (``unknown``)
 
 
 @dataclass(frozen=True)
@@ -169,6 +187,10 @@ class Diagnosis:
             ``corrupt_state``, then quarantined as well as restored; valid records that trigger a formula bug, such as
             an all-zero record meeting a norm without eps, quarantined as the trigger). Never false next to a data
             cause.
+        decided_by: which kind of evidence decided the cause (``Basis``: a measurement, the replay, a heuristic, the
+            history); the rule that decided declares it (``policies.causes.Rule.basis``).
+        counterfactual: where data was blamed and a replay could test it, what the step did without the blamed
+            rows (``{"rows": [...], "finite": bool, ...}``; ``{}`` when not tested).
         origin: the origin of the first non-finite value, as plain values (``policies.origin.Origin.to_dict()`` and
             its verdict's ``kind``, ``data_at_fault`` and ``summary``), ``{}`` when no traced replay found one.
     """
@@ -190,6 +212,8 @@ class Diagnosis:
     caused_by_data: bool = False
     rank_rows: tuple[tuple[int, ...], ...] = ()  # the implicated rows on each rank (index = rank), under DDP
     origin: Mapping[str, object] = field(default_factory=dict)
+    decided_by: Basis = Basis.NONE
+    counterfactual: Mapping[str, object] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         """Plain JSON-ready values (for incident records)."""
@@ -209,6 +233,8 @@ class Diagnosis:
             "note": self.note,
             "caused_by_data": self.caused_by_data,
             "origin": dict(self.origin),
+            "decided_by": self.decided_by.value,
+            "counterfactual": dict(self.counterfactual),
             "evidence": [{"kind": e.kind.value, "summary": e.summary, **dict(e.values)} for e in self.evidence],
         }
 

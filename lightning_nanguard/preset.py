@@ -6,6 +6,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
+from lightning_nanguard._validation import CONFLICTS, check_conflicts
 from lightning_nanguard.callbacks import (
     AutoRollback,
     CheckpointGuard,
@@ -55,7 +56,9 @@ def default_callbacks(**overrides: dict[str, Any] | bool) -> list[Callback]:
         >>> trainer = Trainer(callbacks=default_callbacks(AutoRollback={"every_n_steps": 100}, FP32Evaluation=False))
 
     Raises:
-        NanGuardConfigError: an unknown callback name, or a value that is neither a bool nor a dict.
+        NanGuardConfigError: an unknown callback name, or a value that is neither a bool nor a dict; an argument
+            outside its rule; a combination that conflicts (``_validation.CONFLICTS``), such as a callback set to
+            hand its events to AutoRollback while ``AutoRollback=False``.
     """
     names = {cls.__name__: cls for cls in PRESET}
     for name, value in overrides.items():
@@ -71,4 +74,18 @@ def default_callbacks(**overrides: dict[str, Any] | bool) -> list[Callback]:
         if choice is False:
             continue
         callbacks.append(cls(**{**kwargs, **(choice if isinstance(choice, dict) else {})}))
+    # Settings of one callback that need another the overrides leave out (``_validation.CONFLICTS``).
+    built = {type(callback).__name__: callback for callback in callbacks}
+    involved = {name for conflict in CONFLICTS["default_callbacks"] for name in conflict.args}
+    values = {name: _installed_value(built, name) for name in involved}
+    check_conflicts("default_callbacks", "default_callbacks", values)
     return callbacks
+
+
+def _installed_value(built: dict[str, Callback], name: str) -> Any:
+    """``"AutoRollback"``: whether it is installed; ``"GradNormMonitor.on_spike"``: that argument (``None`` where the
+    callback is left out)."""
+    owner, _, argument = name.partition(".")
+    if not argument:
+        return owner in built
+    return getattr(built[owner], argument) if owner in built else None

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_nanguard._lightning_compat import host_buffer_marked
+from lightning_nanguard._lightning_compat import first_element, host_buffer_marked
 from lightning_nanguard._validation import check_choice, check_int
 from lightning_nanguard.exceptions import NanGuardConfigError
 
@@ -122,7 +122,7 @@ class FaultInjector(Callback):
             if math.isfinite(self.value):
                 t.mul_(self.value)
             else:
-                t.view(-1)[:1].fill_(self.value)
+                first_element(t).fill_(self.value)
 
     @override
     def on_train_batch_start(

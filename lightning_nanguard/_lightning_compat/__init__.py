@@ -67,6 +67,7 @@ from lightning_nanguard._lightning_compat.strategies import (
 from lightning_nanguard._lightning_compat.torch_ops import (
     aten_op,
     ddp_ignored_names,
+    first_element,
     foreach_copy_,
     foreach_norm,
     foreach_norms,
@@ -97,6 +98,7 @@ __all__ = [
     "clipping_possible",
     "current_scale",
     "ddp_ignored_names",
+    "first_element",
     "flag_nonfinite",
     "foreach_copy_",
     "foreach_norm",

@@ -9,6 +9,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_nanguard._lightning_compat.torch_ops import first_element
+
 __all__ = [
     "accepts_found_inf",
     "active_scaler",
@@ -156,7 +158,7 @@ def or_into_found_inf(scaler: Any, optimizer: Optimizer, flag: Tensor) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.grad is not None:
-                head = p.grad.view(-1)[:1]
+                head = first_element(p.grad)
                 head.copy_(torch.where(flag.to(head.device), torch.full_like(head, torch.inf), head))
                 return
 

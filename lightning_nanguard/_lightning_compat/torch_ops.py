@@ -1,4 +1,5 @@
-"""torch internals: the fused foreach norms, pytree's ``tree_map``, a tensor's base, FSDP1's ``ShardedTensor``."""
+"""torch internals: the fused foreach norms, pytree's ``tree_map``, a tensor's base, FSDP1's ``ShardedTensor``; and
+``first_element``, the one in-place view of a tensor's first element that every layout has."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch.utils._pytree import tree_map
 __all__ = [
     "aten_op",
     "ddp_ignored_names",
+    "first_element",
     "foreach_copy_",
     "foreach_norm",
     "foreach_norms",
@@ -108,3 +110,10 @@ def scaler_factors(scaler: object) -> tuple[float | None, float | None]:
     """The GradScaler's ``(growth_factor, backoff_factor)`` (``None`` where it does not keep them as floats)."""
     grow, back = getattr(scaler, "_growth_factor", None), getattr(scaler, "_backoff_factor", None)
     return (grow if isinstance(grow, float) else None, back if isinstance(back, float) else None)
+
+
+def first_element(t: Tensor) -> Tensor:
+    """A view of ``t``'s first element (0-d), to write one value in place whatever its strides: ``t.view(-1)`` fails
+    for a non-contiguous tensor (a transposed weight and its gradient), and ``reshape`` may copy. ``t`` has at least
+    one element."""
+    return t[(0,) * t.dim()] if t.dim() else t

@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from lightning_nanguard import _lightning_compat
 from lightning_nanguard.callbacks._common import check_strategy_supported
+from lightning_nanguard.callbacks._state import adopt_saved_state, saved_state_key
 from lightning_nanguard.engine import Engine, get_engine
 
 __all__ = ["NanGuardCallback", "bind_engine_hooks", "mute_idle_hooks", "show_hooks", "unmute_hooks"]
@@ -53,13 +54,11 @@ class NanGuardCallback(Callback):
     @property
     def state_key(self) -> str:
         # Lightning reads it for every hook of every callback (profiler names): build it once.
+        # The class name: callbacks/_state.py says why no argument is in it.
         key = self._state_key_cache
         if key is None:
-            key = self._state_key_cache = self._make_state_key()
+            key = self._state_key_cache = saved_state_key(self)
         return key
-
-    def _make_state_key(self) -> str:
-        return self.__class__.__qualname__
 
     def _check_environment(self, trainer: pl.Trainer) -> None:
         """Refuse a setup this callback cannot handle correctly (raise ``UnsupportedSetupError``)."""
@@ -103,6 +102,12 @@ class NanGuardCallback(Callback):
             self._drives = False
             self._unmute_hooks()
             engine.leave(self)
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        adopt_saved_state(self, checkpoint)  # a checkpoint that saved the state under an older key
 
     # ------------------------------------------------------------------ the engine's hooks (driver only)
     @override

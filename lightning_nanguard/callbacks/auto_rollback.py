@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from lightning_nanguard import _lightning_compat
-from lightning_nanguard._validation import check_choice, check_int, check_path
+from lightning_nanguard._validation import check_choice, check_conflicts, check_int, check_path
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.contract import Divergence, PassedOverSnapshots
 from lightning_nanguard.engine import Engine
@@ -27,6 +27,7 @@ from lightning_nanguard.recovery.probe import SnapshotProbe
 from lightning_nanguard.recovery.quarantine import Quarantine
 from lightning_nanguard.recovery.rollback import repair_buffers, restore_state
 from lightning_nanguard.recovery.snapshot import SnapshotRing
+from lightning_nanguard.recovery.snapshot_stats import parameter_max_abs
 from lightning_nanguard.reporting import keys
 
 __all__ = ["AutoRollback"]
@@ -113,9 +114,8 @@ class AutoRollback(NanGuardCallback):
             check_int(owner, name, value, minimum=minimum)
         check_int(owner, "max_snapshot_bytes", max_snapshot_bytes, minimum=1, allow_none=True)
         check_choice(owner, "source", source, ("memory", "disk"))
-        if source == "memory" and num_snapshots == 0:
-            raise NanGuardConfigError(f"{owner}(num_snapshots=0): must be >= 1 with source='memory'.")
         check_path(owner, "checkpoint_dir", checkpoint_dir)
+        check_conflicts("AutoRollback", owner, locals())
         if source == "disk" and checkpoint_dir is not None and not os.path.isdir(checkpoint_dir):
             raise NanGuardConfigError(
                 f"{owner}(source='disk', checkpoint_dir={os.fspath(checkpoint_dir)!r}): must be an existing directory "
@@ -135,10 +135,6 @@ class AutoRollback(NanGuardCallback):
         self.divergence: Divergence | None = None  # the verdict behind the last ``diverging()`` that answered True
         self.probe = SnapshotProbe()  # scored at each snapshot and spike where spikes are probed
         self._engine: Engine | None = None
-
-    @override
-    def _make_state_key(self) -> str:
-        return self._generate_state_key(every_n_steps=self.every_n_steps, source=self.source)
 
     @property
     def rollbacks(self) -> int:
@@ -244,6 +240,12 @@ class AutoRollback(NanGuardCallback):
 
     def skip_batch(self) -> bool:
         return self.policy.skip_batch()
+
+    def sound_reference(self, names: set[str]) -> tuple[int, dict[str, float]] | None:
+        """The newest snapshot judged sound and its parameters' largest |value| (incident path only)."""
+        step = self.book.keep(self.ring.steps()) if self.source == "memory" else None
+        snapshot = self.ring.get(step) if step is not None else None
+        return None if snapshot is None or step is None else (step, parameter_max_abs(snapshot, names))
 
     def save_final(self, trainer: pl.Trainer, step: int) -> str:
         """A verified checkpoint of the (restored, finite) state before a budget stop. Every rank calls it."""

@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from lightning_nanguard import _notices
+from lightning_nanguard._validation import check_conflicts
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._common import make_incident
 from lightning_nanguard.contract import Action, Cause
@@ -95,6 +96,7 @@ class CheckpointGuard(NanGuardCallback):
         ):
             if not isinstance(value, bool):  # 0/1 compare equal to False/True but are not what a YAML bool reads as
                 raise NanGuardConfigError(f"{owner}({name}={value!r}): must be True or False (a bool).")
+        check_conflicts("CheckpointGuard", owner, locals())
         self.require_sidecar = require_sidecar
         self.fallback = fallback
         self.tag_last_good = tag_last_good
@@ -211,6 +213,8 @@ class CheckpointGuard(NanGuardCallback):
         elif event.kind == "refused_save":
             self.refused_saves += 1
             self._report(event)
+        elif event.kind == "loaded" and event.reason:
+            _notices.note(f"CheckpointGuard: {event.path} loaded; {event.reason}.")
         elif event.kind == "unverified":
             _notices.warn(f"CheckpointGuard: {event.path}: {event.reason}.")
         elif event.kind == "fallback":

@@ -9,13 +9,14 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_nanguard import _distributed, _lightning_compat, _notices
-from lightning_nanguard._validation import check_choice, check_int
+from lightning_nanguard._validation import check_choice, check_conflicts, check_int
 from lightning_nanguard.callbacks._base import mute_idle_hooks, unmute_hooks
 from lightning_nanguard.callbacks._common import (
     check_strategy_supported,
     fp32_evaluation_sharded_refusal,
     rerun_incident,
 )
+from lightning_nanguard.callbacks._state import adopt_saved_state, saved_state_key
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.exceptions import UnsupportedSetupError
 from lightning_nanguard.precision import FULL_PRECISION, classify_precision
@@ -94,6 +95,7 @@ class FP32Evaluation(Callback):
     def __init__(self, mode: Literal["always", "on_nonfinite"] = "always", promote_after: int | None = None) -> None:
         check_choice(type(self).__name__, "mode", mode, ("always", "on_nonfinite"))
         check_int(type(self).__name__, "promote_after", promote_after, minimum=1, allow_none=True)
+        check_conflicts("FP32Evaluation", type(self).__name__, locals())
         self.mode = mode
         self.promote_after = promote_after
         self.promoted: list[str] = []  # training modules running in float32, in promotion order
@@ -106,10 +108,10 @@ class FP32Evaluation(Callback):
     @property
     @override
     def state_key(self) -> str:
-        # Lightning reads it for every hook of every callback: build it once.
+        # Lightning reads it for every hook of every callback: build it once. The class name: callbacks/_state.py.
         key = self.__dict__.get("_state_key_cache")
         if key is None:
-            key = self.__dict__["_state_key_cache"] = self._generate_state_key(mode=self.mode)
+            key = self.__dict__["_state_key_cache"] = saved_state_key(self)
         return key
 
     # ------------------------------------------------------------------ lifecycle
@@ -202,6 +204,12 @@ class FP32Evaluation(Callback):
         engine.leave(self)
 
     # ------------------------------------------------------------------ state
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        adopt_saved_state(self, checkpoint)  # a checkpoint that saved the state under an older key
+
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"version": 2, "fp32_reruns": self.fp32_reruns, "promoted": list(self.promoted)}

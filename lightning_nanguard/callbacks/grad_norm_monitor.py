@@ -8,16 +8,19 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from lightning_nanguard import _notices
-from lightning_nanguard._validation import check_choice, check_float, check_int, check_path
+from lightning_nanguard._validation import check_choice, check_conflicts, check_float, check_int, check_path
 from lightning_nanguard.callbacks import _deepspeed
 from lightning_nanguard.callbacks._base import NanGuardCallback
+from lightning_nanguard.callbacks._state import warn_unloaded_quarantine
 from lightning_nanguard.engine import Engine, get_engine
 from lightning_nanguard.engine.capabilities import GuardSettings
 from lightning_nanguard.engine.grad_metrics import grad_metrics, layers_due
-from lightning_nanguard.exceptions import NanGuardConfigError
 from lightning_nanguard.recovery.quarantine import Quarantine
 
 __all__ = ["GradNormMonitor"]
+
+# The largest incident bundle budget taken, in MB (1 TB): any larger number is no budget at all (a disk fills first).
+MAX_BUNDLE_MB = 1e6
 
 
 class GradNormMonitor(NanGuardCallback):
@@ -73,6 +76,8 @@ class GradNormMonitor(NanGuardCallback):
             later ones; ``"every"`` replays each incident; ``"off"`` uses the cheap evidence only.
         max_replay_steps: replays stop once they have cost this many training steps' worth of time in this fit.
         bundle_mb: the size budget, in MB, of each replayed incident's bundle (for ``nanguard replay``); ``0``: none.
+        max_quarantined_fraction: records blamed as a hypothesis (not holding NaN/inf) past this share of the
+            dataset (never fewer than 4): the blame is withdrawn and they are released (docs/FORENSICS.md).
 
     Logged keys (every logging step, one batched logger call):
         ``nanguard/grad_norm``                   total 2-norm of the gradients (unscaled, pre-clip), last step
@@ -112,6 +117,7 @@ class GradNormMonitor(NanGuardCallback):
         dropped_window: int = 1000,
         on_dropped_budget: Literal["stop", "warn"] = "stop",
         bundle_mb: float = 64.0,
+        max_quarantined_fraction: float = 0.005,
     ) -> None:
         owner = type(self).__name__
         check_choice(owner, "on_nonfinite", on_nonfinite, ("warn", "skip", "stop"))
@@ -125,30 +131,25 @@ class GradNormMonitor(NanGuardCallback):
         check_float(owner, "spike_zscore", spike_zscore, low=0.0, low_inclusive=False, allow_none=True)
         check_int(owner, "spike_warmup", spike_warmup, minimum=1)
         check_choice(owner, "on_spike", on_spike, ("warn", "skip", "rollback", "probe"))
-        if on_spike != "warn" and spike_zscore is None:
-            raise NanGuardConfigError(
-                f"{owner}(on_spike={on_spike!r}): needs spike_zscore (e.g. 6.0); without it no spike is ever detected."
-            )
         check_choice(owner, "quarantine", quarantine, (True, False))
         check_path(owner, "quarantine_file", quarantine_file, must_exist=True)
         check_choice(owner, "forensics", forensics, ("first", "every", "off"))
         check_float(owner, "max_replay_steps", max_replay_steps, low=0.0)
-        check_float(owner, "bundle_mb", bundle_mb, low=0.0)
+        check_float(owner, "bundle_mb", bundle_mb, low=0.0, high=MAX_BUNDLE_MB)
+        check_float(owner, "max_quarantined_fraction", max_quarantined_fraction, low=0.0, high=1.0)
+        check_conflicts("GradNormMonitor", owner, locals())
         self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
         self.layer_depth, self.log_every_n_steps, self.histogram = layer_depth, log_every_n_steps, histogram
         self.spike_zscore, self.spike_warmup, self.on_spike = spike_zscore, spike_warmup, on_spike
         self.quarantine, self.quarantine_file = quarantine, None if quarantine_file is None else str(quarantine_file)
         self.forensics, self.max_replay_steps, self.bundle_mb = forensics, float(max_replay_steps), float(bundle_mb)
+        self.max_quarantined_fraction = float(max_quarantined_fraction)
         self.max_dropped_fraction = None if max_dropped_fraction is None else float(max_dropped_fraction)
         self.dropped_window, self.on_dropped_budget = dropped_window, on_dropped_budget
         self._quarantine = Quarantine(self.quarantine_file) if quarantine else None
         self._restored_skips = 0
         self._spike_state: dict[str, Any] = {}
         self._engine: Engine | None = None
-
-    @override
-    def _make_state_key(self) -> str:
-        return self._generate_state_key(on_nonfinite=self.on_nonfinite, layer_depth=self.layer_depth)
 
     @property
     def skipped_steps(self) -> int:
@@ -208,6 +209,7 @@ class GradNormMonitor(NanGuardCallback):
             dropped_window=self.dropped_window,
             on_dropped_budget=self.on_dropped_budget,
             bundle_mb=self.bundle_mb,
+            max_quarantined_fraction=self.max_quarantined_fraction,
         )
         if self._quarantine is not None:
             self._quarantine.install()
@@ -245,8 +247,11 @@ class GradNormMonitor(NanGuardCallback):
         if spikes is not None and self._spike_state:  # a resume: after ``setup``, into this fit's statistics
             spikes[0].load(self._spike_state.get("grad", {}))
             spikes[1].load(self._spike_state.get("loss", {}))
-        if self._quarantine is not None and "quarantine" in state_dict:
-            self._quarantine.load_state_dict(state_dict["quarantine"])
+        saved = state_dict.get("quarantine")
+        if self._quarantine is not None and saved is not None:
+            self._quarantine.load_state_dict(saved)
+        else:
+            warn_unloaded_quarantine(type(self).__name__, saved)
 
     # ------------------------------------------------------------------ metrics (one batched logger call)
     def _metrics(self, trainer: pl.Trainer) -> dict[str, float]:

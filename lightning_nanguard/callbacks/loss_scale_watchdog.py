@@ -14,7 +14,7 @@ import torch
 from typing_extensions import override
 
 from lightning_nanguard import _lightning_compat, _notices
-from lightning_nanguard._validation import check_choice, check_float, check_int
+from lightning_nanguard._validation import check_choice, check_conflicts, check_float, check_int
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._deepspeed import install_scale_watch, is_deepspeed
 from lightning_nanguard.contract import StateRestored
@@ -103,13 +103,12 @@ class LossScaleWatchdog(NanGuardCallback):
                 "hold: must be at least 1.4e-45."
             )
         check_float(owner, "max_scale", max_scale, low=0.0, low_inclusive=False, high=3.0e38, allow_none=True)
-        if max_scale is not None and max_scale < min_scale:
-            raise NanGuardConfigError(f"{owner}(max_scale={max_scale!r}): must be >= min_scale={min_scale!r} or None.")
         check_int(owner, "floor_patience", floor_patience, minimum=1, allow_none=True)
         check_int(owner, "max_overflow_streak", max_overflow_streak, minimum=1, allow_none=True)
         check_choice(owner, "on_collapse", on_collapse, ("auto", "warn", "rollback", "stop"))
         check_int(owner, "max_collapses", max_collapses, minimum=0, allow_none=True)
         check_int(owner, "window", window, minimum=1)
+        check_conflicts("LossScaleWatchdog", owner, locals())
         self.min_scale = float(min_scale)
         self.max_scale = None if max_scale is None else float(max_scale)
         self.floor_patience = floor_patience
@@ -121,10 +120,6 @@ class LossScaleWatchdog(NanGuardCallback):
         self._history = ScaleHistory()  # the last changes of the scale, for a collapse's record
         self._active = False
         self._deepspeed: DeepSpeedScaleWatch | None = None
-
-    @override
-    def _make_state_key(self) -> str:
-        return self._generate_state_key(min_scale=self.min_scale, on_collapse=self.on_collapse)
 
     @property
     def scale_history(self) -> list[tuple[int, float]]:

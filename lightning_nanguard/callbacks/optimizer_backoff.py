@@ -7,7 +7,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lightning_nanguard._validation import check_choice, check_float, check_int
+from lightning_nanguard._validation import check_choice, check_conflicts, check_float, check_int
 from lightning_nanguard.callbacks._base import NanGuardCallback, show_hooks
 from lightning_nanguard.callbacks._preflight import OnHazard, run_preflight
 from lightning_nanguard.contract import PassedOverSnapshots, StateRestored
@@ -117,13 +117,13 @@ class OptimizerBackoff(NanGuardCallback):
         check_float(owner, "max_eps", max_eps, low=0.0, high=1.0, low_inclusive=False)
         check_choice(owner, "on_hazard", on_hazard, ("fix", "warn", "raise", "off"))
         check_float(owner, "safe_eps", safe_eps, low=0.0, high=1.0, low_inclusive=False)
+        check_conflicts("OptimizerBackoff", owner, locals())
         self.lr_factor, self.min_lr_scale = float(lr_factor), float(min_lr_scale)
         self.skips_before_backoff, self.skip_window = skips_before_backoff, skip_window
         self.recover_after, self.recover_steps = recover_after, recover_steps
         self.recover_with_schedule = recover_with_schedule
         self.eps_backoff, self.eps_factor, self.max_eps = eps_backoff, float(eps_factor), float(max_eps)
         self.on_hazard, self.safe_eps = on_hazard, float(safe_eps)
-        self._triggers_text = triggers
         self.triggers: frozenset[str] = trigger_set
         self._policy = BackoffPolicy(
             lr_factor=self.lr_factor,
@@ -137,10 +137,6 @@ class OptimizerBackoff(NanGuardCallback):
         )
         self._scales = BackoffScales(self._policy, eps_mode=eps_backoff, eps_factor=self.eps_factor, max_eps=max_eps)
         self._state_loaded = False
-
-    @override
-    def _make_state_key(self) -> str:
-        return self._generate_state_key(lr_factor=self.lr_factor, triggers=self._triggers_text)
 
     @property
     def lr_scale(self) -> float:

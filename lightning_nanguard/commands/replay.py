@@ -5,7 +5,7 @@ LightningModule made from the class the bundle names (imported only after this c
 a ``LightningModule`` subclass), from ``--module pkg.mod:Class`` / ``--module path/to/script.py:Class``, or from
 ``--factory pkg.mod:make_model`` (called with the recorded ``hparams``), and the step re-run with the origin traced in
 the recorded precision, in float32 and in any precision asked for with ``--precision``. The cause is decided from
-what the replay found by the rules the incident used (``policies.diagnosis.classify``), and shown beside the cause the
+what the replay found by the rules the incident used (``policies.diagnosis.offline_diagnosis``), and shown beside the cause the
 incident named. Exit 0 when it ran, 2 on a usage error or a bundle that cannot be read or replayed.
 """
 
@@ -20,7 +20,8 @@ import torch
 
 from lightning_nanguard.forensics.bundle import BundleError, read_bundle
 from lightning_nanguard.forensics.offline import PRECISIONS, load_object, replay_bundle
-from lightning_nanguard.policies.origin import Origin, explain
+from lightning_nanguard.policies.causes import explain
+from lightning_nanguard.policies.origin import Origin
 
 __all__ = ["add_parser", "run"]
 
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
             print("\n".join(_show(Origin.from_dict(r["origin"]))))
     if fixes is not None:
         print(f"float32 fixes it: {'yes' if fixes else 'no (non-finite in float32 too)'}")
-    print(f"verdict: {verdict.kind.value}: {verdict.summary}")
+    print(f"verdict: {verdict.kind}: {verdict.summary}")
     same = (
         ""
         if not named
@@ -127,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     hint = diagnosis.hint or verdict.hint
     if hint:
         print(f"hint: {hint}")
-    print(f"data at fault: {'yes' if verdict.data_at_fault else 'no'}")
+    print(f"data at fault: {'yes' if diagnosis.caused_by_data else 'no'}")
     return 0
 
 

@@ -35,6 +35,7 @@ __all__ = [
 DEFAULT_MAX_CONSECUTIVE_SKIPS = 20
 DEFAULT_MAX_DROPPED_FRACTION = 0.05
 DEFAULT_DROPPED_WINDOW = 1000
+DEFAULT_MAX_QUARANTINED_FRACTION = 0.005
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class GuardSettings:
     dropped_window: int = DEFAULT_DROPPED_WINDOW
     on_dropped_budget: str = "stop"  # "stop" | "warn"
     bundle_mb: float = 64.0  # an incident bundle's size budget (0: none written)
+    max_quarantined_fraction: float = DEFAULT_MAX_QUARANTINED_FRACTION  # past it, a data hypothesis is withdrawn
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,11 @@ class Restorer(Protocol):
 
     def save_final(self, trainer: pl.Trainer, step: int) -> str:
         """Save a verified checkpoint before a stop; its path (``""`` when none was written)."""
+        ...
+
+    def sound_reference(self, names: set[str]) -> tuple[int, dict[str, float]] | None:
+        """The newest snapshot judged sound (its step) and the largest |value| of each of ``names`` it holds on this
+        rank (incident path only: finite damage is judged against it); ``None`` when there is none in memory."""
         ...
 
 

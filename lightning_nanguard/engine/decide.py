@@ -77,6 +77,7 @@ def remedy_facts(
         installed=registry.installed(trainer),
         state_damaged=not facts.state_ok,
         caused_by_data=diagnosis.caused_by_data,
+        quarantine_withheld=diagnosis.counterfactual.get("quarantine") is False,
         has_update=bool(facts.readings),
         scaler_dropped=scaler_dropped,
         on_nonfinite=guard.on_nonfinite if guard is not None else "skip",

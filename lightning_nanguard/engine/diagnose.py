@@ -22,8 +22,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_nanguard import _distributed
 from lightning_nanguard.contract import Action, Diagnosis, Divergence, Signal
 from lightning_nanguard.engine.accounting import FitLedger
+from lightning_nanguard.engine.counterfactual import test_blame
 from lightning_nanguard.engine.events import EventFacts
 from lightning_nanguard.engine.registry import Registry
+from lightning_nanguard.engine.state_growth import LocalGrowth, local_growth
+from lightning_nanguard.engine.state_growth import merge as merge_growth
+from lightning_nanguard.engine.withdrawal import Blames
 from lightning_nanguard.forensics import ReplayRequest, investigate
 from lightning_nanguard.forensics.bundle import DEFAULT_BUDGET_MB, write_bundle
 from lightning_nanguard.policies.causes import CAUSES
@@ -38,7 +42,12 @@ __all__ = ["diagnose", "gather_findings", "is_half", "precision_of", "trigger_no
 
 
 def diagnose(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, facts: EventFacts, registry: Registry, ledger: FitLedger
+    trainer: pl.Trainer,
+    pl_module: pl.LightningModule,
+    facts: EventFacts,
+    registry: Registry,
+    ledger: FitLedger,
+    blames: Blames | None = None,
 ) -> Diagnosis:
     """The diagnosis of one event: the cheap evidence (one all-gather), and a replay when that does not settle it
     (``forensics``). Every rank runs it; its collectives are made by every rank in the same order."""
@@ -55,7 +64,11 @@ def diagnose(
             update_applied=bool(facts.readings) and not all(r.dropped for r in facts.readings),
         )
         findings = investigate(trainer, pl_module, findings, request, ledger.replays)
-    return classify(findings)
+    diagnosis = classify(findings)
+    if blames is not None:  # a chain of quarantines that did not stop the fault: its blame is withdrawn
+        diagnosis = blames.judge(findings, diagnosis, facts.step)
+    # A data blame is a hypothesis: the step without the blamed rows says whether to quarantine them.
+    return test_blame(trainer, pl_module, facts, findings, diagnosis, registry, ledger)
 
 
 def write_incident_bundle(
@@ -130,14 +143,16 @@ def gather_findings(
     optimizers = list(trainer.optimizers)
     local_batch = read_batch(facts.batch)
     local_state = None if facts.state_ok else read_state(pl_module, optimizers, nonfinite_names(pl_module, optimizers))
-    # Each rank's clock too: a budget decided from one rank's step time could send the ranks different ways.
-    local = (local_batch, local_state, float(ledger.step_seconds))
+    # Each rank's clock too: a budget decided from one rank's step time could send the ranks different ways. And the
+    # parameters' growth since the last sound snapshot (finite damage), where AutoRollback keeps one in memory.
+    local = (local_batch, local_state, float(ledger.step_seconds), local_growth(registry, pl_module, facts))
     gathered = cast(
-        list[tuple[BatchFindings, StateFindings | None, float]], _distributed.all_gather_objects(trainer, local)
+        list[tuple[BatchFindings, StateFindings | None, float, LocalGrowth | None]],
+        _distributed.all_gather_objects(trainer, local),
     )
-    batches: tuple[BatchFindings, ...] = tuple(b for b, _, _ in gathered)
-    state = _merge_states([s for _, s, _ in gathered if s is not None], facts.state_names)
-    clocks = [t for _, _, t in gathered if math.isfinite(t) and t > 0]
+    batches: tuple[BatchFindings, ...] = tuple(g[0] for g in gathered)
+    state = _merge_states([g[1] for g in gathered if g[1] is not None], facts.state_names)
+    clocks = [g[2] for g in gathered if math.isfinite(g[2]) and g[2] > 0]
     step = facts.step
     history = list(ledger.history)
     scale = next((r.scale for r in facts.readings if r.scale is not None), None)
@@ -162,6 +177,7 @@ def gather_findings(
         probe=registry.restorer.probe_verdict
         if facts.signal is Signal.PROBE_ROSE and registry.restorer is not None
         else None,
+        grown=merge_growth([g[3] for g in gathered]),
     )
 
 

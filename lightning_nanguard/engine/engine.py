@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_nanguard import _lightning_compat, _notices
 from lightning_nanguard.contract import StateRestored
@@ -245,7 +246,7 @@ class Engine(StepFlow):
         if not self.finished and (self.began or self.sink.records):
             self.finished = True
             quarantine = self.registry.quarantine
-            notes = quarantine.summary_lines() if quarantine is not None else []
+            notes = [*(quarantine.summary_lines() if quarantine is not None else []), *self.incidents.blames.lines]
             for source in self.registry.summary_notes:
                 notes.extend(source())
             self.sink.summary(
@@ -255,7 +256,15 @@ class Engine(StepFlow):
                 final_state=self.ledger.final_state,
                 notes=notes,
                 steps=trainer.global_step - self.first_step,
+                # trainer.validate()/test()/predict(): the step monitors join fits only, and there is no step
+                evaluation=_evaluation_only(trainer),
             )
         if raise_pending and self.ledger.pending_error is not None:
             error, self.ledger.pending_error = self.ledger.pending_error, None
             raise error
+
+
+def _evaluation_only(trainer: pl.Trainer) -> str:
+    """``"validate"``, ``"test"`` or ``"predict"`` when the Trainer runs that alone (no training step), else ``""``."""
+    fn = trainer.state.fn
+    return "" if fn is None or fn == TrainerFn.FITTING else str(fn.value)

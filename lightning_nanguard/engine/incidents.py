@@ -21,6 +21,7 @@ from lightning_nanguard.contract import Action, Plan, Signal, StopReason
 from lightning_nanguard.engine.accounting import FitLedger
 from lightning_nanguard.engine.act import carry_out
 from lightning_nanguard.engine.bus import EventBus
+from lightning_nanguard.engine.capabilities import DEFAULT_MAX_QUARANTINED_FRACTION
 from lightning_nanguard.engine.decide import note_plan, remedy_facts
 from lightning_nanguard.engine.diagnose import diagnose, trigger_note, write_incident_bundle
 from lightning_nanguard.engine.events import AfterStep, EventFacts, PendingEvent
@@ -30,6 +31,7 @@ from lightning_nanguard.engine.reading import Reading
 from lightning_nanguard.engine.registry import Registry
 from lightning_nanguard.engine.sink import IncidentSink
 from lightning_nanguard.engine.state_check import state_before_update, state_verdict
+from lightning_nanguard.engine.withdrawal import Blames
 from lightning_nanguard.exceptions import (
     NanGuardError,
     NonFiniteTrainingError,
@@ -103,6 +105,7 @@ class IncidentPath:
         self.ledger = ledger
         self.sink = sink
         self.bus = bus
+        self.blames = Blames()  # the fit's data hypotheses and their quarantines (``withdrawal``)
 
     def handle(
         self,
@@ -153,7 +156,7 @@ class IncidentPath:
         if event.signal is Signal.RANK_DIVERGENCE:
             diagnosis = divergence_diagnosis(state_verdict(trainer, pl_module).diverged)
         else:
-            diagnosis = diagnose(trainer, pl_module, facts, registry, ledger)
+            diagnosis = diagnose(trainer, pl_module, facts, registry, ledger, self.blames)
         # Forensics: the incident bundle, before any action changes the weights or the random state.
         bundle = write_incident_bundle(trainer, pl_module, facts, diagnosis, registry, ledger, self.sink.run_dir)
         decided = remedy_facts(trainer, facts, diagnosis, registry, ledger)
@@ -161,6 +164,10 @@ class IncidentPath:
         note_plan(decided, plan, ledger, step)
         out = carry_out(trainer, pl_module, plan, diagnosis, facts, registry, ledger, self.bus)
         trigger_note(out.details, diagnosis)  # forensics: a formula bug's trigger, quarantined, is said to be one
+        fraction = (
+            registry.guard.max_quarantined_fraction if registry.guard is not None else DEFAULT_MAX_QUARANTINED_FRACTION
+        )
+        self.blames.settle(registry.quarantine, diagnosis, step, out.details, fraction)
         restore_failed = Action.ROLLBACK in plan.actions and not out.restored and plan.stop is None
         if restore_failed and (not facts.state_ok or diagnosis.state_damaged):
             plan = Plan(

@@ -23,6 +23,7 @@ from lightning_nanguard.signals.tensors import all_finite, iter_tensors
 __all__ = ["MicroBatch", "MicroBatches", "locate"]
 
 SampleIds = dict[str, list[int] | None]
+MANUAL_WINDOW = 64  # micro-batches kept of a hand-written accumulation window (manual optimization)
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,6 +34,7 @@ class MicroBatch:
     batch_idx: int
     epoch: int
     samples: SampleIds | None = None
+    step: int = -1  # global_step when it ended (manual optimization: the step its window closes at)
 
 
 class MicroBatches:
@@ -40,6 +42,21 @@ class MicroBatches:
 
     def __init__(self) -> None:
         self._ring: deque[MicroBatch] = deque(maxlen=1)
+        self.manual = False  # a manual-optimization window was remembered (hand-written accumulation)
+
+    def remember_manual(self, entry: MicroBatch) -> None:
+        """Manual optimization: a batch ran a backward without an optimizer step. Its window is every such batch
+        since the last step (``global_step`` unchanged), at most ``MANUAL_WINDOW``."""
+        self.manual = True
+        if self._ring.maxlen != MANUAL_WINDOW:
+            self._ring = deque(maxlen=MANUAL_WINDOW)
+        elif self._ring and (self._ring[-1].step != entry.step or self._ring[-1].epoch != entry.epoch):
+            self._ring.clear()
+        self._ring.append(entry)
+
+    def manual_window(self, epoch: int, batch_idx: int, step: int) -> list[MicroBatch]:
+        """The earlier micro-batches of the hand-written window the step ``step`` closes, oldest first."""
+        return [m for m in self._ring if m.step == step and m.epoch == epoch and m.batch_idx < batch_idx]
 
     def remember(self, entry: MicroBatch, accumulate: int) -> None:
         """A micro-batch ended without an optimizer step: keep a reference to it, and let go of those of earlier

@@ -9,8 +9,9 @@ from __future__ import annotations
 import os
 
 import lightning.pytorch as pl
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-from lightning_nanguard import _notices
+from lightning_nanguard import _distributed, _notices
 from lightning_nanguard._files import is_local_path
 from lightning_nanguard.reporting import emit
 from lightning_nanguard.reporting.dashboard import write_layout
@@ -18,7 +19,7 @@ from lightning_nanguard.reporting.incidents import Incident, IncidentLog
 from lightning_nanguard.reporting.keys import key
 from lightning_nanguard.reporting.summary import format_summary
 
-__all__ = ["INCIDENTS_FILE", "SUMMARY_FILE", "IncidentSink", "incident_markdown", "repeat_markdown"]
+__all__ = ["INCIDENTS_FILE", "SUMMARY_FILE", "IncidentSink", "incident_markdown", "repeat_markdown", "run_directory"]
 
 INCIDENTS_FILE = os.path.join("nanguard", "incidents.jsonl")
 SUMMARY_FILE = os.path.join("nanguard", "summary.txt")
@@ -37,13 +38,13 @@ class IncidentSink:
         return self.log.records
 
     def start(self, trainer: pl.Trainer) -> None:
-        """New fit: a fresh log. Files are written only where a logger writes on the local filesystem (never into the
-        working directory)."""
+        """New fit: a fresh log. Files are written only where a logger is configured, in its run folder on the local
+        filesystem (``run_directory``)."""
         self.log = IncidentLog()
         self.log_dir = self.run_dir = None
         if not trainer.loggers:
             return
-        log_dir = trainer.log_dir  # a broadcast: every rank calls it here
+        log_dir = run_directory(trainer)  # a broadcast: every rank calls it here
         self.run_dir = log_dir  # every rank's: incident bundles go there, whichever rank writes one
         # Local directories only: a remote one (s3://, memory://) would be created as a local folder of that name.
         if trainer.is_global_zero and log_dir is not None and is_local_path(log_dir):
@@ -77,6 +78,7 @@ class IncidentSink:
         final_state: str,
         notes: list[str],
         steps: int | None = None,
+        evaluation: str = "",
     ) -> str:
         text = format_summary(
             self.records,
@@ -87,6 +89,7 @@ class IncidentSink:
             notes=notes,
             end_step=int(trainer.global_step),
             steps=steps,
+            evaluation=evaluation,
         )
         _notices.note(text)
         if self.log_dir is not None and trainer.is_global_zero:
@@ -95,6 +98,34 @@ class IncidentSink:
             with open(path, "w", encoding="utf-8") as f:
                 f.write(text + "\n")
         return text
+
+
+def run_directory(trainer: pl.Trainer) -> str | None:
+    """The folder of the first logger's run, where nanguard's files go (``<log_dir>`` in the README): where Lightning
+    puts that logger's checkpoints, less ``checkpoints``. TensorBoardLogger's and CSVLogger's ``log_dir``
+    (``<save_dir>/<name>/<version>``); for any other logger ``<save_dir>/<name>/<version>`` too, never its bare
+    ``save_dir``, with the Trainer's ``default_root_dir`` for a ``save_dir`` that is the working directory (a logger
+    that keeps its history in memory reports it). ``None`` (no files) for a logger that saves nothing locally
+    (``save_dir`` ``None``: ``fast_dev_run``'s DummyLogger, a remote tracker), and never the working directory itself.
+    Rank 0's, on every rank (one broadcast)."""
+    logger = trainer.loggers[0]
+    cwd = os.path.realpath(os.getcwd())
+    if isinstance(logger, (TensorBoardLogger, CSVLogger)):
+        path = trainer.log_dir  # Lightning's own answer, broadcast
+    else:
+        local: str | None = None
+        if trainer.is_global_zero and logger.save_dir is not None:
+            save_dir = os.fspath(logger.save_dir)
+            if os.path.realpath(save_dir) == cwd:
+                save_dir = os.fspath(trainer.default_root_dir)
+            name, version = logger.name, logger.version
+            parts = [str(name)] if name else []
+            if version is not None and version != "":
+                parts.append(version if isinstance(version, str) else f"version_{version}")
+            local = os.path.join(save_dir, *parts)
+        found = _distributed.broadcast_object(trainer, local)
+        path = found if isinstance(found, str) else None
+    return None if path is None or os.path.realpath(path) == cwd else path
 
 
 def repeat_markdown(record: Incident) -> str:

@@ -274,8 +274,10 @@ class StepFlow:
         for hook in registry.step_hooks:
             hook(trainer)
         readings, self._readings = self._readings, []
-        if not readings and self._monitors and trainer.accumulate_grad_batches > 1:
-            self._remember_micro_batch(trainer)  # a micro-batch with no optimizer step: its window is still open
+        if not readings and self._monitors and (trainer.accumulate_grad_batches > 1 or self._losses):
+            # A micro-batch with no optimizer step: its window is still open (``_losses`` left: a backward without a
+            # step, manual optimization's hand-written accumulation).
+            self._remember_micro_batch(trainer, manual=trainer.accumulate_grad_batches <= 1)
         watch = registry.scale_watch
         stopping = self._drop is DropReason.STOPPING
         quarantined = self._drop is DropReason.QUARANTINED
@@ -313,6 +315,10 @@ class StepFlow:
         if accumulate > 1:  # the window's earlier micro-batches, to find the one that made the step non-finite
             earlier = self._micro.window(trainer.current_epoch, self._batch_idx, accumulate)
             window = (earlier, self._window_losses) if earlier else None
+        elif self._micro.manual and events[0].readings:  # hand-written accumulation: backwards since the last step
+            step = events[0].readings[0].step
+            earlier = self._micro.manual_window(trainer.current_epoch, self._batch_idx, step)
+            window = (earlier, self._window_losses) if earlier else None
         self._window_losses = []
         self.incidents.handle(trainer, pl_module, events, self._batch, self._batch_idx, window)
         if not self._starts:
@@ -335,12 +341,16 @@ class StepFlow:
         _log.debug("nanguard: %s at step %d left alone: %s", event.signal, reading.step, said)
         return None
 
-    def _remember_micro_batch(self, trainer: pl.Trainer) -> None:
-        """Keep a reference to this micro-batch (and its samples, where the quarantine knows them)."""
+    def _remember_micro_batch(self, trainer: pl.Trainer, *, manual: bool = False) -> None:
+        """Keep a reference to this micro-batch (and its samples, where the quarantine knows them); ``manual``: a
+        backward without an optimizer step under manual optimization (its window closes at the next step)."""
         quarantine = self.registry.quarantine
         samples = dict(quarantine.current) if quarantine is not None else None
-        entry = MicroBatch(self._batch, self._batch_idx, trainer.current_epoch, samples)
-        self._micro.remember(entry, trainer.accumulate_grad_batches)
+        entry = MicroBatch(self._batch, self._batch_idx, trainer.current_epoch, samples, trainer.global_step)
+        if manual:
+            self._micro.remember_manual(entry)
+        else:
+            self._micro.remember(entry, trainer.accumulate_grad_batches)
 
     def _clip_allowed(self) -> bool:
         """Lightning clips after ``on_before_optimizer_step``: nothing to clip once the update was dropped."""

@@ -41,7 +41,7 @@ from lightning_nanguard.exceptions import BundleError
 from lightning_nanguard.forensics.bundle_codec import Unencodable, capture_rng, encode, nbytes
 from lightning_nanguard.forensics.bundle_read import BUNDLES_DIR, FORMAT, Bundle, read_bundle
 from lightning_nanguard.forensics.replay import TracedPass
-from lightning_nanguard.policies.origin import explain
+from lightning_nanguard.policies.causes import explain
 
 __all__ = [
     "BUNDLES_DIR",

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 import lightning.pytorch as pl
 
 from lightning_nanguard import _distributed, _lightning_compat
+from lightning_nanguard.forensics.origin_events import batch_fields
 from lightning_nanguard.forensics.replay import TracedPass, run_pass, trace_pass
 from lightning_nanguard.policies.diagnosis import replay_steps, signature
 from lightning_nanguard.policies.findings import Findings, PassResult, ReplayFindings
-from lightning_nanguard.signals.batch import BatchFindings, read_batch
+from lightning_nanguard.signals.batch import BatchFindings, read_batch, target_tensor
 
 __all__ = ["TRACE_S", "ReplayBook", "ReplayRequest", "investigate"]
 
@@ -129,7 +130,7 @@ def _check_targets(trainer: pl.Trainer, f: Findings, replays: tuple[ReplayFindin
     """Check the class targets against the output size the replay saw (one all-gather, only when the gathered target
     ranges say some label may not fit: a decision every rank makes alike)."""
     size = next((r.hooked.out_size for r in replays if r.hooked is not None and r.hooked.out_size), None)
-    if size is None:
+    if size is None or _conditions_the_model(batch, replays):
         return f
     f = dataclasses.replace(f, output_size=size)
     suspect = any(
@@ -140,6 +141,17 @@ def _check_targets(trainer: pl.Trainer, f: Findings, replays: tuple[ReplayFindin
         return f
     gathered: list[BatchFindings] = _distributed.all_gather_objects(trainer, read_batch(batch, size))  # type: ignore[assignment]
     return dataclasses.replace(f, batch=tuple(gathered))
+
+
+def _conditions_the_model(batch: object, replays: tuple[ReplayFindings, ...]) -> bool:
+    """The batch's integer "targets" index a parameter's rows in the replay (a class-conditional model's labels go
+    through an embedding): they condition the model, the loss does not consume them as targets. Rank-consistent
+    where every rank's batch has the same structure (the fields are named by position or key)."""
+    target = target_tensor(batch)
+    used = {f for r in replays if r.hooked is not None for f in r.hooked.index_fields}
+    if target is None or not used:
+        return False
+    return any(t is target and name in used for name, t in batch_fields(batch))
 
 
 def _budget_ms(f: Findings, request: ReplayRequest) -> float:
@@ -156,8 +168,6 @@ def _why_not(trainer: pl.Trainer, pl_module: pl.LightningModule, f: Findings, re
     accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
     if accumulate > 1:
         return f"gradient accumulation: accumulate_grad_batches={accumulate}, only the last micro-batch is at hand"
-    if not pl_module.automatic_optimization:
-        return "manual optimization: training_step steps the optimizers itself"
     if not request.has_step:
         return "no training step at hand"
     if not f.batch or not all(b.replayable for b in f.batch):

@@ -8,7 +8,9 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor, nn
 
-__all__ = ["preserved_state", "swapped"]
+from lightning_nanguard._lightning_compat.metrics import MetricStates
+
+__all__ = ["preserved_attributes", "preserved_state", "swapped"]
 
 
 @contextlib.contextmanager
@@ -51,3 +53,41 @@ def preserved_state(module: nn.Module) -> Iterator[None]:
             if torch.is_autocast_enabled(d) != enabled:
                 torch.set_autocast_enabled(d, enabled)
         torch.set_grad_enabled(grad_enabled)
+
+
+# The attributes nn.Module keeps for itself (parameters, buffers, children, hooks): never put back by hand.
+_MODULE_OWN = frozenset(vars(nn.Module()))
+
+
+@contextlib.contextmanager
+def preserved_attributes(module: nn.Module) -> Iterator[None]:
+    """Put back what a ``training_step`` called outside training changes in the module's own Python state: every
+    module's plain attributes (a counter rebound, a list appended to, a dict or set filled, an attribute added) and
+    its torchmetrics states. A tensor attribute changed in place (not a buffer, not a metric's) is not undone."""
+    metrics = MetricStates(module)
+    saved_metrics = metrics.save() if metrics else None
+    saved: list[tuple[nn.Module, dict[str, object], dict[str, object]]] = []
+    for m in module.modules():
+        attrs = {k: v for k, v in vars(m).items() if k not in _MODULE_OWN}
+        contents: dict[str, object] = {}
+        for k, v in attrs.items():
+            if type(v) in (list, dict, set):
+                contents[k] = type(v)(v)  # type: ignore[call-arg]
+        saved.append((m, attrs, contents))
+    try:
+        yield
+    finally:
+        for m, attrs, contents in saved:
+            own = vars(m)
+            for k in [k for k in own if k not in _MODULE_OWN and k not in attrs]:
+                del own[k]
+            for k, v in attrs.items():
+                own[k] = v
+                if k in contents:
+                    if isinstance(v, list):
+                        v[:] = contents[k]  # type: ignore[call-overload]
+                    else:
+                        v.clear()  # type: ignore[attr-defined]
+                        v.update(contents[k])  # type: ignore[attr-defined]
+        if saved_metrics is not None:
+            MetricStates.restore(saved_metrics)

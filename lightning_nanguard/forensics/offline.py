@@ -40,7 +40,7 @@ from lightning_nanguard.forensics.bundle_codec import restore_rng, to_device
 from lightning_nanguard.forensics.bundle_read import Bundle, read_bundle
 from lightning_nanguard.forensics.replay import trace_pass
 from lightning_nanguard.forensics.step_view import OfflineTrainer
-from lightning_nanguard.policies.diagnosis import classify
+from lightning_nanguard.policies.diagnosis import offline_diagnosis
 from lightning_nanguard.policies.findings import Findings, PassResult, ReplayFindings
 from lightning_nanguard.policies.origin import Origin
 from lightning_nanguard.signals.batch import read_batch
@@ -364,4 +364,4 @@ def cause_of(bundle: Bundle, results: list[PassResult], precisions: list[str]) -
         precision=recorded,
         replay=(ReplayFindings(hooked=hooked, fp32=fp32),),
     )
-    return classify(findings)
+    return offline_diagnosis(bundle.manifest.get("diagnosis") or {}, findings)

@@ -72,6 +72,11 @@ from lightning_nanguard.policies.origin import Origin, SourceFrame, Stat
 __all__ = ["OriginTracer"]
 
 EVENTS_EXPLAINED = 256  # births past this many are kept without statistics or frame
+# Ops that look a parameter's rows up by an integer tensor: a batch field used so conditions the model.
+_INDEXING = ("aten.embedding.", "aten.embedding_bag.", "aten._embedding_bag.", "aten.index_select.")
+# Ops that multiply their input by a weight: a batch field of -inf reaching one is a feature, not a mask.
+_WEIGHTED: tuple[str, ...] = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten.matmul.", "aten.mv.")
+_WEIGHTED += ("aten.linear.", "aten.addmv.", "aten.convolution.", "aten._convolution.")
 
 
 class OriginTracer:
@@ -117,6 +122,7 @@ class OriginTracer:
         self._aside = 0  # > 0 while the replay's own bookkeeping runs (``aside``): its ops are not the pass's
         self._mode: Any = None
         self._anomaly: Any = None
+        self.index_fields: set[str] = set()  # integer batch fields that index a parameter (embedding rows)
 
     # ---------------------------------------------------------------------------------------------- the context
     def __enter__(self) -> OriginTracer:
@@ -156,6 +162,8 @@ class OriginTracer:
         if self.ops_checked % 64 == 0 and time.perf_counter() - self._start > self.time_budget_s:
             self._stop(f"stopped after time_budget_s={self.time_budget_s:g} s, {self.ops_checked} ops")
             return func(*args, **kwargs)
+        if str(func).startswith(_INDEXING):
+            self._indexed(args)
         try:
             ins = float_tensors((args, kwargs))
             before = [self._status(t) for t in ins]
@@ -168,6 +176,15 @@ class OriginTracer:
         except Exception as exc:
             self._stop(f"the tracer failed after {func}: {type(exc).__name__}: {exc}"[:200])
         return out
+
+    def _indexed(self, args: tuple[Any, ...]) -> None:
+        """An integer batch field that indexes a parameter's rows conditions the model: no class target."""
+        weight = args[0] if args else None
+        if not (isinstance(weight, Tensor) and id(weight) in self._state):
+            return
+        for a in args[1:]:
+            if isinstance(a, Tensor) and not a.is_floating_point() and id(a) in self._batch:
+                self.index_fields.add(self._batch[id(a)])
 
     # ------------------------------------------------------------------------------------------------ the trace
     def _remember(self, t: Tensor, status: Status) -> None:
@@ -225,6 +242,8 @@ class OriginTracer:
         if not outs:
             return
         bad = [s for s in before if not s.finite]
+        if bad and str(func).startswith(_WEIGHTED):
+            self._features(bad)
         if func.is_view and ins:  # a view keeps its base's producer
             made = self._made.get(id(ins[0]))
             if made is not None and made[0]() is ins[0]:
@@ -255,6 +274,13 @@ class OriginTracer:
             )
         for t, (finite, nan) in zip(outs, checks, strict=True):
             self._remember(t, FINITE if finite else Status(False, nan, tag))
+
+    def _features(self, bad: list[Status]) -> None:
+        """A batch field of -inf taken for a mask that goes through a weight is a feature: its rows are bad data."""
+        for s in bad:
+            ev = self._events[s.tag] if s.tag is not None else None
+            if ev is not None and ev.kind == "intended" and ev.rows and ev.fields and ev.fields[0] != "a constant":
+                ev.kind = "input"
 
     def _pick(self, bad: list[Status], *, nan: bool) -> int | None:
         """The event a non-finite output inherits: one carrying NaN when the output has NaN, a real one first."""

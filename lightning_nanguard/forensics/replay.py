@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_nanguard.forensics.isolation import preserved_state, swapped
+from lightning_nanguard.forensics.manual import replaying_manual_steps
 from lightning_nanguard.forensics.origin import OriginTracer
 from lightning_nanguard.forensics.step_view import seen_at
 from lightning_nanguard.policies.findings import PassResult
@@ -308,7 +309,10 @@ def _pass(
             if trace is not None:
                 tracer = traced.enter_context(OriginTracer(pl_module, data, **trace))
                 recorder.aside = tracer.aside
-            loss = _loss_of(pl_module.training_step(data, batch_idx))
+            with replaying_manual_steps(pl_module) as manual:  # manual optimization: nothing is stepped
+                loss = _loss_of(pl_module.training_step(data, batch_idx))
+            if manual.losses:  # the losses given to manual_backward: their sum's gradients are theirs summed
+                loss = torch.stack([x.float().sum() for x in manual.losses]).sum()
             stack.close()  # leave the precision context before the backward, as Lightning does
             if loss is None:
                 error = "training_step returned no loss"
@@ -364,5 +368,6 @@ def _pass(
         error=error,
         origin=origin,
         trace_note=tracer.truncated if tracer is not None else "",
+        index_fields=tuple(sorted(tracer.index_fields)) if tracer is not None else (),
     )
     return TracedPass(result, origin, call, result.trace_note, tracer.ops_checked if tracer is not None else 0)

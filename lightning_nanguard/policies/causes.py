@@ -16,11 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-from lightning_nanguard.contract import Cause, Diagnosis
+from lightning_nanguard.contract import Basis, Cause, Diagnosis
 from lightning_nanguard.policies.findings import Findings
+from lightning_nanguard.policies.origin import Origin, OriginVerdict, SourceFrame
 from lightning_nanguard.policies.rules import history, origin, probe, replay, state, step
+from lightning_nanguard.policies.rules import origin_patterns as patterns
 
-__all__ = ["CAUSES", "EVIDENCE", "CauseSpec", "Remedy", "Rule", "Stage", "spec", "trusts_state"]
+__all__ = ["CAUSES", "EVIDENCE", "CauseSpec", "Remedy", "Rule", "Stage", "explain", "spec", "trusts_state"]
 
 
 class Remedy(Enum):
@@ -60,6 +62,10 @@ class CauseSpec:
         counts_module_overflow: the module the diagnosis names counts one overflow toward ``promote_after``.
         diagnosed: decided by the evidence rules of ``EVIDENCE``; ``False`` for a cause the callback that saw it
             names directly (CheckpointGuard's verification of a checkpoint to resume from).
+        pattern: for a cause the origin of the first non-finite value decides, the pattern it shows
+            (``policies.rules.origin_patterns``: the summary, and the hint that works in the op's precision): the one
+            place an origin is mapped to a cause, read by the evidence rules and by ``explain`` alike.
+        example: an origin the pattern recognises (the registry's tests build an incident and its bundle from it).
     """
 
     cause: Cause
@@ -71,6 +77,15 @@ class CauseSpec:
     routine_under_scaler: bool = False
     counts_module_overflow: bool = False
     diagnosed: bool = True
+    pattern: Callable[[Origin], OriginVerdict | None] | None = None
+    example: Origin | None = None
+
+
+def _example(op: str, *stats: tuple[str, float | int | str], **kw: str) -> Origin:
+    """An origin made by ``op`` that one record of four meets (``CauseSpec.example``)."""
+    phase = kw.pop("phase", "forward")
+    frame = SourceFrame("model.py", 42, "training_step")
+    return Origin(op, phase, stats=stats, rows=(1,), batch_size=4, frame=frame, **kw)  # type: ignore[arg-type]
 
 
 CAUSES: dict[Cause, CauseSpec] = {
@@ -82,6 +97,8 @@ CAUSES: dict[Cause, CauseSpec] = {
             "check the data pipeline for these samples (NaN/inf or unnormalised values in the inputs)",
             data_at_fault=True,
             state_trusted=True,
+            pattern=patterns.nonfinite_input,
+            example=Origin("aten.addmm.default", "input", fields=("[0]",), rows=(1,), batch_size=4),
         ),
         CauseSpec(
             Cause.TARGETS,
@@ -98,6 +115,16 @@ CAUSES: dict[Cause, CauseSpec] = {
             remedy=Remedy.PROMOTE_WHEN_RECURRING,
             routine_under_scaler=True,
             counts_module_overflow=True,
+            pattern=patterns.half_precision_overflow,
+            example=Origin(
+                "aten.mul.Tensor",
+                "forward",
+                produced="inf",
+                input_dtypes=("torch.float16", "torch.float16"),
+                output_dtype="torch.float16",
+                module="square",
+                stats=(("dtype_max", 65504.0), ("max_abs_input", 300.0)),
+            ),
         ),
         CauseSpec(
             Cause.LOSS_FUNCTION,
@@ -110,6 +137,15 @@ CAUSES: dict[Cause, CauseSpec] = {
             "training is diverging",
             "lower the learning rate, clip gradients, warm up longer, or use a bigger batch",
             remedy=Remedy.ROLLBACK_AND_BACKOFF,
+            pattern=patterns.overflow_past_float32,
+            example=Origin(
+                "aten.mm.default",
+                "forward",
+                produced="inf",
+                input_dtypes=("torch.float32", "torch.float32"),
+                module="blocks.3",
+                stats=(("dtype_max", 3.4e38), ("max_abs_input", 1e20)),
+            ),
         ),
         CauseSpec(
             Cause.WEIGHTS_DIVERGING,
@@ -160,6 +196,8 @@ CAUSES: dict[Cause, CauseSpec] = {
             "add eps to the denominator: F.normalize(h, dim=-1, eps=1e-6), or clamp_min the norm (a value "
             "representable in the dtype: 1e-6 in float16)",
             state_trusted=True,
+            pattern=patterns.division_by_zero,
+            example=_example("aten.div.Tensor", ("denominator_zeros", 1)),
         ),
         CauseSpec(
             Cause.LOG_OF_ZERO,
@@ -167,12 +205,16 @@ CAUSES: dict[Cause, CauseSpec] = {
             "take the log of a quantity that cannot be 0 (clamp_min(torch.finfo(dtype).tiny)), or compute it from "
             "the logits (F.log_softmax, F.logsigmoid, F.binary_cross_entropy_with_logits)",
             state_trusted=True,
+            pattern=patterns.log_of_zero,
+            example=_example("aten.log.default", ("input_min", 0.0)),
         ),
         CauseSpec(
             Cause.SQRT_AT_ZERO,
             "the gradient of sqrt at zero in the model's formula; the model and optimizer are not at fault",
             "add eps inside the root (torch.sqrt(x + eps)), or use torch.linalg.vector_norm (its gradient at 0 is 0)",
             state_trusted=True,
+            pattern=patterns.sqrt_at_zero,
+            example=_example("aten.div.Tensor", phase="backward", node="SqrtBackward0"),
         ),
         CauseSpec(
             Cause.MASKED_BRANCH_GRADIENT,
@@ -180,6 +222,8 @@ CAUSES: dict[Cause, CauseSpec] = {
             "make the masked branch finite before the where: p * torch.log(p.clamp_min(tiny)), or "
             "torch.special.xlogy(p, p) for p * log(p)",
             state_trusted=True,
+            pattern=patterns.masked_branch_gradient,
+            example=_example("aten.log.default", masked_by="aten.where.self", surfaced_phase="backward"),
         ),
         CauseSpec(
             Cause.FULLY_MASKED_SOFTMAX,
@@ -187,6 +231,8 @@ CAUSES: dict[Cause, CauseSpec] = {
             "give every row an unmasked position, mask with torch.finfo(dtype).min instead of -inf, or zero those "
             "rows after the softmax",
             state_trusted=True,
+            pattern=patterns.fully_masked_softmax,
+            example=_example("aten._softmax.default", ("rows_all_neg_inf", 1)),
         ),
         CauseSpec(
             Cause.LOW_PRECISION_ROUNDING,
@@ -194,6 +240,8 @@ CAUSES: dict[Cause, CauseSpec] = {
             "compute the loss from the logits (F.binary_cross_entropy_with_logits, F.logsigmoid, F.log_softmax): "
             "clamping p to 1 - 1e-7 does not help in bfloat16 or float16, where it rounds to 1.0",
             state_trusted=True,
+            pattern=patterns.low_precision_rounding,
+            example=_example("aten.log.default", ("operand_ones", 1), ("operand_dtype", "torch.bfloat16")),
         ),
         CauseSpec(
             Cause.EXP_OVERFLOW,
@@ -202,6 +250,8 @@ CAUSES: dict[Cause, CauseSpec] = {
             remedy=Remedy.PROMOTE_WHEN_RECURRING,
             routine_under_scaler=True,
             counts_module_overflow=True,
+            pattern=patterns.exp_overflow,
+            example=_example("aten.exp.default", ("max_arg", 120.0), ("log_max", 88.72)),
         ),
     )
 }
@@ -227,50 +277,90 @@ class Stage(Enum):
 
 @dataclass(frozen=True)
 class Rule:
-    """One way a cause is decided: ``decide`` returns the diagnosis, or ``None`` when its evidence is not there."""
+    """One way a cause is decided: ``decide`` returns the diagnosis, or ``None`` when its evidence is not there.
+    ``basis`` is the kind of evidence it rests on (``Diagnosis.decided_by``): the rules are ranked by it, a
+    measurement (the state, the origin) before any heuristic (the batch's look, the history)."""
 
     cause: Cause
     stage: Stage
     decide: Callable[[Findings], Diagnosis | None]
+    basis: Basis
 
 
-# The evidence rules in the order they are tried, first match wins (docs/FORENSICS.md has the table): the state
-# first (a damaged state decides the remedy whatever else the event shows), then the step's own signals; then, where a
-# replay ran, the origin of the first non-finite value (the op and line: a certain cause); then the batch's evidence;
-# then the coarse replay (modules, float32); the history last. The cheap rules before the first replay rule settle an
-# event without a replay (``policies.diagnosis.needs_replay``); the cheap ones after it decide when no replay ran.
+# The evidence rules in the order they are tried, first match wins, ranked by certainty (docs/FORENSICS.md has the
+# table): the measured state first (non-finite, or parameters grown by orders of magnitude: a damaged state decides
+# the remedy whatever else the event shows), then the step's own signals; then, where a replay ran, the measured
+# origin of the first non-finite value (the op and line). The heuristics (class targets out of range, non-finite or
+# outsized rows) decide only where nothing was measured: after the origin (class targets out of range come before it
+# only where the origin itself names their rows), then the coarse replay (modules, float32); the history last. The
+# cheap rules before the first replay rule settle an event without a replay (``policies.diagnosis.needs_replay``);
+# the cheap ones after it decide when no replay ran.
+_S, _O, _SIG, _R, _H, _HIS = Basis.STATE, Basis.ORIGIN, Basis.SIGNAL, Basis.REPLAY, Basis.HEURISTIC, Basis.HISTORY
+
+
+def _formula(cause: Cause) -> Rule:
+    """The evidence rule of a cause its origin pattern decides (``CauseSpec.pattern``)."""
+    return Rule(cause, Stage.REPLAY, origin.formula(cause, CAUSES[cause].pattern), Basis.ORIGIN)
+
+
 EVIDENCE: tuple[Rule, ...] = (
-    Rule(Cause.CORRUPT_STATE, Stage.CHEAP, state.loaded_from_checkpoint),
-    Rule(Cause.OPTIMIZER_NUMERICS, Stage.CHEAP, state.optimizer_update),
-    Rule(Cause.CORRUPT_STATE, Stage.CHEAP, state.corrupt_state),
-    Rule(Cause.WEIGHTS_DIVERGING, Stage.CHEAP, probe.probe_rose),
-    Rule(Cause.GRADIENT_EXPLOSION, Stage.CHEAP, step.spike_or_collapse),
-    Rule(Cause.GRADIENT_EXPLOSION, Stage.CHEAP, step.diverging),
-    Rule(Cause.GRADIENT_EXPLOSION, Stage.CHEAP, step.scaler_overflow_climbing),
-    Rule(Cause.HALF_PRECISION_OVERFLOW, Stage.CHEAP, step.scaler_overflow),
-    Rule(Cause.TARGETS, Stage.CHEAP, step.targets_out_of_range),  # the output size comes from a replay
-    Rule(Cause.INPUT_DATA, Stage.REPLAY, origin.nonfinite_input),
-    Rule(Cause.TARGETS, Stage.REPLAY, origin.nonfinite_target),
-    Rule(Cause.DIVISION_BY_ZERO, Stage.REPLAY, origin.division_by_zero),
-    Rule(Cause.LOG_OF_ZERO, Stage.REPLAY, origin.log_of_zero),
-    Rule(Cause.SQRT_AT_ZERO, Stage.REPLAY, origin.sqrt_at_zero),
-    Rule(Cause.MASKED_BRANCH_GRADIENT, Stage.REPLAY, origin.masked_branch_gradient),
-    Rule(Cause.FULLY_MASKED_SOFTMAX, Stage.REPLAY, origin.fully_masked_softmax),
-    Rule(Cause.LOW_PRECISION_ROUNDING, Stage.REPLAY, origin.low_precision_rounding),
-    Rule(Cause.EXP_OVERFLOW, Stage.REPLAY, origin.exp_overflow),
-    Rule(Cause.HALF_PRECISION_OVERFLOW, Stage.REPLAY, origin.half_precision_overflow),
-    Rule(Cause.GRADIENT_EXPLOSION, Stage.REPLAY, origin.overflow_past_float32),
-    Rule(Cause.INPUT_DATA, Stage.CHEAP, step.nonfinite_inputs),
-    Rule(Cause.TARGETS, Stage.CHEAP, step.nonfinite_targets),
-    Rule(Cause.INPUT_DATA, Stage.CHEAP, step.outsized_inputs),
-    Rule(Cause.GRADIENT_EXPLOSION, Stage.REPLAY, replay.finite_but_huge),
-    Rule(Cause.TRANSIENT, Stage.REPLAY, replay.not_reproduced),
-    Rule(Cause.GRADIENT_EXPLOSION, Stage.REPLAY, replay.loss_of_huge_outputs),
-    Rule(Cause.LOSS_FUNCTION, Stage.REPLAY, replay.loss_of_finite_outputs),
-    Rule(Cause.HALF_PRECISION_OVERFLOW, Stage.REPLAY, replay.half_precision_module),
-    Rule(Cause.GRADIENT_EXPLOSION, Stage.REPLAY, replay.nonfinite_in_float32),
-    Rule(Cause.UNKNOWN, Stage.REPLAY, replay.nonfinite_without_growth),
-    Rule(Cause.UNKNOWN, Stage.REPLAY, replay.no_float32_pass),
-    Rule(Cause.GRADIENT_EXPLOSION, Stage.LAST, history.rising_history),
-    Rule(Cause.UNKNOWN, Stage.LAST, history.nothing_decided),
+    Rule(Cause.CORRUPT_STATE, Stage.CHEAP, state.loaded_from_checkpoint, _S),
+    Rule(Cause.OPTIMIZER_NUMERICS, Stage.CHEAP, state.optimizer_update, _S),
+    Rule(Cause.CORRUPT_STATE, Stage.CHEAP, state.corrupt_state, _S),
+    Rule(Cause.GRADIENT_EXPLOSION, Stage.CHEAP, state.grown_state, _S),
+    Rule(Cause.WEIGHTS_DIVERGING, Stage.CHEAP, probe.probe_rose, _S),  # the probe batch measures the weights
+    Rule(Cause.GRADIENT_EXPLOSION, Stage.CHEAP, step.spike_or_collapse, _SIG),
+    Rule(Cause.GRADIENT_EXPLOSION, Stage.CHEAP, step.diverging, _SIG),
+    Rule(Cause.GRADIENT_EXPLOSION, Stage.CHEAP, step.scaler_overflow_climbing, _SIG),
+    Rule(Cause.HALF_PRECISION_OVERFLOW, Stage.CHEAP, step.scaler_overflow, _SIG),
+    Rule(Cause.INPUT_DATA, Stage.REPLAY, origin.nonfinite_input, _O),
+    Rule(Cause.TARGETS, Stage.REPLAY, origin.nonfinite_target, _O),
+    Rule(Cause.TARGETS, Stage.REPLAY, origin.targets_at_the_origin, _O),  # the origin names the rows out of range
+    # The formula causes, each decided by the pattern its CauseSpec declares (this order settles an origin that
+    # shows two: a masked branch's log is the masked branch, a log of a value rounded in bf16 the rounding).
+    _formula(Cause.MASKED_BRANCH_GRADIENT),
+    _formula(Cause.FULLY_MASKED_SOFTMAX),
+    _formula(Cause.LOW_PRECISION_ROUNDING),
+    _formula(Cause.LOG_OF_ZERO),
+    _formula(Cause.SQRT_AT_ZERO),
+    _formula(Cause.DIVISION_BY_ZERO),
+    _formula(Cause.EXP_OVERFLOW),
+    Rule(Cause.HALF_PRECISION_OVERFLOW, Stage.REPLAY, origin.half_precision_overflow, _O),
+    Rule(Cause.GRADIENT_EXPLOSION, Stage.REPLAY, origin.overflow_past_float32, _O),
+    Rule(Cause.INPUT_DATA, Stage.CHEAP, step.nonfinite_inputs, _H),
+    Rule(Cause.TARGETS, Stage.CHEAP, step.nonfinite_targets, _H),
+    Rule(Cause.INPUT_DATA, Stage.CHEAP, step.outsized_inputs, _H),
+    Rule(Cause.GRADIENT_EXPLOSION, Stage.REPLAY, replay.finite_but_huge, _R),
+    Rule(Cause.TRANSIENT, Stage.REPLAY, replay.not_reproduced, _R),
+    Rule(Cause.TARGETS, Stage.CHEAP, step.targets_out_of_range, _H),  # the output size comes from a replay
+    Rule(Cause.GRADIENT_EXPLOSION, Stage.REPLAY, replay.loss_of_huge_outputs, _R),
+    Rule(Cause.LOSS_FUNCTION, Stage.REPLAY, replay.loss_of_finite_outputs, _R),
+    Rule(Cause.HALF_PRECISION_OVERFLOW, Stage.REPLAY, replay.half_precision_module, _R),
+    Rule(Cause.GRADIENT_EXPLOSION, Stage.REPLAY, replay.nonfinite_in_float32, _R),
+    Rule(Cause.UNKNOWN, Stage.REPLAY, replay.nonfinite_without_growth, _R),
+    Rule(Cause.UNKNOWN, Stage.REPLAY, replay.no_float32_pass, _R),
+    Rule(Cause.GRADIENT_EXPLOSION, Stage.LAST, history.rising_history, _HIS),
+    Rule(Cause.UNKNOWN, Stage.LAST, history.nothing_decided, Basis.NONE),
 )
+
+
+def explain(found: Origin | None) -> OriginVerdict:
+    """What an origin means, by the registry: the pattern of the first cause (in ``EVIDENCE`` order) whose
+    ``CauseSpec.pattern`` it shows; ``"nonfinite_state"`` for a value already non-finite in the state, ``"unknown"``
+    for anything else (the coarse evidence then decides)."""
+    if found is None:
+        return OriginVerdict("unknown", False, "no origin traced", "")
+    for rule in EVIDENCE:
+        pattern = CAUSES[rule.cause].pattern if rule.basis is Basis.ORIGIN else None
+        verdict = pattern(found) if pattern is not None else None
+        if verdict is not None:
+            return verdict
+    at = f" at {found.frame}" if found.frame else ""
+    if found.phase == "state":
+        return OriginVerdict(
+            "nonfinite_state",
+            False,
+            f"non-finite values already in {', '.join(found.fields) or 'the model state'}, first used by {found.op}{at}",
+            "restore an earlier state (AutoRollback) and find what wrote these values",
+        )
+    return OriginVerdict("unknown", False, f"{found.op} made {found.produced} from finite inputs{at}", "", found.rows)

@@ -8,26 +8,30 @@ under half precision, a head far larger than the labels in use, the hint of the 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import replace
+from typing import Any
 
-from lightning_nanguard.contract import Cause, Diagnosis, Evidence, EvidenceKind
+from lightning_nanguard.contract import Basis, Cause, Diagnosis, Evidence, EvidenceKind
 from lightning_nanguard.policies.causes import CAUSES, EVIDENCE, Stage
-from lightning_nanguard.policies.findings import Findings, at, batch_evidence, rows_by_rank
+from lightning_nanguard.policies.findings import Findings, ReplayFindings, at, batch_evidence, rows_by_rank
 from lightning_nanguard.policies.rules.replay import replay_usable
+from lightning_nanguard.signals.history import HistoryFindings
 
-__all__ = ["classify", "needs_replay", "replay_steps", "signature"]
+__all__ = ["classify", "needs_replay", "offline_diagnosis", "replay_steps", "signature", "strip_rows"]
 
 HEAD_RATIO = 10  # a head at least this many times the largest label in use (and >= HEAD_MIN outputs) is oversized
 HEAD_MIN = 100
 
 
 def _decide(f: Findings, stages: tuple[Stage, ...]) -> Diagnosis | None:
+    """The first rule (in ``EVIDENCE``'s ranked order) whose evidence is there, its ``basis`` as ``decided_by``."""
     usable = replay_usable(f)
     for rule in EVIDENCE:
         if rule.stage in stages and (usable or rule.stage is not Stage.REPLAY):
             found = rule.decide(f)
             if found is not None:
-                return found
+                return replace(found, decided_by=rule.basis)
     return None
 
 
@@ -75,6 +79,8 @@ def classify(f: Findings) -> Diagnosis:
         caused_by_data=d.caused_by_data or CAUSES[d.cause].data_at_fault,  # never "input_data, not by data"
         rank_rows=d.rank_rows or _rank_rows(f, d.rows),
         origin=d.origin,
+        decided_by=d.decided_by,
+        counterfactual=d.counterfactual,
     )
 
 
@@ -100,7 +106,13 @@ def _with_magnitude_rows(f: Findings, d: Diagnosis) -> Diagnosis:
     if d.cause is Cause.HALF_PRECISION_OVERFLOW:
         return replace(d, evidence=(*d.evidence, found), rows=rows)
     return Diagnosis(
-        Cause.INPUT_DATA, where=at(f, ranks, rows), evidence=(found, *d.evidence), ranks=ranks, rows=rows, note=d.note
+        Cause.INPUT_DATA,
+        where=at(f, ranks, rows),
+        evidence=(found, *d.evidence),
+        ranks=ranks,
+        rows=rows,
+        note=d.note,
+        decided_by=Basis.HEURISTIC,
     )
 
 
@@ -125,3 +137,52 @@ def replay_steps(ms: float, step_seconds: float) -> float | None:
     if not math.isfinite(step_seconds) or step_seconds <= 0:
         return None
     return ms / (step_seconds * 1000.0)
+
+
+def strip_rows(f: Findings) -> Findings:
+    """``f`` without the batch's blame: no non-finite, outsized or out-of-range rows, no origin of phase ``input``
+    and no triggering rows; the cause is then decided from the other evidence (a blame tested and withdrawn)."""
+    batch = tuple(
+        replace(b, nonfinite_rows=(), nonfinite_target_rows=(), magnitude_rows=(), target_rows=()) for b in f.batch
+    )
+
+    def clean(r: ReplayFindings) -> ReplayFindings:
+        h = r.hooked
+        if h is None or h.origin is None:
+            return r
+        origin = None if h.origin.phase == "input" else replace(h.origin, rows=())
+        return replace(r, hooked=replace(h, origin=origin))
+
+    return replace(f, batch=batch, replay=tuple(clean(r) for r in f.replay))
+
+
+# Evidence a bundle does not hold: a cause decided on it online is the incident's, offline too.
+_NOT_IN_A_BUNDLE = (Basis.STATE, Basis.SIGNAL, Basis.HISTORY)
+
+
+def offline_diagnosis(recorded: Mapping[str, Any], f: Findings) -> Diagnosis:
+    """The cause of an incident's step replayed offline (``nanguard replay BUNDLE``), by the incident's own rules.
+
+    ``f``: what the bundle's replay found (its passes, the batch's evidence); ``recorded``: the incident's diagnosis
+    (``Diagnosis.to_dict()``, in the bundle's manifest). What the bundle cannot hold is taken from the record: a
+    cause decided on the state, the step's signals or the history stands as the incident named it; a rising history
+    is given to the rules; a data blame the incident tested and withdrew (``counterfactual``) is withdrawn here too.
+    So the online incident and its offline replay name the same cause, place and data at fault."""
+    basis = Basis(str(recorded.get("decided_by") or Basis.NONE.value))
+    if basis in _NOT_IN_A_BUNDLE and recorded.get("cause"):
+        return Diagnosis(
+            Cause(str(recorded["cause"])),
+            where=str(recorded.get("where", "")),
+            hint=str(recorded.get("hint", "")),
+            rows=tuple(int(r) for r in recorded.get("rows") or ()),  # type: ignore[union-attr]
+            caused_by_data=bool(recorded.get("caused_by_data")),
+            note=f"decided by evidence a bundle does not hold ({basis.value}): as the incident named it",
+            decided_by=basis,
+        )
+    kinds = {str(e.get("kind")) for e in recorded.get("evidence") or () if isinstance(e, Mapping)}  # type: ignore[union-attr]
+    if EvidenceKind.HISTORY_RISING.value in kinds:
+        f = replace(f, history=HistoryFindings(grad_norm_rising=True))
+    withdrawn = (recorded.get("counterfactual") or {}).get("quarantine") is False  # type: ignore[union-attr]
+    if withdrawn:
+        return replace(classify(strip_rows(f)), caused_by_data=False, rows=(), rank_rows=())
+    return classify(f)

@@ -20,6 +20,7 @@ from lightning_nanguard.signals.state import StateFindings
 __all__ = [
     "HUGE_OUTPUT",
     "Findings",
+    "Growth",
     "PassResult",
     "ReplayFindings",
     "at",
@@ -53,6 +54,7 @@ class PassResult:
     error: str = ""  # the pass raised: the exception, in one line
     origin: Origin | None = None  # the op and line that made the first non-finite value (a traced pass only)
     trace_note: str = ""  # why the origin trace stopped early ("" it did not, or no trace ran)
+    index_fields: tuple[str, ...] = ()  # integer batch fields that index a parameter (they condition the model)
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,16 @@ class ReplayFindings:
     fp32: PassResult | None = None
     ms: float = 0.0
     note: str = ""
+
+
+@dataclass(frozen=True)
+class Growth:
+    """Parameters whose largest |value| grew more than ``factor`` x since the last sound snapshot (finite damage):
+    ``(name, now, then)`` each, the largest growth first."""
+
+    reference_step: int
+    factor: float
+    parameters: tuple[tuple[str, float, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -92,6 +104,7 @@ class Findings:
     note: str = ""  # why no replay, or whose replay is reused
     divergence: Divergence | None = None  # a ``diverging`` event: the snapshot judged and the reference it failed
     probe: ProbeVerdict | None = None  # a ``probe_rose`` event: the probe batch's loss before and after
+    grown: Growth | None = None  # parameters grown by orders of magnitude since the last sound snapshot
 
     @property
     def replay_errors(self) -> list[str]:

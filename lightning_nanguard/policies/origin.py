@@ -1,9 +1,10 @@
-"""The origin of a step's first non-finite value, as plain data, and what it means: ``explain(origin) -> verdict``.
+"""The origin of a step's first non-finite value, as plain data.
 
 ``Origin`` is what ``forensics.origin`` traced: the first operation (forward or backward) that made a non-finite
 value from finite inputs and led to the step's non-finite loss or gradients, with the user's line that called it
-and the input statistics that explain it. ``explain`` is pure: it names the pattern (``OriginKind``), whether the
-data is at fault, and a hint that works in the precision the op ran in. docs/FORENSICS.md has the table.
+and the input statistics that explain it. What it means (``OriginVerdict``: the pattern, whether the data is at
+fault, a hint that works in the precision the op ran in) is the cause registry's to say, once, next to each cause
+(``policies.causes.explain``; the patterns: ``policies.rules.origin_patterns``). docs/FORENSICS.md has the table.
 
 The statistics an ``Origin`` may carry (``Origin.stats``, every one optional):
 
@@ -32,28 +33,11 @@ key                         meaning
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from enum import Enum
 from typing import Any
 
-__all__ = ["Origin", "OriginKind", "OriginVerdict", "SourceFrame", "explain"]
+__all__ = ["HALF", "Origin", "OriginVerdict", "SourceFrame"]
 
 Stat = float | int | str | bool
-
-
-class OriginKind(str, Enum):
-    """The pattern an origin shows."""
-
-    DIVISION_BY_ZERO = "division_by_zero"  # x / 0 (a normalisation or a mean without eps)
-    LOG_OF_ZERO = "log_of_zero"  # log(0) = -inf, log(<0) = NaN
-    SQRT_AT_ZERO = "sqrt_at_zero"  # the gradient of sqrt (or a power < 1) at 0 is inf
-    MASKED_BRANCH_GRADIENT = "masked_branch_gradient"  # torch.where masks a non-finite branch: its gradient is NaN
-    FULLY_MASKED_SOFTMAX = "fully_masked_softmax"  # a softmax row that is all -inf
-    LOW_PRECISION_ROUNDING = "low_precision_rounding"  # a value rounded to 1.0 (or 0) in a half dtype, then log
-    EXP_OVERFLOW = "exp_overflow"  # exp of an argument past log(dtype max)
-    OVERFLOW = "overflow"  # arithmetic past the dtype's max (a matmul or sum in half precision)
-    NONFINITE_INPUT = "nonfinite_input"  # NaN/inf already in the step's batch
-    NONFINITE_STATE = "nonfinite_state"  # NaN/inf already in a parameter or buffer
-    UNKNOWN = "unknown"
 
 
 @dataclass(frozen=True)
@@ -139,9 +123,10 @@ class Origin:
 
 @dataclass(frozen=True)
 class OriginVerdict:
-    """What an origin means: the pattern, whether the data is to blame, and what to do."""
+    """What an origin means: the pattern (the cause whose pattern it shows, ``policies.causes.explain``; or
+    ``"nonfinite_state"``, ``"unknown"``), whether the data is to blame, and what to do."""
 
-    kind: OriginKind
+    kind: str
     data_at_fault: bool
     summary: str
     hint: str
@@ -149,7 +134,7 @@ class OriginVerdict:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "kind": self.kind.value,
+            "kind": self.kind,
             "data_at_fault": self.data_at_fault,
             "summary": self.summary,
             "hint": self.hint,
@@ -158,165 +143,3 @@ class OriginVerdict:
 
 
 HALF = ("torch.float16", "torch.bfloat16")
-_DIVISIONS = ("aten.div.", "aten.div_.", "aten.reciprocal", "aten.true_divide", "aten.floor_divide")
-_LOGS = ("aten.log.", "aten.log_.", "aten.log2", "aten.log10", "aten.log1p", "aten.xlogy", "aten.special_xlogy")
-_SQRTS = ("aten.sqrt", "aten.rsqrt")
-_SOFTMAXES = ("aten._softmax", "aten._log_softmax", "aten.softmax", "aten.log_softmax", "aten._safe_softmax")
-_EXPS = ("aten.exp.", "aten.exp_.", "aten.exp2", "aten.expm1")
-_MASKS = ("aten.where", "aten.masked_fill", "aten._s_where")
-
-
-def _rows(o: Origin) -> str:
-    return f" (batch rows {list(o.rows)})" if o.rows else ""
-
-
-def _dtype(o: Origin) -> str:
-    return (o.output_dtype or (o.input_dtypes[0] if o.input_dtypes else "")).replace("torch.", "")
-
-
-def _half(o: Origin) -> bool:
-    return bool({o.output_dtype, *o.input_dtypes} & set(HALF))
-
-
-def explain(origin: Origin | None) -> OriginVerdict:
-    """The pattern behind ``origin`` (``None``: nothing was traced), whether the data is at fault, and the hint."""
-    if origin is None:
-        return OriginVerdict(OriginKind.UNKNOWN, False, "no origin traced", "")
-    o = origin
-    op = o.op
-    at = f" at {o.frame}" if o.frame else ""
-    if o.phase == "input":
-        what = "NaN" if o.produced == "nan" else "inf"
-        where = ", ".join(o.fields) or "the batch"
-        return OriginVerdict(
-            OriginKind.NONFINITE_INPUT,
-            True,
-            f"{what} already in the step's batch: field {where}{_rows(o)}, first used by {op}{at}",
-            "check the data pipeline for these records (quarantine skips them)",
-            o.rows,
-        )
-    if o.phase == "state":
-        return OriginVerdict(
-            OriginKind.NONFINITE_STATE,
-            False,
-            f"non-finite values already in {', '.join(o.fields) or 'the model state'}, first used by {op}{at}",
-            "restore an earlier state (AutoRollback) and find what wrote these values",
-        )
-    if o.masked_by.startswith(_MASKS) and o.surfaced_phase == "backward" and o.phase == "forward":
-        return OriginVerdict(
-            OriginKind.MASKED_BRANCH_GRADIENT,
-            False,
-            f"{op} made {o.produced} in a branch that {o.masked_by} masks away{_rows(o)}{at}; its gradient is "
-            f"NaN ({o.surfaced_op} in the backward)",
-            "torch.where evaluates both branches and backpropagates through the masked one (0 * inf = NaN): make the "
-            "masked branch finite before the where, e.g. torch.where(mask, 0, p * torch.log(p.clamp_min(tiny))) or "
-            "torch.special.xlogy(p, p) for p * log(p)",
-            o.rows,
-        )
-    if op.startswith(_SOFTMAXES) or "scaled_dot_product" in op:
-        full = int(o.stat("rows_all_neg_inf", 0) or 0)
-        if full:
-            return OriginVerdict(
-                OriginKind.FULLY_MASKED_SOFTMAX,
-                False,
-                f"{op}: {full} row(s) of its input are all -inf (every position masked){_rows(o)}{at}",
-                "a fully masked row has no softmax: give every row at least one unmasked position, mask with a large "
-                "finite negative (torch.finfo(dtype).min) instead of -inf, or zero those rows' output after the "
-                "softmax",
-                o.rows,
-            )
-    if op.startswith(_LOGS):
-        ones = int(o.stat("operand_ones", 0) or 0)
-        under = int(o.stat("underflow_zeros", 0) or 0)
-        producer = str(o.stat("operand_producer", "") or "")
-        if ones and str(o.stat("operand_dtype", "")) in HALF:
-            dtype = str(o.stat("operand_dtype")).replace("torch.", "")
-            bce = "sigmoid" in producer
-            return OriginVerdict(
-                OriginKind.LOW_PRECISION_ROUNDING,
-                False,
-                f"{ones} value(s) of p rounded to 1.0 in {dtype}, then {op} of 1 - p = 0{_rows(o)}{at}",
-                (
-                    "compute the loss from the logits: F.binary_cross_entropy_with_logits (or F.logsigmoid(z) and "
-                    "F.logsigmoid(-z)) is exact in any precision"
-                    if bce
-                    else "compute log(1 - p) from the logits (log1p(-p) does not help once p is 1.0)"
-                )
-                + f"; clamping p to 1 - 1e-7 does not help in {dtype}: 1 - 1e-7 rounds to 1.0",
-                o.rows,
-            )
-        if under:
-            return OriginVerdict(
-                OriginKind.LOW_PRECISION_ROUNDING,
-                False,
-                f"{under} value(s) rounded to 0 in {_dtype(o)} (from {producer}), then {op} = -inf{_rows(o)}{at}",
-                "take the log from the logits (F.logsigmoid, F.log_softmax) instead of log of a probability",
-                o.rows,
-            )
-        negatives = int(o.stat("input_negatives", 0) or 0)
-        what = "a negative input" if negatives and o.produced == "nan" else "0"
-        saturated = ones and "sigmoid" in producer  # 1 - sigmoid(z) with z past ~17: 1.0 even in float32
-        return OriginVerdict(
-            OriginKind.LOG_OF_ZERO,
-            False,
-            f"{op} of {what} (input min {o.stat('input_min')})"
-            + (f": {ones} value(s) of p = sigmoid(z) are 1.0, so 1 - p = 0" if saturated else "")
-            + f"{_rows(o)}{at}",
-            "compute the loss from the logits: F.binary_cross_entropy_with_logits (or F.logsigmoid(z) and "
-            "F.logsigmoid(-z)) is exact where sigmoid saturates"
-            if saturated
-            else "take the log of a quantity that cannot be 0: clamp_min(tiny) in the input's dtype "
-            "(torch.finfo(dtype).tiny), or compute it from logits (F.log_softmax, F.logsigmoid)",
-            o.rows,
-        )
-    if op.startswith(_SQRTS) or "Sqrt" in o.node or ("Pow" in o.node and o.phase == "backward"):
-        return OriginVerdict(
-            OriginKind.SQRT_AT_ZERO,
-            False,
-            f"the gradient of sqrt (or a power < 1) at 0 is inf: {op} in {o.node or 'the forward'}{_rows(o)}{at}",
-            "add eps inside the root: torch.sqrt(x + eps), or use torch.linalg.vector_norm (its gradient at 0 is 0)",
-            o.rows,
-        )
-    if op.startswith(_DIVISIONS) or (op.startswith("aten.pow") and int(o.stat("denominator_zeros", 0) or 0)):
-        zeros = o.stat("denominator_zeros")
-        producer = str(o.stat("denominator_producer", "") or "")
-        norm = "norm" in producer
-        return OriginVerdict(
-            OriginKind.DIVISION_BY_ZERO,
-            False,
-            f"{op}: {zeros} zero(s) in the denominator"
-            + (f" ({producer})" if producer else "")
-            + f", {o.produced} out{_rows(o)}{at}",
-            (
-                "a norm without eps is 0 on an all-zero record: F.normalize(h, dim=-1, eps=1e-6) or "
-                "h / h.norm(dim=-1, keepdim=True).clamp_min(1e-6)"
-                if norm
-                else "add eps to the denominator, or clamp_min it (a value representable in "
-                f"{_dtype(o) or 'the dtype'}: 1e-6 in float16)"
-            ),
-            o.rows,
-        )
-    if op.startswith(_EXPS):
-        return OriginVerdict(
-            OriginKind.EXP_OVERFLOW,
-            False,
-            f"{op} of {o.stat('max_arg')} in {_dtype(o)} (overflows past {o.stat('log_max')}){_rows(o)}{at}",
-            "subtract the row max before exp (or use torch.softmax / torch.logsumexp, which do)"
-            + (", or run this op in float32" if _half(o) else ""),
-            o.rows,
-        )
-    if o.stat("dtype_max") is not None:
-        return OriginVerdict(
-            OriginKind.OVERFLOW,
-            False,
-            f"{op} overflowed {_dtype(o)} (inputs up to {o.stat('max_abs_input')}, max {o.stat('dtype_max')})"
-            f"{_rows(o)}{at}",
-            (
-                "run this module in float32 (FP32Evaluation(promote_after=...) under *-mixed), use bf16, or scale "
-                "its inputs down"
-                if _half(o)
-                else "the values grow past float32's range: lower the learning rate, clip, normalise the inputs"
-            ),
-            o.rows,
-        )
-    return OriginVerdict(OriginKind.UNKNOWN, False, f"{op} made {o.produced} from finite inputs{at}", "", o.rows)

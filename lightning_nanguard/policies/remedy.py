@@ -85,6 +85,9 @@ class RemedyFacts:
     installed: Installed = field(default_factory=Installed)
     state_damaged: bool = False
     caused_by_data: bool = False  # the diagnosis names batch rows that caused a non-data cause (a poisoned buffer)
+    # The data blame was tested and failed, or could not be tested and the records hold no NaN/inf themselves
+    # (``Diagnosis.counterfactual``): nothing is quarantined.
+    quarantine_withheld: bool = False
     has_update: bool = True  # a step's update is at stake (False: a snapshot check or the end-of-fit check)
     scaler_dropped: bool = False  # the GradScaler skipped this update itself (16-mixed, non-finite gradients)
     on_nonfinite: str = "skip"  # GradNormMonitor's choice: "skip" | "warn" | "stop"
@@ -179,7 +182,7 @@ def _plan(f: RemedyFacts) -> Plan:
     acts: list[Action] = [] if drop is Action.NONE else [drop]
     cause = CAUSES[f.cause]
     reason = cause.reason
-    if (cause.data_at_fault or f.caused_by_data) and ins.quarantine:
+    if (cause.data_at_fault or f.caused_by_data) and ins.quarantine and not f.quarantine_withheld:
         acts.append(Action.QUARANTINE)  # the data that did it is skipped when it comes back
     if cause.remedy is Remedy.RAISE_EPS and ins.eps_backoff:
         acts.append(Action.EPS_BACKOFF)

@@ -11,6 +11,7 @@ from lightning_nanguard import _lightning_compat
 from lightning_nanguard.exceptions import UnsupportedSetupError
 from lightning_nanguard.recovery import sharded_checkpoint
 from lightning_nanguard.recovery.checkpoint_events import CheckpointEvent
+from lightning_nanguard.recovery.orphans import remove_orphans
 from lightning_nanguard.recovery.tmp_files import remove_stale_tmp_files
 from lightning_nanguard.recovery.verifying_io import VerifyingCheckpointIO
 
@@ -54,10 +55,12 @@ def install_verifying_io(
 
 def remove_killed_saves(trainer: pl.Trainer) -> None:
     """On global rank 0 (the only rank that writes checkpoints): remove the temporary files killed saves left in
-    the directories of the Trainer's checkpoint callbacks."""
+    the directories of the Trainer's checkpoint callbacks, and what checkpoints the project deleted left there (their
+    sidecars, a tag of their bytes: ``orphans.py``)."""
     if not trainer.is_global_zero:
         return
     for callback in trainer.checkpoint_callbacks:
         dirpath = getattr(callback, "dirpath", None)
         if dirpath and os.path.isdir(str(dirpath)):
             remove_stale_tmp_files(str(dirpath))
+            remove_orphans(str(dirpath))

@@ -5,7 +5,8 @@ subclass that overrides ``save_checkpoint``, nor a patched one) the file is writ
 same directory, fsynced, hashed and renamed onto the target: a crash leaves the old file or the new one, whole. Any
 other ``CheckpointIO`` is handed the caller's path and ``storage_options`` as they are (it may act on the name); the
 file it wrote is hashed after an fsync, and its sidecar, removed before the write, is written only then, so a write
-that does not finish never verifies. The ``nanguard-last-good.ckpt`` tag is a hard link to the newest good file.
+that does not finish never verifies. The ``nanguard-last-good.ckpt`` tag is a hard link to the newest good file; its
+sidecar names that file, so that the tag goes when the project deletes it (``orphans.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning_nanguard._files import hash_file
 from lightning_nanguard.checkpoint_sidecar import LEGACY_SIDECAR_SUFFIX, remove_sidecars, sidecar_path, write_sidecar
 from lightning_nanguard.checkpoints import LAST_GOOD_NAME
+from lightning_nanguard.recovery.orphans import TAG_SOURCE_KEY
 from lightning_nanguard.recovery.tmp_files import tmp_name
 
 __all__ = ["tag", "write_at_path", "write_through_tmp", "writes_one_file"]
@@ -89,7 +91,8 @@ def tag(source: str, tag_path: str, digest: str, meta: dict[str, Any], writing: 
         writing.discard(tmp)
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
-    write_sidecar(tag_path, digest=digest, meta=meta)
+    # The source's name: once the project deletes that file, the tag is removed too (``orphans.remove_orphans``).
+    write_sidecar(tag_path, digest=digest, meta={**meta, TAG_SOURCE_KEY: os.path.basename(source)})
 
 
 def _identity(path: str) -> tuple[int, int, int, int] | None:

@@ -11,7 +11,10 @@ it is deterministic and side-effect free:
   every CUDA device's once CUDA is initialised, Python's, NumPy's global one) are put back afterwards, as are the
   modules' train/eval modes and the autocast and grad modes;
 * every buffer runs on a copy (BatchNorm statistics and counters are never written), the originals put back;
-* ``self.log``/``self.log_dict`` are no-ops for the call (the probe's loss is not a training metric).
+* ``self.log``/``self.log_dict`` are no-ops for the call (the probe's loss is not a training metric);
+* the modules' own Python state is put back (``forensics.isolation.preserved_attributes``): a list of step outputs
+  appended to, a counter, a dict, an attribute set on the first call, torchmetrics states. A tensor attribute that is
+  neither a buffer nor a metric's and is changed in place (an EMA kept as a plain tensor) is not undone.
 
 Under DDP each rank scores its own probe rows on the bare LightningModule (no DDP wrapper: no gradient reduction can
 start) and the ranks' losses are averaged in one all-reduce, so every rank reads the same value. Manual optimization
@@ -34,7 +37,7 @@ from torch import Tensor, nn
 
 from lightning_nanguard import _distributed, _notices
 from lightning_nanguard._lightning_compat import AttributePatches
-from lightning_nanguard.forensics.replay import preserved_state
+from lightning_nanguard.forensics.isolation import preserved_attributes, preserved_state
 from lightning_nanguard.policies.probe import ProbeBook, ProbeVerdict
 from lightning_nanguard.recovery.quarantine import Quarantine
 
@@ -111,18 +114,20 @@ class ProbeBatch:
         device = pl_module.device
         nan = torch.full((), math.nan, device=device)
         patches = AttributePatches()
-        try:
-            with preserved_state(pl_module), _host_rngs_seeded(), _buffers_on_copies(pl_module), torch.no_grad():
-                patches.set(pl_module, "log", _no_log)
-                patches.set(pl_module, "log_dict", _no_log)
-                torch.manual_seed(PROBE_SEED)  # preserved_state puts the training streams back
-                with trainer.precision_plugin.train_step_context():
-                    loss = _loss_of(pl_module.training_step(self.batch, 0))
-        except Exception as exc:  # a scoring must never take training down with it
-            _notices.note(f"nanguard: the probe batch could not be scored ({type(exc).__name__}: {exc}).")
-            return nan
-        finally:
-            patches.restore()
+        # Outermost: what the call (and the patches) left in the module's Python state is put back last.
+        with preserved_attributes(pl_module):
+            try:
+                with preserved_state(pl_module), _host_rngs_seeded(), _buffers_on_copies(pl_module), torch.no_grad():
+                    patches.set(pl_module, "log", _no_log)
+                    patches.set(pl_module, "log_dict", _no_log)
+                    torch.manual_seed(PROBE_SEED)  # preserved_state puts the training streams back
+                    with trainer.precision_plugin.train_step_context():
+                        loss = _loss_of(pl_module.training_step(self.batch, 0))
+            except Exception as exc:  # a scoring must never take training down with it
+                _notices.note(f"nanguard: the probe batch could not be scored ({type(exc).__name__}: {exc}).")
+                return nan
+            finally:
+                patches.restore()
         if loss is None or loss.numel() != 1:
             return nan
         return loss.detach().float().reshape(()).to(device)
@@ -215,21 +220,36 @@ class SnapshotProbe:
         self.book.reset()
         self.active, self.verdict, self.scorings = active, None, 0
 
-    def _fresh(self, quarantine: Quarantine | None) -> bool:
-        """The probe holds no quarantined sample (else it is dropped, with its scores)."""
-        if self.batch.ready and quarantine is not None and self.batch.holds_any(quarantine.samples):
+    def _agreed(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        quarantine: Quarantine | None,
+        batch: Any = None,
+        *,
+        capture: bool,
+    ) -> bool:
+        """Every rank's probe is ready to be scored (the same answer on every rank, so that each calls the scoring's
+        all-reduce or none does). A probe that holds a quarantined sample is dropped, and where it is dropped on any
+        rank every rank drops its scores, so the ranks' books stay the same; where ``capture``, a rank without a
+        probe takes one from ``batch`` (``None`` when its data is quarantined). One all-reduce of two flags under
+        DDP, at a snapshot or a spike only."""
+        holds = self.batch.ready and quarantine is not None and self.batch.holds_any(quarantine.samples)
+        if holds:
             self.batch.clear()
+        if capture and not self.batch.ready and batch is not None:
+            self.batch.capture(batch, pl_module, quarantine)
+        dropped, unready = _distributed.any_rank_each(trainer, [holds, not self.batch.ready])
+        if dropped:
             self.book.reset()
-        return self.batch.ready
+        return not unready
 
     def snapshot_taken(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, batch: Any, quarantine: Quarantine | None
     ) -> None:
         """Score the probe with the weights of the snapshot of ``step`` just taken (capturing it from ``batch``
         first, where there is none yet; ``batch`` is ``None`` when its data is quarantined)."""
-        if not self.active:
-            return
-        if not self._fresh(quarantine) and (batch is None or not self.batch.capture(batch, pl_module, quarantine)):
+        if not (self.active and self._agreed(trainer, pl_module, quarantine, batch, capture=True)):
             return
         self.scorings += 1
         self.book.record(step, self.batch.score(trainer, pl_module))
@@ -245,7 +265,7 @@ class SnapshotProbe:
     ) -> ProbeVerdict | None:
         """At a spike of ``step`` (whose batch lost ``batch_loss``): the probe re-scored with the current weights,
         judged against the newest sound snapshot among ``kept``. ``None`` when there is no probe."""
-        if not (self.active and self._fresh(quarantine)):
+        if not (self.active and self._agreed(trainer, pl_module, quarantine, capture=False)):
             return None
         self.scorings += 1
         self.verdict = self.book.judge(step, self.batch.score(trainer, pl_module), kept, batch_loss)

@@ -64,6 +64,8 @@ class Quarantine:
         self.current: dict[str, list[int] | None] = {}  # this batch's dataset indices, per hooked loader
         self._log_path: str | None = None
         self._dirty = False
+        # What the last ``add`` quarantined (identical on every rank): a blame withdrawn later releases it.
+        self.last_added: tuple[list[tuple[str, int]], list[str]] = ([], [])
 
     # ------------------------------------------------------------------ what is quarantined
     @property
@@ -224,6 +226,7 @@ class Quarantine:
         for key, index in new_samples:
             self._record.samples.setdefault(key, set()).add(index)
         self._record.fingerprints.update(new_prints)
+        self.last_added = (list(new_samples), list(new_prints))
         self._changed(step)
         self._flush()
         notes = sorted({str(p["note"]) for p in gathered if p["note"]})
@@ -235,6 +238,29 @@ class Quarantine:
         if any(p["samples"] or p["fingerprint"] for p in gathered):
             return "the data was already quarantined"
         return "nothing to quarantine (the batch's samples could not be identified)"
+
+    def release(self, samples: Sequence[tuple[str, int]], fingerprints: Sequence[str], step: int) -> int:
+        """Take these samples and fingerprints out of the quarantine (a blame withdrawn: they come back from the next
+        batch on) and rewrite the file; how many were released. Every rank calls it with the same values."""
+        released = 0
+        for key, index in samples:
+            held = self._record.samples.get(key)
+            if held is not None and index in held:
+                held.discard(index)
+                released += 1
+        for fp in fingerprints:
+            if fp in self._record.fingerprints:
+                self._record.fingerprints.discard(fp)
+                released += 1
+        if released:
+            self._changed(step)
+            self._flush()
+        return released
+
+    def dataset_size(self) -> int | None:
+        """The training samples over every loader whose dataset has a length (``None``: no such loader)."""
+        sizes = [len(loader.dataset) for loader in self._loaders if hasattr(loader.dataset, "__len__")]
+        return sum(sizes) if sizes else None
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

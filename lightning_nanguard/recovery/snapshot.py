@@ -52,6 +52,7 @@ from lightning_nanguard.recovery.snapshot_layout import (
     Layout,
     TensorSpec,
     byte_view,
+    overlapping,
     plan_layout,
 )
 from lightning_nanguard.recovery.snapshot_match import mismatch, model_targets, put_kept, replace_tensor
@@ -247,7 +248,11 @@ class SnapshotRing:
             target = dst[i]
             if target is None:
                 continue
-            if e.region == TYPED:
+            if e.region == TYPED and overlapping(target):  # no in-place copy into memory its elements share
+                kept = snapshot.typed[e.offset]
+                if not torch.equal(target, kept.to(target.device)):
+                    _put(module, snapshot.names, holders, n, i, e.spec.kind, target, kept.to(target.device, copy=True))
+            elif e.region == TYPED:
                 pairs_dst.append(target)
                 pairs_src.append(snapshot.typed[e.offset])
             elif e.region == LOCAL and e.spec.nbytes:
@@ -256,11 +261,8 @@ class SnapshotRing:
                 pairs_src.append(snapshot.flat[start : start + e.spec.nbytes])
             elif e.region == KEPT:
                 new = put_kept(target, snapshot.kept[e.offset])
-                if new is not None and i < n:
-                    replace_tensor(module, snapshot.names[i], e.spec.kind, target, new)
-                elif new is not None:
-                    state, key = holders[i - n]
-                    state[key] = new
+                if new is not None:
+                    _put(module, snapshot.names, holders, n, i, e.spec.kind, target, new)
         if pairs_dst:
             _lightning_compat.foreach_copy_(pairs_dst, pairs_src)
         if layout.sharded:
@@ -369,6 +371,25 @@ class SnapshotRing:
             group[0].append(d)
             group[1].append(s)
         return side.start(host, buffers, state)
+
+
+def _put(
+    module: nn.Module,
+    names: Sequence[str],
+    holders: dict[int, tuple[dict[str, Any], str]],
+    n_model: int,
+    index: int,
+    kind: str,
+    old: Tensor,
+    new: Tensor,
+) -> None:
+    """Put ``new`` where entry ``index`` (the live tensor ``old``) is: the module's parameter or buffer of that name,
+    or the optimizer state's key."""
+    if index < n_model:
+        replace_tensor(module, names[index], kind, old, new)
+    else:
+        state, key = holders[index - n_model]
+        state[key] = new
 
 
 _STRIDED = torch.strided

@@ -8,7 +8,8 @@ ZeRO; a restore gathers the other ranks' chunks. What a rank must keep whole for
 chunk: buffers (DDP lets them differ between its broadcasts: BatchNorm statistics of each rank's own batch),
 parameters DDP was told to ignore and their optimizer state, and every tensor of a sharded model (FSDP, DTensor:
 already this rank's own piece). A tensor that is not dense in memory (overlapping or with gaps) has no byte view and
-is kept as a typed copy. A sparse tensor (a graph's adjacency buffer, SGD's momentum for a sparse gradient) has no
+is kept as a typed copy; one whose elements share memory (an expanded buffer) cannot be written in place, so a restore
+puts the copy in its place where its values changed (only a new tensor under its name can have changed them). A sparse tensor (a graph's adjacency buffer, SGD's momentum for a sparse gradient) has no
 fixed size (how many values it stores changes): it is *kept*, a host copy made at each snapshot, outside the slot's
 preallocated bytes and the ``max_bytes`` budget.
 
@@ -37,6 +38,7 @@ __all__ = [
     "Layout",
     "TensorSpec",
     "byte_view",
+    "overlapping",
     "plan_layout",
     "spec_of",
 ]
@@ -61,17 +63,31 @@ def _dense(t: Tensor) -> bool:
     return True
 
 
+def overlapping(t: Tensor) -> bool:
+    """Some of ``t``'s elements share memory (an expanded tensor: stride 0 on a dimension of size > 1; an
+    ``unfold``-ed one): nothing can be written into it in place, a restore included."""
+    extent = 0  # the furthest element reachable through the dimensions of smaller stride
+    for size, stride in sorted(
+        ((s, st) for s, st in zip(t.shape, t.stride(), strict=True) if s != 1), key=lambda x: x[1]
+    ):
+        if stride <= extent:
+            return True
+        extent += (size - 1) * stride
+    return False
+
+
 def byte_view(t: Tensor) -> Tensor | None:
     """The bytes of ``t`` in memory order, as a 1-d ``uint8`` view sharing its storage; ``None`` if ``t`` is not
-    dense (the caller then copies it as a typed tensor)."""
+    dense (the caller then copies it as a typed tensor).
+
+    Always through ``as_strided`` to one flat run of its elements, never ``reshape``: a dimension of size 1 may have
+    any stride, 0 included (an expanded one-element tensor: Pyro's guides make such parameters, and Adam's state
+    inherits the stride), and torch calls such a tensor contiguous while ``reshape(-1)`` keeps the stride 0, which
+    has no byte view."""
     t = t.detach()
-    if t.is_contiguous():
-        flat = t.reshape(-1)
-    elif _dense(t):
-        flat = t.as_strided((t.numel(),), (1,), t.storage_offset())
-    else:
+    if not (t.is_contiguous() or _dense(t)):
         return None
-    return flat.view(torch.uint8)
+    return t.as_strided((t.numel(),), (1,), t.storage_offset()).view(torch.uint8)
 
 
 class TensorSpec(NamedTuple):

@@ -42,7 +42,7 @@ def drop_update(optimizer: Optimizer, path: str) -> DropMethod:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    p.grad.view(-1)[:1].fill_(torch.inf)
+                    _lightning_compat.first_element(p.grad).fill_(torch.inf)
                     return DropMethod.SCALER_INF
         return DropMethod.SCALER_INF
     optimizer.zero_grad(set_to_none=True)

@@ -33,6 +33,7 @@ from lightning_nanguard.recovery.checkpoint_events import CheckpointEvent, load_
 from lightning_nanguard.recovery.checkpoint_write import tag, write_at_path, write_through_tmp, writes_one_file
 from lightning_nanguard.recovery.fallback import FallbackBound, fallback_bound, find_fallback, meta_of
 from lightning_nanguard.recovery.lineage import Lineage, lineage_of
+from lightning_nanguard.recovery.orphans import remove_orphans
 from lightning_nanguard.recovery.tmp_files import remove_stale_tmp_files
 
 __all__ = ["VerifyingCheckpointIO"]
@@ -54,7 +55,8 @@ class VerifyingCheckpointIO(CheckpointIO):
 
     Then the sidecar (``checkpoint_sidecar.py``: the digest and the record: step, intended infinities, lineage) and
     the directory's ``nanguard-last-good.ckpt`` hard link. The first save into a directory removes the temporary
-    files earlier killed saves left there (ours only, and only when not in use).
+    files earlier killed saves left there (ours only, and only when not in use); every save removes the sidecars of
+    checkpoints the project deleted, and the tag when its source is one of them (``orphans.py``).
 
     Retention: after a refused save, ``remove_checkpoint`` in that directory is deferred until a finite checkpoint is
     written there again, so ModelCheckpoint's top-k retention (which believes the refused file exists) never deletes
@@ -139,6 +141,7 @@ class VerifyingCheckpointIO(CheckpointIO):
         if directory not in self._cleaned:
             self._cleaned.add(directory)
             remove_stale_tmp_files(directory, in_use=self._writing)
+        remove_orphans(directory)  # what checkpoints the project deleted since left: sidecars, a tag of their bytes
         if writes_one_file(self.checkpoint_io):
             digest: str | None = write_through_tmp(
                 self.checkpoint_io, checkpoint, target, storage_options, self._writing
@@ -211,7 +214,7 @@ class VerifyingCheckpointIO(CheckpointIO):
         result, checkpoint = verify_and_load(requested, require_sidecar=self.require_sidecar, load=load, module=module)
         if result.ok:
             self.resumed(requested, checkpoint_step(checkpoint))
-            self._notify(CheckpointEvent("loaded", requested))
+            self._notify(CheckpointEvent("loaded", requested, result.note))  # the note: a stale sidecar passed over
             return checkpoint
         later: list[str] = []
         bound = fallback_bound(requested, result.step)

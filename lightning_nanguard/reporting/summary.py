@@ -21,6 +21,7 @@ def format_summary(
     limit: int = 8,
     end_step: int | None = None,
     steps: int | None = None,
+    evaluation: str = "",
 ) -> str:
     """A fixed-width summary: counts by cause and action, the first and last incidents, what was checked.
 
@@ -36,6 +37,8 @@ def format_summary(
         end_step: the step training ended at, where known: a recurring incident whose last repeat is near it is said
             to be still recurring.
         steps: training steps run in this fit (``None``: not known, as for ``nanguard report``).
+        evaluation: ``"validate"``, ``"test"`` or ``"predict"`` for a run of that alone (``trainer.test()``): it has
+            no training step, so nothing is said of checking them (whichever callbacks watch them).
 
     A recurring incident (one record with ``repeats``) is listed once, with "N times between steps a and b", and
     whether it stopped recurring: a fault that kept coming back never reads like a recovery.
@@ -43,7 +46,9 @@ def format_summary(
     head = f"nanguard summary ({', '.join(callbacks) or 'no callbacks'})"
     lines = [head, "-" * len(head)]
     if not incidents:
-        if monitored and steps == 0:
+        if evaluation:
+            lines.append(f"no incidents in {evaluation} (no training step runs in it).")
+        elif monitored and steps == 0:
             lines.append("no incidents; no training step ran.")
         elif monitored and steps is not None and steps > 1:
             lines.append(f"no incidents: all {steps} training steps were checked and were finite.")

@@ -281,7 +281,7 @@ def test_without_a_grad_scaler_it_says_so_once_and_does_nothing(
         ({"min_scale": -1.0}, r"min_scale=-1.0\): must be a number in \(0.0"),
         ({"min_scale": math.inf}, r"min_scale=inf\): must be a number"),
         ({"min_scale": math.nan}, r"min_scale=nan\): must be a number"),
-        ({"max_scale": 0.5}, r"max_scale=0.5\): must be >= min_scale=1.0 or None"),
+        ({"max_scale": 0.5}, r"max_scale=0.5, min_scale=1.0\): .*max_scale must be >= min_scale, or None"),
         ({"floor_patience": 0}, r"floor_patience=0\): must be an int or None >= 1"),
         ({"max_overflow_streak": 1.5}, r"max_overflow_streak=1.5\): must be an int or None >= 1"),
         ({"on_collapse": "rollbak"}, r"on_collapse='rollbak'\): must be one of \['auto', 'rollback', 'stop', 'warn'\]"),

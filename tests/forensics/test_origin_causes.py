@@ -106,7 +106,7 @@ def test_the_norm_without_eps_names_the_division_and_its_line_and_replay_agrees(
     line = m.marker_line("norm")
     assert incident.where == f"aten.div.Tensor (forward) at {m.__file__}:{line} in training_step, batch 2 rows [1]"
     evidence = incident.diagnosis["evidence"]
-    assert [e["kind"] for e in evidence] == ["origin"]  # nothing of a rising history, which it was not
+    assert [e["kind"] for e in evidence] == ["origin", "counterfactual"]  # no rising history; the blame tested
     assert evidence[0]["stats"]["denominator_producer"] == "aten.linalg_vector_norm.default"
     assert "eps" in str(incident.diagnosis["hint"])
     assert incident.to_dict()["bundle"] == incident.bundle
@@ -156,7 +156,7 @@ def test_an_unrelated_fault_beside_a_minus_inf_mask_does_not_blame_the_mask(tmp_
     assert d["origin"]["fields"] == ("['x']",)
     assert d["rows"] == [m.BAD_ROW]  # not every row, as the mask's -inf in every row would have it
     assert incident.where == f"batch {m.BAD_BATCH} rows [{m.BAD_ROW}]"
-    assert [e["kind"] for e in d["evidence"]] == ["batch_nonfinite", "origin"]
+    assert [e["kind"] for e in d["evidence"]] == ["batch_nonfinite", "origin", "counterfactual"]
     assert "field ['x']" in d["evidence"][1]["summary"]
     assert "mask" not in incident.message
     assert [str(a) for a in incident.actions] == ["skip", "quarantine"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -134,3 +135,71 @@ def test_a_probe_holding_a_quarantined_sample_is_dropped_and_taken_again() -> No
     probe.snapshot_taken(trainer, module, 50, {"x": torch.randn(32, 4)}, quarantine)  # type: ignore[arg-type]
     assert probe.batch.samples == frozenset(range(200, 208))
     assert list(probe.book.scores) == [50]
+
+
+def test_the_ranks_agree_whether_the_probe_is_scored(monkeypatch: Any) -> None:
+    """Under DDP each rank holds other samples, so a quarantine can take one rank's probe only: every rank then drops
+    its scores, and none scores (none enters the scoring's all-reduce) until every rank has a probe again."""
+    from lightning_nanguard import _distributed
+
+    torch.manual_seed(0)
+    module, trainer, quarantine = Diffusion(), _trainer(), _Quarantine()
+    probe = SnapshotProbe()
+    probe.start(True)
+    probe.snapshot_taken(trainer, module, 0, {"x": torch.randn(32, 4)}, quarantine)  # type: ignore[arg-type]
+    assert list(probe.book.scores) == [0]
+    other_rank = {"dropped": True, "unready": False}  # the other rank's probe held a quarantined sample
+
+    def agree(trainer: Any, flags: list[Any]) -> list[bool]:
+        return [bool(flags[0]) or other_rank["dropped"], bool(flags[1]) or other_rank["unready"]]
+
+    monkeypatch.setattr(_distributed, "any_rank_each", agree)
+    probe.snapshot_taken(trainer, module, 10, {"x": torch.randn(32, 4)}, quarantine)  # type: ignore[arg-type]
+    assert list(probe.book.scores) == [10]  # this rank's scores were dropped with the other's, then scored again
+    other_rank.update(dropped=False, unready=True)  # the other rank has no probe yet
+    assert probe.spike(trainer, module, 20, [10], quarantine) is None  # type: ignore[arg-type]
+    probe.snapshot_taken(trainer, module, 30, {"x": torch.randn(32, 4)}, quarantine)  # type: ignore[arg-type]
+    assert list(probe.book.scores) == [10]
+    assert probe.batch.ready  # this rank keeps its own probe
+
+
+class Bookkeeping(pl.LightningModule):
+    """A module whose training_step keeps Python state, as Lightning's docs show: the step outputs gathered for
+    ``on_train_epoch_end``, a counter, a dict of seen batches, an attribute set on first call, a torchmetrics mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchmetrics import MeanMetric
+
+        self.net = nn.Linear(4, 1)
+        self.training_step_outputs: list[Tensor] = []
+        self.calls = 0
+        self.seen: dict[int, float] = {}
+        self.train_mean = MeanMetric()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self.net(batch["x"]).pow(2).mean()
+        self.training_step_outputs.append(loss.detach())
+        self.calls += 1
+        self.seen[self.calls] = float(loss.detach())
+        self.first_loss = getattr(self, "first_loss", float(loss.detach()))
+        self.train_mean.update(loss.detach())
+        return loss
+
+
+def test_a_scoring_leaves_the_modules_python_state_as_it_was() -> None:
+    torch.manual_seed(0)
+    module, trainer = Bookkeeping(), _trainer()
+    module.training_step({"x": torch.randn(8, 4)}, 0)  # one training step's worth of state
+    outputs, seen, mean = list(module.training_step_outputs), dict(module.seen), module.train_mean.compute()
+    probe = ProbeBatch(rows=4)
+    assert probe.capture({"x": torch.randn(8, 4)}, module, None)
+    assert math.isfinite(probe.score(trainer, module))
+    assert module.training_step_outputs == outputs
+    assert module.calls == 1
+    assert module.seen == seen
+    assert module.train_mean.compute() == mean
+    assert "log" not in vars(module)
+    del module.first_loss
+    probe.score(trainer, module)
+    assert not hasattr(module, "first_loss")  # an attribute the call added is gone again

@@ -132,7 +132,7 @@ def test_stale_tmp_cleanup_touches_only_our_files_not_in_use(tmp_path: pathlib.P
     assert sorted(os.path.basename(p) for p in removed) == [f".a.ckpt.{me}@{host}-busy.tmp", "c.ckpt.sha256.tmp"]
 
 
-def test_crash_between_rename_and_sidecar_fails_verification(
+def test_crash_between_rename_and_sidecar_leaves_a_whole_file_verified_on_its_own(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     io = VerifyingCheckpointIO(TorchCheckpointIO())
@@ -145,11 +145,14 @@ def test_crash_between_rename_and_sidecar_fails_verification(
     monkeypatch.setattr(verifying_io, "write_sidecar", crash)
     with pytest.raises(KeyboardInterrupt):
         io.save_checkpoint({"global_step": 1, "state_dict": {"w": torch.zeros(3)}}, target)
-    assert torch.load(target, weights_only=True)["global_step"] == 1  # the new bytes landed...
-    assert "sha256 does not match" in verify_checkpoint(target).reason  # ...but the old sidecar does not vouch
-    good = checkpoints.last_good_checkpoint(str(tmp_path))
-    assert good == str(tmp_path / LAST_GOOD_NAME)  # the tag still holds the complete previous save
-    assert torch.load(good, weights_only=True)["global_step"] == 0
+    assert torch.load(target, weights_only=True)["global_step"] == 1  # the new bytes landed, whole (fsync, rename)
+    result = verify_checkpoint(target)  # the old sidecar is stale: the file is verified on its own
+    assert result.ok
+    assert "last.ckpt.checksum is stale" in result.note
+    assert checkpoints.last_good_checkpoint(str(tmp_path)) == target
+    tag = str(tmp_path / LAST_GOOD_NAME)  # the tag still holds the complete previous save, and vouches for it
+    assert verify_checkpoint(tag).ok
+    assert torch.load(tag, weights_only=True)["global_step"] == 0
 
 
 def test_refused_save_writes_nothing_and_reports(tmp_path: pathlib.Path) -> None:

@@ -32,8 +32,9 @@ class CountingModel(TinyModel):
         return super().training_step(batch, batch_idx)
 
 
-# A second callback of each kind, with settings that differ from the preset's (their state keys differ, so Lightning
-# accepts the list and nanguard decides at setup).
+# A second callback of each kind, with settings that differ from the preset's. Every nanguard callback saves its
+# state under its class name (so that a resume with other arguments keeps it): Lightning refuses the list when the
+# Trainer is built; a list changed after that is nanguard's to refuse at setup.
 SECOND: list[tuple[Callback, str, str]] = [
     (
         GradNormMonitor(layer_depth=2),
@@ -56,12 +57,15 @@ SECOND: list[tuple[Callback, str, str]] = [
 
 
 @pytest.mark.parametrize(("second", "first_text", "second_text"), SECOND, ids=lambda v: type(v).__name__)
-def test_a_second_callback_of_a_kind_is_refused_at_setup(
+def test_a_second_callback_of_a_kind_is_refused_before_any_step(
     tmp_path: Any, caplog: pytest.LogCaptureFixture, second: Callback, first_text: str, second_text: str
 ) -> None:
-    model = CountingModel()
-    trainer = make_trainer(tmp_path, "bf16-mixed", callbacks=[*default_callbacks(), second], limit_val_batches=2)
     name = type(second).__name__
+    with pytest.raises(RuntimeError, match=f"Found more than one stateful callback of type `{name}`"):
+        make_trainer(tmp_path, "bf16-mixed", callbacks=[*default_callbacks(), second])
+    model = CountingModel()
+    trainer = make_trainer(tmp_path, "bf16-mixed", callbacks=default_callbacks(), limit_val_batches=2)
+    trainer.callbacks.append(second)
     with caplog.at_level(logging.INFO), pytest.raises(NanGuardConfigError) as raised:
         trainer.fit(model)
     message = str(raised.value)
@@ -73,7 +77,6 @@ def test_a_second_callback_of_a_kind_is_refused_at_setup(
 
 
 def test_two_with_the_same_settings_are_refused_too(tmp_path: Any) -> None:
-    # Equal state keys: Lightning refuses the list itself when the Trainer is built, before nanguard sees it.
     with pytest.raises(RuntimeError, match="Found more than one stateful callback of type `GradNormMonitor`"):
         make_trainer(tmp_path, callbacks=[GradNormMonitor(), GradNormMonitor()])
     # A list changed after the Trainer was built is not checked by Lightning: nanguard refuses it at setup.

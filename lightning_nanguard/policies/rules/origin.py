@@ -15,36 +15,38 @@ from collections.abc import Callable
 
 from lightning_nanguard.contract import Cause, Diagnosis, Evidence, EvidenceKind
 from lightning_nanguard.policies.findings import Findings, at, batch_evidence, history_evidence, rows_by_rank
-from lightning_nanguard.policies.origin import HALF, Origin, OriginKind, OriginVerdict, explain
+from lightning_nanguard.policies.origin import Origin, OriginVerdict
+from lightning_nanguard.policies.rules import origin_patterns as patterns
 
 __all__ = [
-    "division_by_zero",
-    "exp_overflow",
-    "fully_masked_softmax",
+    "formula",
     "half_precision_overflow",
-    "log_of_zero",
-    "low_precision_rounding",
-    "masked_branch_gradient",
     "nonfinite_input",
     "nonfinite_target",
     "origin_evidence",
     "origin_record",
     "overflow_past_float32",
-    "sqrt_at_zero",
+    "shown",
+    "targets_at_the_origin",
     "traced",
 ]
 
 Hit = tuple[int, Origin, OriginVerdict]  # (rank, origin, its verdict)
+Pattern = Callable[[Origin], OriginVerdict | None]
 FLOAT32_SAFE = 1.8e19  # sqrt(float32's max): a product (or square) of values up to this is finite in float32
 
 
-def traced(f: Findings) -> list[Hit]:
-    """The origins the replay traced, with their rank and verdict (rank order)."""
+def traced(f: Findings) -> list[tuple[int, Origin]]:
+    """The origins the replay traced, with their rank (rank order)."""
     return [
-        (r, p.hooked.origin, explain(p.hooked.origin))
-        for r, p in enumerate(f.replay)
-        if p.hooked is not None and p.hooked.origin is not None
+        (r, p.hooked.origin) for r, p in enumerate(f.replay) if p.hooked is not None and p.hooked.origin is not None
     ]
+
+
+def shown(f: Findings, pattern: Pattern) -> list[Hit]:
+    """The traced origins that show ``pattern``, with their rank and verdict (rank order)."""
+    hits = [(r, o, pattern(o)) for r, o in traced(f)]
+    return [(r, o, v) for r, o, v in hits if v is not None]
 
 
 def origin_record(rank: int, origin: Origin, verdict: OriginVerdict) -> dict[str, object]:
@@ -52,7 +54,7 @@ def origin_record(rank: int, origin: Origin, verdict: OriginVerdict) -> dict[str
     return {
         **origin.to_dict(),
         "rank": rank,
-        "kind": verdict.kind.value,
+        "kind": verdict.kind,
         "data_at_fault": verdict.data_at_fault,
         "summary": verdict.summary,
     }
@@ -66,7 +68,7 @@ def origin_evidence(origin: Origin, verdict: OriginVerdict) -> Evidence:
         {
             "op": origin.op,
             "phase": origin.phase,
-            "pattern": verdict.kind.value,
+            "pattern": verdict.kind,
             "file": frame.file if frame else "",
             "line": frame.line if frame else 0,
             "function": frame.function if frame else "",
@@ -89,10 +91,10 @@ def _fp32(f: Findings, ranks: tuple[int, ...]) -> Evidence | None:
     return Evidence(EvidenceKind.REPLAY_FP32_FINITE, "the same batch is finite in float32")
 
 
-def _formula(f: Findings, kind: OriginKind, cause: Cause) -> Diagnosis | None:
-    """``cause`` where the origin shows ``kind``: the op and its line, the records that trigger it (quarantined as
-    its trigger), the precision-aware hint of its verdict."""
-    hits = [h for h in traced(f) if h[2].kind is kind]
+def _formula(f: Findings, pattern: Pattern, cause: Cause) -> Diagnosis | None:
+    """``cause`` where the origin shows its ``pattern``: the op and its line, the records that trigger it
+    (quarantined as its trigger), the precision-aware hint of its verdict."""
+    hits = shown(f, pattern)
     if not hits:
         return None
     rank, origin, verdict = hits[0]
@@ -129,48 +131,46 @@ def _formula(f: Findings, kind: OriginKind, cause: Cause) -> Diagnosis | None:
     )
 
 
-def _pattern(kind: OriginKind, cause: Cause, doc: str) -> Callable[[Findings], Diagnosis | None]:
+def formula(cause: Cause, pattern: Pattern | None) -> Callable[[Findings], Diagnosis | None]:
+    """The evidence rule of a formula cause: the origin shows its pattern (``CauseSpec.pattern``)."""
+    assert pattern is not None, f"{cause.value} declares no origin pattern"
+
     def rule(f: Findings) -> Diagnosis | None:
-        return _formula(f, kind, cause)
+        return _formula(f, pattern, cause)
 
     rule.__name__ = rule.__qualname__ = cause.value
-    rule.__doc__ = doc
+    rule.__doc__ = pattern.__doc__
     return rule
 
 
-division_by_zero = _pattern(
-    OriginKind.DIVISION_BY_ZERO,
-    Cause.DIVISION_BY_ZERO,
-    "A division (or reciprocal) by 0 from finite inputs: a normalisation or a mean without eps.",
-)
-log_of_zero = _pattern(
-    OriginKind.LOG_OF_ZERO, Cause.LOG_OF_ZERO, "A log of 0 (or of a negative value) from finite inputs."
-)
-sqrt_at_zero = _pattern(
-    OriginKind.SQRT_AT_ZERO, Cause.SQRT_AT_ZERO, "The gradient of sqrt (or a power < 1) at 0: the backward's inf."
-)
-masked_branch_gradient = _pattern(
-    OriginKind.MASKED_BRANCH_GRADIENT,
-    Cause.MASKED_BRANCH_GRADIENT,
-    "A torch.where whose masked branch is non-finite: the forward is finite, its gradient is NaN.",
-)
-fully_masked_softmax = _pattern(
-    OriginKind.FULLY_MASKED_SOFTMAX,
-    Cause.FULLY_MASKED_SOFTMAX,
-    "A softmax row whose every position is masked with -inf (0 / 0).",
-)
-low_precision_rounding = _pattern(
-    OriginKind.LOW_PRECISION_ROUNDING,
-    Cause.LOW_PRECISION_ROUNDING,
-    "A value rounded to 1.0 (or 0) in a half dtype, then a log of 0: a loss unsafe in low precision.",
-)
-exp_overflow = _pattern(
-    OriginKind.EXP_OVERFLOW, Cause.EXP_OVERFLOW, "An exp whose argument is past log(the dtype's max)."
-)
+def targets_at_the_origin(f: Findings) -> Diagnosis | None:
+    """Class targets out of range whose rows are the very records the measured origin names (an all-zero one-hot row
+    of a label the head does not have, divided by its sum): the measurement confirms the labels are to blame. Class
+    targets out of range that the origin does not name are a heuristic, tried only where nothing was measured."""
+    ranks, rows = rows_by_rank(f, "target_rows")
+    if not rows:
+        return None
+    for rank, origin in traced(f):
+        named = set(origin.trigger_rows)
+        if origin.phase in ("input", "state") or not named:
+            continue
+        summary = f"the origin, {origin.where}, is met by exactly these records (rows {sorted(named)})"
+        verdict = OriginVerdict("targets", True, summary, "", origin.rows)
+        if rank < len(f.batch) and named <= set(f.batch[rank].target_rows):
+            evidence = [e for e in batch_evidence(f) if e.kind is EvidenceKind.TARGETS_OUT_OF_RANGE]
+            return Diagnosis(
+                Cause.TARGETS,
+                where=at(f, ranks, rows),
+                evidence=(*evidence, origin_evidence(origin, verdict)),
+                ranks=ranks,
+                rows=rows,
+                origin=origin_record(rank, origin, verdict),
+            )
+    return None
 
 
 def _input_hits(f: Findings) -> list[Hit]:
-    return [h for h in traced(f) if h[2].kind is OriginKind.NONFINITE_INPUT]
+    return shown(f, patterns.nonfinite_input)
 
 
 def _input(f: Findings, cause: Cause, attr: str, hint: str = "") -> Diagnosis | None:
@@ -209,11 +209,7 @@ def nonfinite_target(f: Findings) -> Diagnosis | None:
 
 
 def _overflows(f: Findings, *, half: bool) -> list[Hit]:
-    return [
-        h
-        for h in traced(f)
-        if h[2].kind is OriginKind.OVERFLOW and bool({h[1].output_dtype, *h[1].input_dtypes} & set(HALF)) is half
-    ]
+    return shown(f, patterns.half_precision_overflow if half else patterns.overflow_past_float32)
 
 
 def half_precision_overflow(f: Findings) -> Diagnosis | None:

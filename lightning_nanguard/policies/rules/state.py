@@ -6,7 +6,7 @@ from __future__ import annotations
 from lightning_nanguard.contract import Cause, Diagnosis, Evidence, EvidenceKind, Signal
 from lightning_nanguard.policies.findings import Findings, at, batch_evidence, rows_by_rank
 
-__all__ = ["corrupt_state", "loaded_from_checkpoint", "optimizer_update"]
+__all__ = ["corrupt_state", "grown_state", "loaded_from_checkpoint", "optimizer_update"]
 
 
 def _state_evidence(f: Findings) -> Evidence:
@@ -105,4 +105,34 @@ def corrupt_state(f: Findings) -> Diagnosis | None:
         state_tensors=s.names,
         state_damaged=True,
         caused_by_data=bool(rows) or (bool(s.buffers) and this_batch),
+    )
+
+
+def grown_state(f: Findings) -> Diagnosis | None:
+    """Finite damage: parameters whose largest |value| grew by orders of magnitude since the last sound snapshot (a
+    few finite updates at a too-high learning rate blow the weights up long before a value overflows). The state is
+    damaged whatever the non-finite value that followed looks like: roll back and lower the learning rate."""
+    g = f.grown
+    if g is None or not g.parameters:
+        return None
+    shown = ", ".join(f"{n} {now:.3g} (was {was:.3g})" for n, now, was in g.parameters[:3])
+    more = f" (+{len(g.parameters) - 3} more)" if len(g.parameters) > 3 else ""
+    return Diagnosis(
+        Cause.GRADIENT_EXPLOSION,
+        where=f"parameters grown since the snapshot of step {g.reference_step}: {shown}{more}",
+        evidence=(
+            Evidence(
+                EvidenceKind.STATE_GROWN,
+                f"the largest |value| of {len(g.parameters)} parameter(s) grew more than {g.factor:g}x since the "
+                f"last sound snapshot (step {g.reference_step}): {shown}{more}",
+                {
+                    "reference_step": g.reference_step,
+                    "factor": g.factor,
+                    "parameters": [list(p) for p in g.parameters],
+                },
+            ),
+        ),
+        hint="a few finite updates blew the weights up: lower the learning rate, clip gradients, warm up longer",
+        state_tensors=tuple(n for n, _, _ in g.parameters),
+        state_damaged=True,
     )
