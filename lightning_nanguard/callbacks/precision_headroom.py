@@ -110,9 +110,6 @@ class PrecisionHeadroom(NanGuardCallback):
         """The modules the forecast runs in float32, in promotion order."""
         return list(self.watch.promoted)
 
-    def _make_state_key(self) -> str:
-        return self._generate_state_key(every_n_steps=self.every_n_steps)
-
     @override
     def _check_environment(self, trainer: pl.Trainer) -> None:
         # Where it is untested it measures nothing, with a note, rather than refuse: the preset keeps running there.
