@@ -38,8 +38,7 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from projects import HERE, PROJECTS, Project  # noqa: E402
+from projects import HERE, PROJECTS, Project  # beside this file: the script's folder is sys.path[0]
 
 # What nanguard writes on its own into a log directory (sidecars beside checkpoints are where they belong).
 _OURS = ("nanguard", "incidents.jsonl", "summary.txt")
