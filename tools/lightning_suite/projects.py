@@ -56,6 +56,8 @@ class Project:
         paths: the test paths, relative to ``workdir``.
         ini: pytest settings to use instead of the project's own, or ``None`` to keep the project's.
         args: further pytest arguments (markers, ignores).
+        data: (file in the checkout, module) pairs: files the tests would download, copied from the checkout into
+            the installed module's folder when missing there.
     """
 
     name: str
@@ -67,6 +69,7 @@ class Project:
     paths: tuple[str, ...]
     ini: str | None = None
     args: tuple[str, ...] = field(default_factory=tuple)
+    data: tuple[tuple[str, str], ...] = field(default_factory=tuple)
 
     @property
     def intended(self) -> Path:
@@ -121,12 +124,14 @@ PROJECTS = {
             name="pytorch-forecasting",
             repo="sktime/pytorch-forecasting",
             ref="v1.8.0",
-            install="pytorch-forecasting==1.8.0",
+            install="pytorch-forecasting==1.8.0 pyarrow",
             copy=("tests",),
             workdir=".",
             # Every test that trains a model (the data, metric and utility tests build no Trainer).
             paths=("tests/test_models", "tests/test_callbacks.py"),
             ini=_PYTORCH_FORECASTING_INI,
+            # The tests' data set, which get_stallion_data() would download into the package's folder.
+            data=(("examples/data/stallion.parquet", "pytorch_forecasting.data.examples"),),
         ),
     )
 }

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import importlib.util
 import os
 import re
 import shutil
@@ -112,6 +113,18 @@ def _ours_left(tree: Path) -> set[str]:
     return found
 
 
+def _place_data(project: Project, source: Path) -> None:
+    """Copy the files the tests would download from the checkout into the installed module's folder."""
+    for rel, module in project.data:
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.origin is None:
+            continue
+        target = Path(spec.origin).parent / Path(rel).name
+        if not target.exists():
+            print(f"run.py: copying {rel} to {target} (the tests would download it)", flush=True)
+            shutil.copy2(source / rel, target)
+
+
 def _run(project: Project, workdir: Path, xml: Path, inject: bool, timeout: int, paths: list[str], extra: list[str]):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
@@ -187,12 +200,13 @@ def main(argv: list[str] | None = None) -> int:
         print("run.py: give --project and --source (or --lightning DIR)", file=sys.stderr)
         return 2
     project = PROJECTS[args.project]
-    missing = [rel for rel in project.copy if not (args.source / rel).exists()]
+    missing = [rel for rel in (*project.copy, *(d for d, _ in project.data)) if not (args.source / rel).exists()]
     if missing:
         print(f"run.py: {args.source} has no {', '.join(missing)}: not a {project.repo} checkout", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     if not args.compare_only:
+        _place_data(project, args.source)
         for mode in ("plain", "preset"):
             if args.only not in (mode, "both"):
                 continue
