@@ -22,7 +22,9 @@ torch, hence the constraints file)::
 (``--lightning DIR`` is short for ``--project lightning --source DIR``.) Take the checkout of the version that is
 installed (for Lightning, the same minor version). Each run copies the project's tests into a fresh tree under
 ``--out`` (``plain-tree``, ``preset-tree``), writes both JUnit XML files and ``report.md`` (the table of
-differences) into ``--out`` and prints the report. Arguments it does not know go to pytest (``-k``, ``-x``...).
+differences) into ``--out`` and prints the report; the preset run's tests keep their ``tmp_path`` folders under
+``--out`` (``preset-tmp``), and every incident log with records there or in the tree is listed (``incidents.txt``): a
+project's healthy tests should record none. Arguments it does not know go to pytest (``-k``, ``-x``...).
 Exit 0 when every difference is intended, 1 when some are not, 2 for a usage error.
 """
 
@@ -125,6 +127,17 @@ def _place_data(project: Project, source: Path) -> None:
             shutil.copy2(source / rel, target)
 
 
+def _incidents(*folders: Path) -> list[str]:
+    """The incidents nanguard recorded during a run: ``<incidents.jsonl>: <line count>`` for each non-empty log."""
+    found = []
+    for folder in folders:
+        for log in sorted(folder.rglob("incidents.jsonl")) if folder.is_dir() else ():
+            lines = sum(1 for line in log.read_text(errors="replace").splitlines() if line.strip())
+            if lines:
+                found.append(f"{log}: {lines}")
+    return found
+
+
 def _run(project: Project, workdir: Path, xml: Path, inject: bool, timeout: int, paths: list[str], extra: list[str]):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
@@ -137,7 +150,8 @@ def _run(project: Project, workdir: Path, xml: Path, inject: bool, timeout: int,
         ini.write_text(project.ini)
         cmd += ["-c", str(ini)]
     cmd += ["--rootdir", str(workdir), "-q", "-p", "no:cacheprovider", "-o", "console_output_style=classic"]
-    cmd += [f"--junitxml={xml}", f"--timeout={timeout}", *project.args]
+    # The tests' tmp_path folders under --out, kept after the run: their incident logs are counted there.
+    cmd += [f"--basetemp={xml.with_suffix('')}-tmp", f"--junitxml={xml}", f"--timeout={timeout}", *project.args]
     if inject:
         cmd += ["-p", "nanguard_inject"]
     cmd += extra + paths
@@ -179,6 +193,12 @@ def _report(project: Project, out: Path) -> tuple[str, int]:
         reason = next((r for p, r in intended_files if fnmatch.fnmatch(path, p)), "")
         unexpected += not reason
         lines.append(f"- `{path}`: {reason or '**not intended**'}")
+    logs = out / "incidents.txt"
+    if logs.exists():
+        # Not a difference by itself (a test may train on NaN on purpose), but each one is to be read.
+        found = logs.read_text().splitlines()
+        lines += ["", f"nanguard's incident logs with records (the tree and the tests' tmp_path): {len(found)}", ""]
+        lines += [f"- `{line}`" for line in found]
     lines += ["", f"unexpected differences: {unexpected}"]
     return "\n".join(lines) + "\n", unexpected
 
@@ -214,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
             paths = list(args.paths or project.paths)
             _run(project, workdir, args.out.resolve() / f"{mode}.xml", mode == "preset", args.timeout, paths, extra)
             (args.out / f"{mode}-files.txt").write_text("\n".join(sorted(_ours_left(workdir))) + "\n")
+            if mode == "preset":
+                logs = _incidents(workdir, args.out.resolve() / "preset-tmp")
+                (args.out / "incidents.txt").write_text("".join(f"{line}\n" for line in logs))
     report, unexpected = _report(project, args.out)
     (args.out / "report.md").write_text(report)
     print(report)
