@@ -98,7 +98,9 @@ def _tree(project: Project, source: Path, out: Path, mode: str) -> Path:
     for rel in project.copy:
         src = source / rel
         if src.is_dir():
-            shutil.copytree(src, tree / rel, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+            # A report folder of nanguard's in the checkout (an earlier run in place) would read as this run's.
+            ignore = shutil.ignore_patterns("__pycache__", ".pytest_cache", *_OURS)
+            shutil.copytree(src, tree / rel, ignore=ignore)
         else:
             shutil.copy2(src, tree / rel)
     return tree / project.workdir
