@@ -18,7 +18,7 @@ from typing_extensions import override
 from lightning_nanguard import _lightning_compat
 from lightning_nanguard.callbacks._common import check_strategy_supported
 from lightning_nanguard.callbacks._state import adopt_saved_state, saved_state_key
-from lightning_nanguard.config import CallbackConfig
+from lightning_nanguard.config import Configured
 from lightning_nanguard.engine import Engine, get_engine
 
 __all__ = ["NanGuardCallback", "bind_engine_hooks", "mute_idle_hooks", "show_hooks", "unmute_hooks"]
@@ -44,20 +44,12 @@ _PER_BATCH_HOOKS = (
 )
 
 
-class NanGuardCallback(Callback):
+class NanGuardCallback(Configured, Callback):
     """Base of the nanguard callbacks. Subclasses override ``_install`` (and their own non-engine hooks)."""
 
     _drives = False
     _state_key_cache: str | None = None
     _engine_now: Engine
-    config: CallbackConfig  # the arguments, declared, validated and documented once (lightning_nanguard.config)
-
-    def __getattr__(self, name: str) -> Any:
-        # An argument reads as an attribute (``monitor.spike_zscore``), from the one configuration, never a copy.
-        config = self.__dict__.get("config")
-        if config is not None and name in config.__dataclass_fields__ and name != "owner":
-            return getattr(config, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @override
     @property

@@ -8,12 +8,11 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from lightning_nanguard import _notices
-from lightning_nanguard._validation import check_conflicts
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._common import make_incident
+from lightning_nanguard.config import CheckpointGuardConfig
 from lightning_nanguard.contract import Action, Cause
 from lightning_nanguard.engine import Engine, get_engine
-from lightning_nanguard.exceptions import NanGuardConfigError
 from lightning_nanguard.recovery.checkpoint_events import CheckpointEvent, describe, incident_values
 from lightning_nanguard.recovery.checkpoint_io import install_verifying_io, remove_killed_saves
 from lightning_nanguard.recovery.lineage import Lineage
@@ -87,19 +86,10 @@ class CheckpointGuard(NanGuardCallback):
         >>> trainer = Trainer(callbacks=[ModelCheckpoint(save_top_k=3), CheckpointGuard(fallback=True)])
     """
 
+    config: CheckpointGuardConfig
+
     def __init__(self, require_sidecar: bool = True, fallback: bool = False, tag_last_good: bool = True) -> None:
-        owner = type(self).__name__
-        for name, value in (
-            ("require_sidecar", require_sidecar),
-            ("fallback", fallback),
-            ("tag_last_good", tag_last_good),
-        ):
-            if not isinstance(value, bool):  # 0/1 compare equal to False/True but are not what a YAML bool reads as
-                raise NanGuardConfigError(f"{owner}({name}={value!r}): must be True or False (a bool).")
-        check_conflicts("CheckpointGuard", owner, locals())
-        self.require_sidecar = require_sidecar
-        self.fallback = fallback
-        self.tag_last_good = tag_last_good
+        self.config = CheckpointGuardConfig.from_arguments(type(self).__name__, locals())
         self.refused_saves = 0
         self.last_saved: str | None = None
         self._trainer: pl.Trainer | None = None
@@ -114,9 +104,9 @@ class CheckpointGuard(NanGuardCallback):
         self._check_environment(trainer)
         io = install_verifying_io(
             trainer,
-            require_sidecar=self.require_sidecar,
-            fallback=self.fallback,
-            tag_last_good=self.tag_last_good,
+            require_sidecar=self.config.require_sidecar,
+            fallback=self.config.fallback,
+            tag_last_good=self.config.tag_last_good,
             listener=self._on_event,
         )
         io.intended, io.live_module = self._intended, self._live_module  # bound methods: the Trainer still pickles

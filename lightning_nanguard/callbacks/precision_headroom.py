@@ -10,12 +10,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_nanguard import _notices
-from lightning_nanguard._validation import check_float, check_int
 from lightning_nanguard.callbacks._base import NanGuardCallback, show_hooks
 from lightning_nanguard.callbacks._common import check_strategy_supported
+from lightning_nanguard.config import PrecisionHeadroomConfig
 from lightning_nanguard.engine import Engine
 from lightning_nanguard.engine.headroom import HeadroomWatch
-from lightning_nanguard.exceptions import NanGuardConfigError, UnsupportedSetupError
+from lightning_nanguard.exceptions import UnsupportedSetupError
 from lightning_nanguard.policies.headroom import HeadroomSettings
 
 __all__ = ["PrecisionHeadroom"]
@@ -75,6 +75,8 @@ class PrecisionHeadroom(NanGuardCallback):
 
     owner = "PrecisionHeadroom"
 
+    config: PrecisionHeadroomConfig
+
     def __init__(
         self,
         every_n_steps: int = 50,
@@ -83,26 +85,15 @@ class PrecisionHeadroom(NanGuardCallback):
         demote_after: int | None = 20,
         promote: bool = True,
     ) -> None:
-        owner = type(self).__name__
-        check_int(owner, "every_n_steps", every_n_steps, minimum=1)
-        check_float(owner, "margin_bits", margin_bits, low=0.0, high=10.0)
-        check_int(owner, "horizon_steps", horizon_steps, minimum=1)
-        check_int(owner, "demote_after", demote_after, minimum=1, allow_none=True)
-        if not isinstance(promote, bool):
-            raise NanGuardConfigError(f"{owner}(promote={promote!r}): must be True or False.")
-        self.every_n_steps = every_n_steps
-        self.margin_bits = margin_bits
-        self.horizon_steps = horizon_steps
-        self.demote_after = demote_after
-        self.promote = promote
+        self.config = c = PrecisionHeadroomConfig.from_arguments(type(self).__name__, locals())
         settings = HeadroomSettings(
-            every_n_steps=every_n_steps,
-            margin_bits=margin_bits,
-            horizon_steps=horizon_steps,
-            demote_after=demote_after,
-            max_promotions=HeadroomSettings.max_promotions if promote else 0,
+            every_n_steps=c.every_n_steps,
+            margin_bits=c.margin_bits,
+            horizon_steps=c.horizon_steps,
+            demote_after=c.demote_after,
+            max_promotions=HeadroomSettings.max_promotions if c.promote else 0,
         )
-        self.watch = HeadroomWatch(settings, owner)
+        self.watch = HeadroomWatch(settings, c.owner)
         self._sampling = False
 
     @property

@@ -176,6 +176,19 @@ class CallbackConfig:
         return cls(owner=owner, **{f.name: values[f.name] for f in _arguments(cls)})
 
 
+class Configured:
+    """A callback whose arguments are one configuration (``config``): each argument reads as an attribute of the
+    callback (``monitor.spike_zscore``), from that configuration, never from a copy."""
+
+    config: CallbackConfig
+
+    def __getattr__(self, name: str) -> Any:
+        config = self.__dict__.get("config")
+        if config is not None and name in config.__dataclass_fields__ and name != "owner":
+            return getattr(config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
 def _arguments(cls: type) -> list[dataclasses.Field[Any]]:
     return [f for f in dataclasses.fields(cls) if "rule" in f.metadata]
 

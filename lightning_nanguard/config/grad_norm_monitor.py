@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from lightning_nanguard.config._declare import CallbackConfig, Choice, Flag, Float, Int, PathArg, arg
 
@@ -19,7 +19,7 @@ class GradNormMonitorConfig(CallbackConfig):
 
     kind: ClassVar[str] = "GradNormMonitor"
 
-    on_nonfinite: str = arg(
+    on_nonfinite: Literal["warn", "skip", "stop"] = arg(
         "skip",
         Choice(("warn", "skip", "stop")),
         """`"skip"` drops the update; `"warn"` lets it through and warns (the weights will be poisoned: for diagnosis
@@ -54,7 +54,7 @@ class GradNormMonitorConfig(CallbackConfig):
         host floats the step's one read brings back.""",
     )
     spike_warmup: int = arg(50, Int(minimum=1), "Finite steps observed before spikes are tested.")
-    on_spike: str = arg(
+    on_spike: Literal["warn", "skip", "rollback", "probe"] = arg(
         "warn",
         Choice(("warn", "skip", "rollback", "probe")),
         """`"warn"` records and warns; `"skip"` drops the update; `"rollback"` drops it and has AutoRollback restore
@@ -71,7 +71,7 @@ class GradNormMonitorConfig(CallbackConfig):
         """A JSON file of sample indices to quarantine from the start (`[12, 507]` or `{"samples": [...]}`: the format
         of a run's `<log_dir>/nanguard/quarantine.json`).""",
     )
-    forensics: str = arg(
+    forensics: Literal["first", "every", "off"] = arg(
         "first",
         Choice(("first", "every", "off")),
         """`"first"` replays the first incident of each kind of evidence and reuses that verdict for later ones;
@@ -88,7 +88,7 @@ class GradNormMonitorConfig(CallbackConfig):
         `NonFiniteTrainingError` naming the cause and its fix; `None`: no budget.""",
     )
     dropped_window: int = arg(1000, Int(minimum=1), "The window, in optimizer steps, of that budget.")
-    on_dropped_budget: str = arg(
+    on_dropped_budget: Literal["stop", "warn"] = arg(
         "stop", Choice(("stop", "warn")), '`"stop"`; or `"warn"`: warn as the budget is crossed and go on.'
     )
     bundle_mb: float = arg(
