@@ -8,6 +8,7 @@ are called directly; CI's `mkdocs build --strict` renders them.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import glob
 import importlib
 import importlib.util
@@ -140,3 +141,25 @@ def test_logged_keys_become_a_table(callback: str) -> None:
     assert [key for key, _ in rows] == keys
     assert all(text.strip() for _, text in rows)
     assert "Raises:" in table  # the sections after the block are untouched
+
+
+@pytest.mark.parametrize("callback", sorted(lightning_nanguard.callbacks.__all__))
+def test_arguments_table_comes_from_the_configuration(callback: str) -> None:
+    from lightning_nanguard.config import CONFIGS
+
+    signature = inspect.signature(getattr(lightning_nanguard, callback))
+    table = SITE.arguments_table(callback)
+    rows = re.findall(r"^\| `(\w+)` \| `(.*?)` \| (.+?) \| (.+) \|$", table, flags=re.MULTILINE)
+    assert [name for name, *_ in rows] == list(signature.parameters)
+    for name, default, accepts, text in rows:
+        assert default == repr(signature.parameters[name].default), name
+        assert accepts.strip(), name
+        assert text.strip(), name
+    part = f"arguments-{SITE._kebab(callback)}"
+    assert SITE.expand(f"<!-- generated: {part} -->") == table
+    pages = [p for p in _pages() if f"::: lightning_nanguard.{callback}\n" in _read(p)]
+    assert pages
+    assert f"<!-- generated: {part} -->" in _read(pages[0])
+    # The declaration is the documentation: a changed doc changes the table.
+    field = next(f for f in dataclasses.fields(CONFIGS[callback]) if f.name == rows[0][0])
+    assert " ".join(str(field.metadata["doc"]).split()).replace("|", "\\|") == rows[0][3]

@@ -9,7 +9,7 @@ from typing_extensions import override
 
 from lightning_nanguard import _lightning_compat
 from lightning_nanguard.callbacks._base import NanGuardCallback
-from lightning_nanguard.config import AutoRollbackConfig
+from lightning_nanguard.config import AutoRollbackConfig, arguments_from
 from lightning_nanguard.contract import Divergence, PassedOverSnapshots
 from lightning_nanguard.engine import Engine
 from lightning_nanguard.engine.capabilities import Restored
@@ -31,6 +31,7 @@ from lightning_nanguard.reporting import keys
 __all__ = ["AutoRollback"]
 
 
+@arguments_from(AutoRollbackConfig)
 class AutoRollback(NanGuardCallback):
     """Keep verified-finite snapshots of the training state in memory; restore one when the state is damaged or
     training diverges.
@@ -52,21 +53,7 @@ class AutoRollback(NanGuardCallback):
     (``diverging``); a jump that falls back or holds (a new data domain) is not. At the end of fit, non-finite weights
     left by the last update are restored too.
 
-    Args:
-        every_n_steps: snapshot cadence in optimizer steps (its cost: docs/PERFORMANCE.md).
-        num_snapshots: snapshots kept in memory (each costs 12 bytes/param with AdamW); 0 with ``source="disk"``.
-        quiet_steps: no snapshot within this many steps after an incident that distrusts the state.
-        max_rollbacks: rollbacks allowed within ``rollback_window`` steps; one more restores, saves a verified
-            checkpoint and stops.
-        rollback_window: the budget window, in optimizer steps.
-        recurrence_steps: a trigger this soon after a rollback restores an older snapshot.
-        skip_batches: batches after a rollback whose updates are dropped.
-        source: ``"memory"`` (snapshots; without a usable one, the newest verified checkpoint file of a step at or
-            before the current one, weights-only) or ``"disk"`` (verified checkpoints only).
-        checkpoint_dir: where verified checkpoints are found and the final one is written when no ModelCheckpoint
-            is configured.
-        max_snapshot_bytes: host memory per rank for all slots (``None``: no limit; under DDP a rank keeps 1/world
-            of each): fewer slots, with a warning, when not all fit; an error at train start if none does.
+    Its arguments are declared once, in ``lightning_nanguard.config.AutoRollbackConfig`` (the "Args" below).
 
     Logged keys:
         ``nanguard/rollbacks``                 cumulative rollbacks, every logged step

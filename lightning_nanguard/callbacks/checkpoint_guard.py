@@ -10,7 +10,7 @@ from typing_extensions import override
 from lightning_nanguard import _notices
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._common import make_incident
-from lightning_nanguard.config import CheckpointGuardConfig
+from lightning_nanguard.config import CheckpointGuardConfig, arguments_from
 from lightning_nanguard.contract import Action, Cause
 from lightning_nanguard.engine import Engine, get_engine
 from lightning_nanguard.recovery.checkpoint_events import CheckpointEvent, describe, incident_values
@@ -22,6 +22,7 @@ from lightning_nanguard.signals.model_tensors import intended_infinities, record
 __all__ = ["CheckpointGuard"]
 
 
+@arguments_from(CheckpointGuardConfig)
 class CheckpointGuard(NanGuardCallback):
     """Write every checkpoint with a sha256 sidecar, refuse non-finite ones, verify before resuming.
 
@@ -60,13 +61,7 @@ class CheckpointGuard(NanGuardCallback):
     resume by hand, use ``lightning_nanguard.last_good_checkpoint(dirpath)``; to check files, ``nanguard verify``.
     Refusals of single files happen on rank 0 only and are reported, never fed to a training decision.
 
-    Args:
-        require_sidecar: refuse to load a file without its ``.checksum`` sidecar (written by CheckpointGuard or by
-            ``nanguard verify --write-sidecar``). ``False`` (the preset's) checks such files for zip CRC-32s,
-            readability and finiteness only.
-        fallback: on a failed verification, resume from the verified checkpoint of the same directory nearest to
-            the requested file's step and not after it.
-        tag_last_good: keep ``nanguard-last-good.ckpt`` pointing at the newest good checkpoint of each directory.
+    Its arguments are declared once, in ``lightning_nanguard.config.CheckpointGuardConfig`` (the "Args" below).
 
     Logged keys:
         ``nanguard/incident/refuse``     1.0 when a checkpoint was refused (save: rank 0; load: every rank)

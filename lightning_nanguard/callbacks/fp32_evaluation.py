@@ -16,7 +16,7 @@ from lightning_nanguard.callbacks._common import (
     rerun_incident,
 )
 from lightning_nanguard.callbacks._state import adopt_saved_state, saved_state_key
-from lightning_nanguard.config import Configured, FP32EvaluationConfig
+from lightning_nanguard.config import Configured, FP32EvaluationConfig, arguments_from
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.exceptions import UnsupportedSetupError
 from lightning_nanguard.precision import FULL_PRECISION, classify_precision
@@ -31,6 +31,7 @@ from lightning_nanguard.reporting import keys
 __all__ = ["FP32Evaluation"]
 
 
+@arguments_from(FP32EvaluationConfig)
 class FP32Evaluation(Configured, Callback):
     """Run validation and test in float32 (always, or only for the batches that come out non-finite in half precision).
 
@@ -68,11 +69,7 @@ class FP32Evaluation(Configured, Callback):
     (``recovery/promote.py``). The promotion is an incident, kept in the callback state and re-applied at a resume.
     Under ``*-true`` there is no autocast to switch off: nothing is promoted (train under ``*-mixed`` for this remedy).
 
-    Args:
-        mode: ``"always"`` runs every validation and test step in float32; ``"on_nonfinite"`` re-runs only the
-            non-finite batches in float32.
-        promote_after: half-precision overflows attributed to one training module before it runs in float32;
-            ``None`` (default): never.
+    Its arguments are declared once, in ``lightning_nanguard.config.FP32EvaluationConfig`` (the "Args" below).
 
     Logged keys (``mode="always"`` logs nothing):
         ``nanguard/eval/fp32_reruns``      batches re-run in float32 in this evaluation epoch (``"on_nonfinite"``)

@@ -11,7 +11,7 @@ from lightning_nanguard import _notices
 from lightning_nanguard.callbacks import _deepspeed
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._state import warn_unloaded_quarantine
-from lightning_nanguard.config import GradNormMonitorConfig
+from lightning_nanguard.config import GradNormMonitorConfig, arguments_from
 from lightning_nanguard.engine import Engine, get_engine
 from lightning_nanguard.engine.grad_metrics import grad_metrics, layers_due
 from lightning_nanguard.recovery.quarantine import Quarantine
@@ -19,6 +19,7 @@ from lightning_nanguard.recovery.quarantine import Quarantine
 __all__ = ["GradNormMonitor"]
 
 
+@arguments_from(GradNormMonitorConfig)
 class GradNormMonitor(NanGuardCallback):
     """Log the gradient norm, drop any update whose loss or gradients are non-finite, find out why, and keep the
     data that caused it away.
@@ -37,43 +38,7 @@ class GradNormMonitor(NanGuardCallback):
     (``input_data``, ``targets``), it is quarantined (``quarantine=True``): the dataset samples are replaced when they
     come back (or the batch's update is dropped, for datasets without sample indices), with no new incident.
 
-    Args:
-        on_nonfinite: ``"skip"`` drops the update; ``"warn"`` lets it through and warns (the weights will be
-            poisoned: for diagnosis only); ``"stop"`` drops it and stops training at once.
-        max_consecutive_skips: non-finite steps in a row tolerated (bad data's, which the quarantine answers, not
-            counted); one more escalates to a rollback (and a learning-rate backoff where that is the cause's remedy)
-            where AutoRollback is installed, and otherwise stops with ``NonFiniteTrainingError``. Under ``16-mixed``
-            with a LossScaleWatchdog installed, overflow streaks are the watchdog's to judge.
-        max_dropped_fraction: the dropped-updates budget: more dropped updates than this share of the last
-            ``dropped_window`` optimizer steps (drops a rollback answered and the GradScaler's routine skips aside)
-            stops training with ``NonFiniteTrainingError`` naming the cause and its fix; ``None``: no budget.
-        dropped_window: the window, in optimizer steps, of that budget.
-        on_dropped_budget: ``"stop"``; or ``"warn"``: warn as the budget is crossed and go on.
-        layer_depth: module depth at which per-layer gradient norms are grouped (``1``: top-level children,
-            ``2``: their children, ...), counted below single-child wrappers such as ``self.model``; ``None`` turns
-            per-layer norms off.
-        log_every_n_steps: how often per-layer norms (and the histogram) reach the loggers; ``None`` follows
-            ``Trainer(log_every_n_steps)``.
-        histogram: also write a TensorBoard histogram of the per-tensor gradient norms.
-        spike_zscore: flag a step whose loss or gradient norm is this many standard deviations above its running
-            mean (in log space, so a 10x jump is the same spike at any scale); ``None`` (default) turns spike
-            detection off. The test runs on the host floats the step's one read brings back.
-        spike_warmup: finite steps observed before spikes are tested.
-        on_spike: ``"warn"`` records and warns; ``"skip"`` drops the update; ``"rollback"`` drops it and has
-            ``AutoRollback`` restore the last good state (and ``OptimizerBackoff`` lower the learning rate);
-            ``"probe"`` measures whether the weights got worse: AutoRollback's probe batch (a few training samples,
-            scored at each snapshot) is re-scored with the current weights; its loss rose more than 2x against the
-            newest sound snapshot's: roll back to before the climb and lower the learning rate (cause
-            ``weights_diverging``); it did not: nothing is done (a debug-level line). Requires ``spike_zscore``.
-        quarantine: quarantine the data that caused an incident (``input_data``/``targets`` causes).
-        quarantine_file: a JSON file of sample indices to quarantine from the start (``[12, 507]`` or
-            ``{"samples": [...]}``: the format of a run's ``<log_dir>/nanguard/quarantine.json``).
-        forensics: ``"first"`` replays the first incident of each kind of evidence and reuses that verdict for
-            later ones; ``"every"`` replays each incident; ``"off"`` uses the cheap evidence only.
-        max_replay_steps: replays stop once they have cost this many training steps' worth of time in this fit.
-        bundle_mb: the size budget, in MB, of each replayed incident's bundle (for ``nanguard replay``); ``0``: none.
-        max_quarantined_fraction: records blamed as a hypothesis (not holding NaN/inf) past this share of the
-            dataset (never fewer than 4): the blame is withdrawn and they are released (docs/FORENSICS.md).
+    Its arguments are declared once, in ``lightning_nanguard.config.GradNormMonitorConfig`` (the "Args" below).
 
     Logged keys (every logging step, one batched logger call):
         ``nanguard/grad_norm``                   total 2-norm of the gradients (unscaled, pre-clip), last step

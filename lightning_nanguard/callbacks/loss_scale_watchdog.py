@@ -15,7 +15,7 @@ from typing_extensions import override
 from lightning_nanguard import _lightning_compat, _notices
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._deepspeed import install_scale_watch, is_deepspeed
-from lightning_nanguard.config import LossScaleWatchdogConfig
+from lightning_nanguard.config import LossScaleWatchdogConfig, arguments_from
 from lightning_nanguard.contract import StateRestored
 from lightning_nanguard.engine import Engine, get_engine
 from lightning_nanguard.engine.deepspeed_sensing import DeepSpeedScaleWatch, ScaleSettings
@@ -27,6 +27,7 @@ from lightning_nanguard.signals.loss_scale import ScaleHistory
 __all__ = ["LossScaleWatchdog"]
 
 
+@arguments_from(LossScaleWatchdogConfig)
 class LossScaleWatchdog(NanGuardCallback):
     """Watch the GradScaler (``16-mixed``): log its scale and overflows, keep it above a floor, meet a collapse.
 
@@ -52,16 +53,7 @@ class LossScaleWatchdog(NanGuardCallback):
     rollback under DeepSpeed) or, with ``on_collapse="warn"``, a warning. With both rules off DeepSpeed keeps its
     exit, and the watchdog explains it when it happens.
 
-    Args:
-        min_scale: the floor (> 0), so the scale never reaches ``0.0``. Megatron and DeepSpeed default to 1.
-        max_scale: an optional cap (``None``: the GradScaler's growth is unbounded).
-        floor_patience: overflowing steps at the floor that make a collapse (``None``: not this rule).
-        max_overflow_streak: consecutive overflowing steps that make a collapse (``None``: not this rule).
-        on_collapse: ``"auto"`` (roll back when AutoRollback is installed, else stop), ``"rollback"``, ``"warn"``
-            or ``"stop"``.
-        max_collapses: collapses met before one more stops training with ``RecoveryBudgetExhausted`` (``None``:
-            unbounded).
-        window: steps over which ``nanguard/overflow_rate`` is computed.
+    Its arguments are declared once, in ``lightning_nanguard.config.LossScaleWatchdogConfig`` (the "Args" below).
 
     Logged keys (every logging step):
         ``nanguard/loss_scale``         the scale the last step ran with

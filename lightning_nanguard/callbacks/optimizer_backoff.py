@@ -9,7 +9,7 @@ from typing_extensions import override
 
 from lightning_nanguard.callbacks._base import NanGuardCallback, show_hooks
 from lightning_nanguard.callbacks._preflight import OnHazard, run_preflight
-from lightning_nanguard.config import OptimizerBackoffConfig
+from lightning_nanguard.config import OptimizerBackoffConfig, arguments_from
 from lightning_nanguard.contract import PassedOverSnapshots, StateRestored
 from lightning_nanguard.engine import Engine
 from lightning_nanguard.engine.incidents import EventHandled
@@ -21,6 +21,7 @@ from lightning_nanguard.reporting import keys
 __all__ = ["OptimizerBackoff"]
 
 
+@arguments_from(OptimizerBackoffConfig)
 class OptimizerBackoff(NanGuardCallback):
     """Back off the learning rate (and Adam eps under fp16) when training diverges, so that the lowered rate persists.
 
@@ -45,27 +46,7 @@ class OptimizerBackoff(NanGuardCallback):
     an eps that is not a normal number in the parameter dtype, a fused optimizer with GradScaler and clipping, and true
     half parameters without an fp32 master copy.
 
-    Args:
-        lr_factor: multiply the learning-rate scale by this at each backoff, in (0, 1).
-        min_lr_scale: floor of the scale (relative to the configured schedule), in (0, 1].
-        triggers: comma list of event kinds that may lower the learning rate: ``rollback`` (a rollback for
-            divergence), ``skip`` (repeated drops a lower rate answers), ``loss_scale_collapse``.
-        skips_before_backoff: such dropped updates needed within ``skip_window`` steps for one backoff.
-        skip_window: the window, in optimizer steps, those skips are counted over.
-        recover_after: healthy optimizer steps (no incident) before the scale is raised one notch; ``None``: never.
-            A level a notch reached that is backed off again within ``recover_after`` steps is never climbed to
-            again.
-        recover_steps: notches from one backoff back to the previous level (each multiplies the scale by
-            ``(1 / lr_factor) ** (1 / recover_steps)``, capped at 1.0).
-        recover_with_schedule: as the schedule itself falls (a decay, the end of a warm restart), the scale climbs
-            back towards 1.0, as far as keeps the rate at the one the backoff left, and comes down again (to the
-            backoff's) where the schedule rises. A constant or rising schedule keeps the backoff.
-        eps_backoff: ``"auto"`` (fp16 non-fused groups), ``"always"`` (every group with an eps) or ``"never"``.
-        eps_factor: multiply eps by this at each eps backoff (> 1).
-        max_eps: eps is never raised above this.
-        on_hazard: preflight before step 1: ``"fix"`` (raise an underflowing eps to ``safe_eps``), ``"warn"``,
-            ``"raise"`` (``UnsupportedSetupError``), ``"off"``.
-        safe_eps: the eps a ``"fix"`` sets (at least the dtype's smallest normal number).
+    Its arguments are declared once, in ``lightning_nanguard.config.OptimizerBackoffConfig`` (the "Args" below).
 
     Logged keys:
         ``nanguard/lr_scale``                    current learning-rate scale, logged steps

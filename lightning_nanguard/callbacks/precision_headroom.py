@@ -12,7 +12,7 @@ from typing_extensions import override
 from lightning_nanguard import _notices
 from lightning_nanguard.callbacks._base import NanGuardCallback, show_hooks
 from lightning_nanguard.callbacks._common import check_strategy_supported
-from lightning_nanguard.config import PrecisionHeadroomConfig
+from lightning_nanguard.config import PrecisionHeadroomConfig, arguments_from
 from lightning_nanguard.engine import Engine
 from lightning_nanguard.engine.headroom import HeadroomWatch
 from lightning_nanguard.exceptions import UnsupportedSetupError
@@ -24,6 +24,7 @@ __all__ = ["PrecisionHeadroom"]
 _SAMPLE_HOOKS = ("on_before_backward", "on_before_optimizer_step", "on_train_batch_end")
 
 
+@arguments_from(PrecisionHeadroomConfig)
 class PrecisionHeadroom(NanGuardCallback):
     """Measure each module's headroom in the training precision every few steps, and move a module to float32
     before it overflows.
@@ -48,12 +49,7 @@ class PrecisionHeadroom(NanGuardCallback):
     output. Gradients are left to the GradScaler (``16-mixed``); under ``16-true``, which has none, each module's
     parameter gradients are sampled too (``"<module> (gradient)"``, reported only).
 
-    Args:
-        every_n_steps: optimizer steps between two samples (sooner near the limit).
-        margin_bits: headroom below which a module is promoted at once.
-        horizon_steps: a module whose falling trend reaches 0 bits within this many steps is promoted.
-        demote_after: samples of recovered headroom before a promoted module goes back (``None``: never).
-        promote: ``False`` reports only (no module is moved to float32).
+    Its arguments are declared once, in ``lightning_nanguard.config.PrecisionHeadroomConfig`` (the "Args" below).
 
     Logged keys (every logging step, half precision only):
         ``nanguard/headroom_min``          the lowest headroom of any module at the last sample (bits)

@@ -2,7 +2,7 @@
 validated once at construction, and read from there by the callback and the engine. The docs site's argument
 tables are generated from these declarations (tools/docs_site.py)."""
 
-from lightning_nanguard.config._declare import CallbackConfig, Configured, argument_rows
+from lightning_nanguard.config._declare import CallbackConfig, Configured, argument_rows, arguments_from
 from lightning_nanguard.config.grad_norm_monitor import GradNormMonitorConfig
 from lightning_nanguard.config.precision import CheckpointGuardConfig, FP32EvaluationConfig, PrecisionHeadroomConfig
 from lightning_nanguard.config.recovery import AutoRollbackConfig, LossScaleWatchdogConfig, OptimizerBackoffConfig
@@ -19,6 +19,7 @@ __all__ = [
     "OptimizerBackoffConfig",
     "PrecisionHeadroomConfig",
     "argument_rows",
+    "arguments_from",
 ]
 
 # Each callback's configuration type, by the callback's name.

@@ -14,7 +14,7 @@ import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from lightning_nanguard._validation import check_choice, check_conflicts, check_float, check_int, check_path
 from lightning_nanguard.exceptions import NanGuardConfigError
@@ -174,6 +174,31 @@ class CallbackConfig:
     def from_arguments(cls, owner: str, values: dict[str, Any]) -> Any:
         """The configuration of the arguments among ``values`` (a constructor's ``locals()``)."""
         return cls(owner=owner, **{f.name: values[f.name] for f in _arguments(cls)})
+
+
+def arguments_docstring(cls: type) -> str:
+    """The Google-style ``Args:`` section of a configuration's arguments (for ``help()`` and LightningCLI's help)."""
+    lines = ["Args:"]
+    for name, _, rule, doc in argument_rows(cls):
+        lines.append(f"    {name}: {doc} Accepts {rule}.".replace("`", "``"))
+    return "\n".join(lines)
+
+
+_C = TypeVar("_C", bound=type)
+
+
+def arguments_from(config: type[CallbackConfig]) -> Callable[[_C], _C]:
+    """Class decorator: the callback's docstring gets its arguments' ``Args:`` section from ``config`` (before its
+    "Logged keys"), so they are written once, in the configuration."""
+
+    def decorate(callback: _C) -> _C:
+        doc = callback.__doc__ or ""
+        section = "\n".join("    " + line for line in arguments_docstring(config).splitlines())
+        at = doc.find("\n    Logged keys")
+        callback.__doc__ = doc + "\n\n" + section if at < 0 else doc[:at] + "\n" + section + "\n" + doc[at:]
+        return callback
+
+    return decorate
 
 
 class Configured:
