@@ -8,6 +8,7 @@ are called directly; CI's `mkdocs build --strict` renders them.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import glob
 import importlib
 import importlib.util
@@ -179,3 +180,25 @@ def test_past_work_is_recognised() -> None:
     assert found == ["#24", "issue 23", "before this change", "was 1.55x"]
     assert DATED_HEADING.search(page)
     assert not [p for p in PAST_WORK if re.search(p, _prose("See `#24` and [x](PAGE.md#issue-2) at https://x.org/#3"))]
+
+
+@pytest.mark.parametrize("callback", sorted(lightning_nanguard.callbacks.__all__))
+def test_arguments_table_comes_from_the_configuration(callback: str) -> None:
+    from lightning_nanguard.config import CONFIGS
+
+    signature = inspect.signature(getattr(lightning_nanguard, callback))
+    table = SITE.arguments_table(callback)
+    rows = re.findall(r"^\| `(\w+)` \| `(.*?)` \| (.+?) \| (.+) \|$", table, flags=re.MULTILINE)
+    assert [name for name, *_ in rows] == list(signature.parameters)
+    for name, default, accepts, text in rows:
+        assert default == repr(signature.parameters[name].default), name
+        assert accepts.strip(), name
+        assert text.strip(), name
+    part = f"arguments-{SITE._kebab(callback)}"
+    assert SITE.expand(f"<!-- generated: {part} -->") == table
+    pages = [p for p in _pages() if f"::: lightning_nanguard.{callback}\n" in _read(p)]
+    assert pages
+    assert f"<!-- generated: {part} -->" in _read(pages[0])
+    # The declaration is the documentation: a changed doc changes the table.
+    field = next(f for f in dataclasses.fields(CONFIGS[callback]) if f.name == rows[0][0])
+    assert " ".join(str(field.metadata["doc"]).split()).replace("|", "\\|") == rows[0][3]

@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("_distributed",),  # every collective
     ("_lightning_compat", "precision"),  # every reach into Lightning's and torch's internals; the precision, typed
     ("signals",),  # pure tensor reductions and evidence readers
-    ("policies",),  # pure decisions: facts in, verdicts out
+    ("policies", "config"),  # pure decisions: facts in, verdicts out; each callback's arguments, declared once
     ("checkpoint_manifest", "checkpoint_sidecar", "checkpoint_infinities", "checkpoints"),  # verifying checkpoints
     ("recovery", "forensics"),  # the mechanisms that act; the replay that investigates
     ("reporting",),  # keys, sentences, records, summary

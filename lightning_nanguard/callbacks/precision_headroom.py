@@ -10,12 +10,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_nanguard import _notices
-from lightning_nanguard._validation import check_float, check_int
 from lightning_nanguard.callbacks._base import NanGuardCallback, show_hooks
 from lightning_nanguard.callbacks._common import check_strategy_supported
+from lightning_nanguard.config import PrecisionHeadroomConfig, arguments_from
 from lightning_nanguard.engine import Engine
 from lightning_nanguard.engine.headroom import HeadroomWatch
-from lightning_nanguard.exceptions import NanGuardConfigError, UnsupportedSetupError
+from lightning_nanguard.exceptions import UnsupportedSetupError
 from lightning_nanguard.policies.headroom import HeadroomSettings
 
 __all__ = ["PrecisionHeadroom"]
@@ -24,6 +24,7 @@ __all__ = ["PrecisionHeadroom"]
 _SAMPLE_HOOKS = ("on_before_backward", "on_before_optimizer_step", "on_train_batch_end")
 
 
+@arguments_from(PrecisionHeadroomConfig)
 class PrecisionHeadroom(NanGuardCallback):
     """Measure each module's headroom in the training precision every few steps, and move a module to float32
     before it overflows.
@@ -48,12 +49,7 @@ class PrecisionHeadroom(NanGuardCallback):
     output. Gradients are left to the GradScaler (``16-mixed``); under ``16-true``, which has none, each module's
     parameter gradients are sampled too (``"<module> (gradient)"``, reported only).
 
-    Args:
-        every_n_steps: optimizer steps between two samples (sooner near the limit).
-        margin_bits: headroom below which a module is promoted at once.
-        horizon_steps: a module whose falling trend reaches 0 bits within this many steps is promoted.
-        demote_after: samples of recovered headroom before a promoted module goes back (``None``: never).
-        promote: ``False`` reports only (no module is moved to float32).
+    Its arguments are declared once, in ``lightning_nanguard.config.PrecisionHeadroomConfig`` (the "Args" below).
 
     Logged keys (every logging step, half precision only):
         ``nanguard/headroom_min``          the lowest headroom of any module at the last sample (bits)
@@ -75,6 +71,8 @@ class PrecisionHeadroom(NanGuardCallback):
 
     owner = "PrecisionHeadroom"
 
+    config: PrecisionHeadroomConfig
+
     def __init__(
         self,
         every_n_steps: int = 50,
@@ -83,26 +81,15 @@ class PrecisionHeadroom(NanGuardCallback):
         demote_after: int | None = 20,
         promote: bool = True,
     ) -> None:
-        owner = type(self).__name__
-        check_int(owner, "every_n_steps", every_n_steps, minimum=1)
-        check_float(owner, "margin_bits", margin_bits, low=0.0, high=10.0)
-        check_int(owner, "horizon_steps", horizon_steps, minimum=1)
-        check_int(owner, "demote_after", demote_after, minimum=1, allow_none=True)
-        if not isinstance(promote, bool):
-            raise NanGuardConfigError(f"{owner}(promote={promote!r}): must be True or False.")
-        self.every_n_steps = every_n_steps
-        self.margin_bits = margin_bits
-        self.horizon_steps = horizon_steps
-        self.demote_after = demote_after
-        self.promote = promote
+        self.config = c = PrecisionHeadroomConfig.from_arguments(type(self).__name__, locals())
         settings = HeadroomSettings(
-            every_n_steps=every_n_steps,
-            margin_bits=margin_bits,
-            horizon_steps=horizon_steps,
-            demote_after=demote_after,
-            max_promotions=HeadroomSettings.max_promotions if promote else 0,
+            every_n_steps=c.every_n_steps,
+            margin_bits=c.margin_bits,
+            horizon_steps=c.horizon_steps,
+            demote_after=c.demote_after,
+            max_promotions=HeadroomSettings.max_promotions if c.promote else 0,
         )
-        self.watch = HeadroomWatch(settings, owner)
+        self.watch = HeadroomWatch(settings, c.owner)
         self._sampling = False
 
     @property

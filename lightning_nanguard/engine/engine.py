@@ -22,10 +22,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_nanguard import _lightning_compat, _notices
+from lightning_nanguard.config import GradNormMonitorConfig
 from lightning_nanguard.contract import StateRestored
 from lightning_nanguard.engine.accounting import FitLedger
 from lightning_nanguard.engine.bus import EventBus
-from lightning_nanguard.engine.capabilities import Backoff, GuardSettings, MetricSource, Promoter, Restorer, ScaleWatch
+from lightning_nanguard.engine.capabilities import Backoff, MetricSource, Promoter, Restorer, ScaleWatch
 from lightning_nanguard.engine.events import PendingEvent
 from lightning_nanguard.engine.final_check import final_check
 from lightning_nanguard.engine.incidents import IncidentPath
@@ -119,7 +120,7 @@ class Engine(StepFlow):
         return sorted({type(m).__name__ for m in self.members})
 
     # ------------------------------------------------------------------ registration (the callbacks' setup)
-    def set_guard(self, settings: GuardSettings, quarantine: Quarantine | None) -> None:
+    def set_guard(self, settings: GradNormMonitorConfig, quarantine: Quarantine | None) -> None:
         self.registry.set_guard(settings, quarantine)
 
     def set_restorer(self, restorer: Restorer) -> None:
