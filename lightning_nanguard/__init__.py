@@ -9,7 +9,7 @@ from lightning_nanguard.callbacks import (
     OptimizerBackoff,
     PrecisionHeadroom,
 )
-from lightning_nanguard.checkpoints import last_good_checkpoint, verify_checkpoint
+from lightning_nanguard.checkpointing.verify import last_good_checkpoint, verify_checkpoint
 from lightning_nanguard.contract import Action
 from lightning_nanguard.exceptions import (
     BundleError,

@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("_lightning_compat", "precision"),  # every reach into Lightning's and torch's internals; the precision, typed
     ("signals",),  # pure tensor reductions and evidence readers
     ("policies", "config"),  # pure decisions: facts in, verdicts out; each callback's arguments, declared once
-    ("checkpoint_manifest", "checkpoint_sidecar", "checkpoint_infinities", "checkpoints"),  # verifying checkpoints
+    ("checkpointing",),  # checkpoint integrity: write, verify, fall back, shard manifest
     ("recovery", "forensics"),  # the mechanisms that act; the replay that investigates
     ("reporting",),  # keys, sentences, records, summary
     ("engine",),  # the per-Trainer engine

@@ -9,6 +9,7 @@ from typing_extensions import override
 
 from lightning_nanguard import _lightning_compat
 from lightning_nanguard.callbacks._base import NanGuardCallback
+from lightning_nanguard.checkpointing.final import checkpoint_dir, require_checkpoint_dir, save_final_checkpoint
 from lightning_nanguard.config import AutoRollbackConfig, arguments_from
 from lightning_nanguard.contract import Divergence, PassedOverSnapshots
 from lightning_nanguard.engine import Engine
@@ -20,7 +21,6 @@ from lightning_nanguard.policies.probe import ProbeVerdict
 from lightning_nanguard.policies.rollback import RollbackPolicy
 from lightning_nanguard.policies.snapshot_health import History, SnapshotBook
 from lightning_nanguard.recovery.disk_restore import has_rollback_checkpoint
-from lightning_nanguard.recovery.final_checkpoint import checkpoint_dir, require_checkpoint_dir, save_final_checkpoint
 from lightning_nanguard.recovery.probe import SnapshotProbe
 from lightning_nanguard.recovery.quarantine import Quarantine
 from lightning_nanguard.recovery.rollback import repair_buffers, restore_state

@@ -10,13 +10,13 @@ from typing_extensions import override
 from lightning_nanguard import _notices
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._common import make_incident
+from lightning_nanguard.checkpointing.events import CheckpointEvent, describe, incident_values
+from lightning_nanguard.checkpointing.install import install_verifying_io, remove_killed_saves
+from lightning_nanguard.checkpointing.lineage import Lineage
+from lightning_nanguard.checkpointing.verifying_io import VerifyingCheckpointIO
 from lightning_nanguard.config import CheckpointGuardConfig, arguments_from
 from lightning_nanguard.contract import Action, Cause
 from lightning_nanguard.engine import Engine, get_engine
-from lightning_nanguard.recovery.checkpoint_events import CheckpointEvent, describe, incident_values
-from lightning_nanguard.recovery.checkpoint_io import install_verifying_io, remove_killed_saves
-from lightning_nanguard.recovery.lineage import Lineage
-from lightning_nanguard.recovery.verifying_io import VerifyingCheckpointIO
 from lightning_nanguard.signals.model_tensors import intended_infinities, record_intended_infinities
 
 __all__ = ["CheckpointGuard"]

@@ -5,7 +5,7 @@ The bound is the requested file's own step, as far as it can be known although t
 still loads), else the ``step=N`` of its name. Where none is known (a ``last.ckpt`` that no longer loads and has no
 record), the bound is its modification time: no file written after it is taken. Among the files within the bound
 the one of the highest step wins (then the newest), and where the requested file's sidecar records its lineage, only
-files of that lineage's past count (``recovery/lineage.py``): a fallback resumes the trajectory the user chose, never
+files of that lineage's past count (``checkpointing/lineage.py``): a fallback resumes the trajectory the user chose, never
 an abandoned run's file that happens to sit in the same directory.
 
 Resuming from an older file is how a user leaves a trajectory that went bad; its newer files are that trajectory.
@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_nanguard.checkpoint_manifest import manifest_mtime_ns, manifest_step, read_manifest
-from lightning_nanguard.checkpoint_sidecar import read_sidecar
-from lightning_nanguard.checkpoints import LAST_GOOD_NAME, recorded_step
-from lightning_nanguard.recovery.lineage import Lineage, lineage_of
+from lightning_nanguard.checkpointing.lineage import Lineage, lineage_of
+from lightning_nanguard.checkpointing.manifest import manifest_mtime_ns, manifest_step, read_manifest
+from lightning_nanguard.checkpointing.sidecar import read_sidecar
+from lightning_nanguard.checkpointing.verify import LAST_GOOD_NAME, recorded_step
 
 __all__ = ["FallbackBound", "fallback_bound", "find_fallback", "meta_of"]
 

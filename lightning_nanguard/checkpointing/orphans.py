@@ -15,8 +15,13 @@ from __future__ import annotations
 import contextlib
 import os
 
-from lightning_nanguard.checkpoint_sidecar import LEGACY_SIDECAR_SUFFIX, SIDECAR_SUFFIX, read_sidecar, remove_sidecars
-from lightning_nanguard.checkpoints import LAST_GOOD_NAME
+from lightning_nanguard.checkpointing.sidecar import (
+    LEGACY_SIDECAR_SUFFIX,
+    SIDECAR_SUFFIX,
+    read_sidecar,
+    remove_sidecars,
+)
+from lightning_nanguard.checkpointing.verify import LAST_GOOD_NAME
 
 __all__ = ["TAG_SOURCE_KEY", "remove_orphans"]
 

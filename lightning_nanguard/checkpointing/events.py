@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from lightning_nanguard._files import is_local_path
-from lightning_nanguard.checkpoints import last_good_checkpoint
+from lightning_nanguard.checkpointing.verify import last_good_checkpoint
 
 __all__ = ["CheckpointEvent", "EventKind", "describe", "incident_values", "load_error"]
 

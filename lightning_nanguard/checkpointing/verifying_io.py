@@ -19,8 +19,13 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_nanguard._files import fsync_dir, is_local_path
-from lightning_nanguard.checkpoint_sidecar import remove_sidecars
-from lightning_nanguard.checkpoints import (
+from lightning_nanguard.checkpointing.events import CheckpointEvent, load_error
+from lightning_nanguard.checkpointing.fallback import FallbackBound, fallback_bound, find_fallback, meta_of
+from lightning_nanguard.checkpointing.lineage import Lineage, lineage_of
+from lightning_nanguard.checkpointing.orphans import remove_orphans
+from lightning_nanguard.checkpointing.sidecar import remove_sidecars
+from lightning_nanguard.checkpointing.tmp_files import remove_stale_tmp_files
+from lightning_nanguard.checkpointing.verify import (
     LAST_GOOD_NAME,
     checkpoint_files,
     checkpoint_step,
@@ -28,13 +33,8 @@ from lightning_nanguard.checkpoints import (
     verify_and_load,
     write_sidecar,
 )
+from lightning_nanguard.checkpointing.write import tag, write_at_path, write_through_tmp, writes_one_file
 from lightning_nanguard.exceptions import CheckpointVerificationError
-from lightning_nanguard.recovery.checkpoint_events import CheckpointEvent, load_error
-from lightning_nanguard.recovery.checkpoint_write import tag, write_at_path, write_through_tmp, writes_one_file
-from lightning_nanguard.recovery.fallback import FallbackBound, fallback_bound, find_fallback, meta_of
-from lightning_nanguard.recovery.lineage import Lineage, lineage_of
-from lightning_nanguard.recovery.orphans import remove_orphans
-from lightning_nanguard.recovery.tmp_files import remove_stale_tmp_files
 
 __all__ = ["VerifyingCheckpointIO"]
 
@@ -53,7 +53,7 @@ class VerifyingCheckpointIO(CheckpointIO):
       wrote is then fsynced and hashed. An IO that writes no regular file at that path (a directory, another
       store) is told about once: that checkpoint has no sidecar.
 
-    Then the sidecar (``checkpoint_sidecar.py``: the digest and the record: step, intended infinities, lineage) and
+    Then the sidecar (``checkpointing/sidecar.py``: the digest and the record: step, intended infinities, lineage) and
     the directory's ``nanguard-last-good.ckpt`` hard link. The first save into a directory removes the temporary
     files earlier killed saves left there (ours only, and only when not in use); every save removes the sidecars of
     checkpoints the project deleted, and the tag when its source is one of them (``orphans.py``).
@@ -66,7 +66,7 @@ class VerifyingCheckpointIO(CheckpointIO):
     zip CRC-32s without one), load with ``weights_only=True`` (unless the caller passed ``False`` for the file it
     named), check finiteness (intended infinities aside: ``live_module``); on failure raise
     ``CheckpointVerificationError`` or, with ``fallback``, load a verified checkpoint of the same directory instead
-    (``recovery/fallback.py``: never of a later step than the requested file's, of its lineage's past), always with
+    (``checkpointing/fallback.py``: never of a later step than the requested file's, of its lineage's past), always with
     ``weights_only=True``, whatever the caller allowed for its own file.
 
     Args:
@@ -79,7 +79,7 @@ class VerifyingCheckpointIO(CheckpointIO):
     Attributes set by CheckpointGuard (``None`` when used alone):
         intended: the buffer names whose infinities are intended now (recorded at each save).
         live_module: the module a load is for (its own buffers say which infinities in a checkpoint are intended).
-        lineage: the run's lineage (``recovery/lineage.py``), recorded at each save; ``track_lineage``: the next
+        lineage: the run's lineage (``checkpointing/lineage.py``), recorded at each save; ``track_lineage``: the next
             load is a resume, which extends it.
     """
 

@@ -8,7 +8,7 @@ A checkpoint ``X.ckpt`` gets ``X.ckpt.checksum``, in ``sha256sum`` format (``sha
 The second line is a comment to ``sha256sum`` and nanguard's record of the file, all of it known when it was saved:
 ``step`` (the checkpoint's ``global_step``: what a fallback compares with even when the file no longer loads),
 ``intended_infinities`` (the ``state_dict`` entries that held infinities by design when it was saved, such as an
-attention mask of -inf) and ``lineage`` (the runs the file descends from, ``recovery/lineage.py``). Nothing is added
+attention mask of -inf) and ``lineage`` (the runs the file descends from, ``checkpointing/lineage.py``). Nothing is added
 to the checkpoint itself: it loads with ``torch.load(weights_only=True)`` exactly as Lightning wrote it.
 
 The suffix has no digit and the name ends in neither ``.ckpt`` nor ``.tmp``: Lightning reads the digits of every file
