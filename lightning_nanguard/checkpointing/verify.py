@@ -35,13 +35,15 @@ from lightning_nanguard._lightning_compat import foreach_norms
 from lightning_nanguard.checkpointing.infinities import intended_infinities_of
 from lightning_nanguard.checkpointing.manifest import (
     is_distributed_checkpoint,
-    manifest_mtime_ns,
     manifest_step,
+    recorded_int,
     verify_directory,
+    written_ns,
 )
 from lightning_nanguard.checkpointing.sidecar import (
     SIDECAR_SUFFIX,
     check_zip_crc,
+    meta_of,
     read_sidecar,
     sidecar_path,
     write_sidecar,
@@ -155,10 +157,11 @@ def nonfinite_tensors(checkpoint: Any, intended: Collection[str] = ()) -> list[s
 def recorded_step(path: str, read: int | None = None) -> int | None:
     """The ``global_step`` of ``path`` as far as it can be known, even for a file that fails verification: its
     sidecar's record, else ``read`` (the step read from the file, ``VerifyResult.step``), else its name's
-    ``step=N``."""
-    sidecar = read_sidecar(path) if os.path.isfile(path) else None
-    step = (sidecar.meta if sidecar is not None else {}).get("step")
-    if isinstance(step, int) and not isinstance(step, bool):
+    ``step=N``. A distributed checkpoint directory's is its manifest's, or ``None``."""
+    if os.path.isdir(path):
+        return manifest_step(path)
+    step = recorded_int(meta_of(path).get("step"))
+    if step is not None:
         return step
     return read if read is not None else step_in_name(path)
 
@@ -291,7 +294,7 @@ def checkpoint_candidates(dirpath: str, *, directories: bool = True) -> list[str
             and entry.is_dir(follow_symlinks=False)
             and is_distributed_checkpoint(entry.path)
         ):
-            found.append((manifest_mtime_ns(entry.path), True, entry.name, entry.path))
+            found.append((written_ns(entry.path), True, entry.name, entry.path))
     return [path for *_, path in sorted(found, reverse=True)]
 
 

@@ -20,10 +20,10 @@ from typing_extensions import override
 
 from lightning_nanguard._files import fsync_dir, is_local_path
 from lightning_nanguard.checkpointing.events import CheckpointEvent, load_error
-from lightning_nanguard.checkpointing.fallback import FallbackBound, fallback_bound, find_fallback, meta_of
+from lightning_nanguard.checkpointing.fallback import FallbackBound, fallback_bound, find_fallback
 from lightning_nanguard.checkpointing.lineage import Lineage, lineage_of
 from lightning_nanguard.checkpointing.orphans import remove_orphans
-from lightning_nanguard.checkpointing.sidecar import remove_sidecars
+from lightning_nanguard.checkpointing.sidecar import meta_of, remove_sidecars
 from lightning_nanguard.checkpointing.tmp_files import remove_stale_tmp_files
 from lightning_nanguard.checkpointing.verify import (
     LAST_GOOD_NAME,

@@ -25,8 +25,8 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_nanguard import _distributed, _lightning_compat
-from lightning_nanguard.checkpointing.fallback import meta_of
 from lightning_nanguard.checkpointing.lineage import Lineage, lineage_of
+from lightning_nanguard.checkpointing.sidecar import meta_of
 from lightning_nanguard.checkpointing.verify import checkpoint_step, last_good_checkpoint, verify_and_load
 from lightning_nanguard.checkpointing.verifying_io import VerifyingCheckpointIO
 from lightning_nanguard.exceptions import CheckpointVerificationError
