@@ -1,7 +1,7 @@
 """Which verified checkpoint a failed resume falls back to: never one of a later step than the file asked for.
 
 The bound is the requested file's own step, as far as it can be known although the file failed
-(``verify.recorded_step``): its sidecar's record, else the ``global_step`` read from it (a file with NaN weights
+(``recorded_step``): its sidecar's record, else the ``global_step`` read from it (a file with NaN weights
 still loads), else the ``step=N`` of its name. Where none is known (a ``last.ckpt`` that no longer loads and has no
 record), the bound is its modification time: no file written after it is taken. Among the files within the bound
 the one of the highest step wins (then the newest), and where the requested file's sidecar records its lineage, only
@@ -19,11 +19,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from lightning_nanguard.checkpointing.lineage import Lineage, lineage_of
-from lightning_nanguard.checkpointing.manifest import written_ns
+from lightning_nanguard.checkpointing.manifest import manifest_step, recorded_int, written_ns
 from lightning_nanguard.checkpointing.sidecar import meta_of
-from lightning_nanguard.checkpointing.verify import LAST_GOOD_NAME, recorded_step
+from lightning_nanguard.checkpointing.verify import LAST_GOOD_NAME, step_in_name
 
-__all__ = ["FallbackBound", "fallback_bound", "find_fallback"]
+__all__ = ["FallbackBound", "fallback_bound", "find_fallback", "recorded_step"]
+
+
+def recorded_step(path: str, read: int | None = None) -> int | None:
+    """The ``global_step`` of ``path`` as far as it can be known, even for a file that fails verification: its
+    sidecar's record, else ``read`` (the step read from the file, ``VerifyResult.step``), else its name's
+    ``step=N``. A distributed checkpoint directory's is its manifest's, or ``None``."""
+    if os.path.isdir(path):
+        return manifest_step(path)
+    step = recorded_int(meta_of(path).get("step"))
+    if step is not None:
+        return step
+    return read if read is not None else step_in_name(path)
 
 
 @dataclass(frozen=True)

@@ -36,14 +36,12 @@ from lightning_nanguard.checkpointing.infinities import intended_infinities_of
 from lightning_nanguard.checkpointing.manifest import (
     is_distributed_checkpoint,
     manifest_step,
-    recorded_int,
     verify_directory,
     written_ns,
 )
 from lightning_nanguard.checkpointing.sidecar import (
     SIDECAR_SUFFIX,
     check_zip_crc,
-    meta_of,
     read_sidecar,
     sidecar_path,
     write_sidecar,
@@ -61,7 +59,6 @@ __all__ = [
     "checkpoint_step",
     "last_good_checkpoint",
     "nonfinite_tensors",
-    "recorded_step",
     "step_in_name",
     "verified_step",
     "verify_and_load",
@@ -152,18 +149,6 @@ def nonfinite_tensors(checkpoint: Any, intended: Collection[str] = ()) -> list[s
         elif not bool(torch.isfinite(t).all()):
             bad.append(names[j])
     return bad
-
-
-def recorded_step(path: str, read: int | None = None) -> int | None:
-    """The ``global_step`` of ``path`` as far as it can be known, even for a file that fails verification: its
-    sidecar's record, else ``read`` (the step read from the file, ``VerifyResult.step``), else its name's
-    ``step=N``. A distributed checkpoint directory's is its manifest's, or ``None``."""
-    if os.path.isdir(path):
-        return manifest_step(path)
-    step = recorded_int(meta_of(path).get("step"))
-    if step is not None:
-        return step
-    return read if read is not None else step_in_name(path)
 
 
 def check_sidecar(path: str, *, require_sidecar: bool = True) -> str | None:
