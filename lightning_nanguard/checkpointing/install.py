@@ -8,7 +8,7 @@ from collections.abc import Callable
 import lightning.pytorch as pl
 
 from lightning_nanguard import _lightning_compat
-from lightning_nanguard.checkpointing import sharded as sharded_checkpoint
+from lightning_nanguard.checkpointing import sharded
 from lightning_nanguard.checkpointing.events import CheckpointEvent
 from lightning_nanguard.checkpointing.orphans import remove_orphans
 from lightning_nanguard.checkpointing.tmp_files import remove_stale_tmp_files
@@ -49,7 +49,7 @@ def install_verifying_io(
         )
         trainer.strategy.checkpoint_io = io
     if {"ModelParallelStrategy", "FSDPStrategy"} & _lightning_compat.strategy_class_names(trainer):
-        sharded_checkpoint.install(trainer, io)
+        sharded.install(trainer, io)
     return io
 
 

@@ -123,7 +123,7 @@ class VerifyingCheckpointIO(CheckpointIO):
             if local:
                 self._refused.add(directory)
             kept = self._newest_good(directory) if local else ""
-            self._notify(
+            self.notify(
                 CheckpointEvent(
                     "refused_save",
                     target,
@@ -172,17 +172,17 @@ class VerifyingCheckpointIO(CheckpointIO):
         return meta
 
     def note_saved(self, target: str) -> None:
-        """A good checkpoint (a file, or a directory published by ``sharded_checkpoint``) is now at ``target``:
+        """A good checkpoint (a file, or a directory published by ``sharded``) is now at ``target``:
         carry out the removals deferred since a refusal in its directory, and report it."""
         directory = os.path.dirname(os.path.abspath(target))
         if os.path.basename(target) != LAST_GOOD_NAME:
             self._newest[directory] = target
         self._refused.discard(directory)
         self._release_deferred(directory, keep=target)
-        self._notify(CheckpointEvent("saved", target))
+        self.notify(CheckpointEvent("saved", target))
 
     def note_refused(self, target: str) -> None:
-        """A save to ``target`` was refused (by ``sharded_checkpoint``, on every rank): defer removals in its
+        """A save to ``target`` was refused (by ``sharded``, on every rank): defer removals in its
         directory until a finite checkpoint is written there again, as for a refused file."""
         self._refused.add(os.path.dirname(os.path.abspath(target)))
 
@@ -214,7 +214,7 @@ class VerifyingCheckpointIO(CheckpointIO):
         result, checkpoint = verify_and_load(requested, require_sidecar=self.require_sidecar, load=load, module=module)
         if result.ok:
             self.resumed(requested, checkpoint_step(checkpoint))
-            self._notify(CheckpointEvent("loaded", requested, result.note))  # the note: a stale sidecar passed over
+            self.notify(CheckpointEvent("loaded", requested, result.note))  # the note: a stale sidecar passed over
             return checkpoint
         later: list[str] = []
         bound = fallback_bound(requested, result.step)
@@ -232,14 +232,14 @@ class VerifyingCheckpointIO(CheckpointIO):
             if chosen is not None:
                 step = checkpoint_step(checkpoint)
                 self.resumed(chosen, step)
-                self._notify(
+                self.notify(
                     CheckpointEvent(
                         "fallback", requested, result.reason, substitute=chosen, step=step, bound=bound.step
                     )
                 )
                 return checkpoint
         message = self.load_error(requested, result.reason, later, bound)
-        self._notify(CheckpointEvent("refused_load", requested, result.reason))
+        self.notify(CheckpointEvent("refused_load", requested, result.reason))
         raise CheckpointVerificationError(message)
 
     def resumed(self, loaded: str, step: int | None) -> None:
@@ -260,7 +260,7 @@ class VerifyingCheckpointIO(CheckpointIO):
             # The caller (ModelCheckpoint's retention) believes the refused checkpoint exists and replaces this one:
             # keep it until a finite checkpoint is written in this directory again.
             self._deferred.setdefault(directory, []).append(target)
-            self._notify(CheckpointEvent("kept", target, "a newer save in this directory was refused", kept=target))
+            self.notify(CheckpointEvent("kept", target, "a newer save in this directory was refused", kept=target))
             return
         self._remove(target)
 
@@ -291,19 +291,16 @@ class VerifyingCheckpointIO(CheckpointIO):
 
     def notify(self, event: CheckpointEvent) -> None:
         """Tell the listener (the callback) about ``event``."""
-        self._notify(event)
-
-    def _notify(self, event: CheckpointEvent) -> None:
         if self.listener is not None:
             self.listener(event)
 
     def _tell(self, kind: str, path: str, reason: str) -> None:
         if kind not in self._told:  # once per wrapper and kind: a warning per save would drown the log
             self._told.add(kind)
-            self._notify(CheckpointEvent("unverified", path, reason))
+            self.notify(CheckpointEvent("unverified", path, reason))
 
     def load_error(self, path: str, reason: str, later: Sequence[str] = (), bound: FallbackBound | None = None) -> str:
-        """The message of a refused load, with this wrapper's settings (``checkpoint_events.load_error``)."""
+        """The message of a refused load, with this wrapper's settings (``events.load_error``)."""
         return load_error(
             path,
             reason,
@@ -319,7 +316,7 @@ class VerifyingCheckpointIO(CheckpointIO):
         bad = nonfinite_tensors(checkpoint)
         if bad:
             reason = f"non-finite values in {', '.join(bad[:3])}"
-            self._notify(CheckpointEvent("refused_load", path, reason))
+            self.notify(CheckpointEvent("refused_load", path, reason))
             raise CheckpointVerificationError(self.load_error(path, reason))
         self._tell("remote", path, "not a local file: finiteness checked, checksum not (checksums are local-only)")
         return checkpoint
