@@ -43,13 +43,13 @@ class CheckpointGuard(NanGuardCallback):
       ``torch.load(weights_only=True)``, finiteness (a buffer's infinities are intended where the sidecar records them
       or the live module's buffer holds the same ones). A missing file raises ``FileNotFoundError``, as in plain
       Lightning. A failure raises ``CheckpointVerificationError`` naming the file, the reason and what to try; with
-      ``fallback=True`` a verified checkpoint of the same directory is loaded instead (``recovery/fallback.py``):
+      ``fallback=True`` a verified checkpoint of the same directory is loaded instead (``checkpointing/fallback.py``):
       always with ``weights_only=True``, never of a later step than the requested file's (its recorded step) nor of
       another run's trajectory, and a ``fallback`` incident (cause ``corrupt_checkpoint``) names both files
       (``trainer.ckpt_path`` still shows the requested one).
 
     Under ``ModelParallelStrategy`` (FSDP2) and ``FSDPStrategy`` the strategy's own ``save_checkpoint`` and
-    ``load_checkpoint`` are wrapped too (``recovery/sharded_checkpoint.py``): a directory checkpoint's finiteness is
+    ``load_checkpoint`` are wrapped too (``checkpointing/sharded.py``): a directory checkpoint's finiteness is
     reduced across ranks before the save, its shards are hashed into ``nanguard-manifest.json`` and it is published
     with one rename; at resume rank 0 verifies it and every rank loads what it decided (the same error on every rank
     otherwise). No ``nanguard-last-good.ckpt`` tag is kept for directories; ``last_good_checkpoint`` lists them.
