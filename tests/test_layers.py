@@ -24,7 +24,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("_lightning_compat", "precision"),  # every reach into Lightning's and torch's internals; the precision, typed
     ("signals",),  # pure tensor reductions and evidence readers
     ("policies", "config"),  # pure decisions: facts in, verdicts out; each callback's arguments, declared once
-    ("checkpointing",),  # checkpoint integrity: write, verify, fall back, shard manifest
+    (
+        "checkpointing",
+        "checkpoints",
+    ),  # checkpoint integrity: write, verify, fall back, shard manifest (and its former home)
     ("recovery", "forensics"),  # the mechanisms that act; the replay that investigates
     ("reporting",),  # keys, sentences, records, summary
     ("engine",),  # the per-Trainer engine
