@@ -134,6 +134,7 @@ class AutoRollback(NanGuardCallback):
         )
         self.divergence: Divergence | None = None  # the verdict behind the last ``diverging()`` that answered True
         self.probe = SnapshotProbe()  # scored at each snapshot and spike where spikes are probed
+        self._rates: dict[int, float | None] = {}  # the learning rate at each kept snapshot
         self._engine: Engine | None = None
 
     @property
@@ -153,6 +154,7 @@ class AutoRollback(NanGuardCallback):
         self.policy = RollbackPolicy(self.max_rollbacks, self.rollback_window, self.recurrence_steps, self.skip_batches)
         self.book.reset()
         self.divergence = None
+        self._rates = {}
         engine.set_restorer(self)
         engine.bus.subscribe(EventHandled, self._on_event)
         engine.add_metrics(self._metrics)
@@ -185,6 +187,8 @@ class AutoRollback(NanGuardCallback):
         keep = book.keep(self.ring.steps())
         self.ring.take(pl_module, trainer.optimizers, step=step, log_step=log_step, scale=scale, keep=keep)
         book.taken(step, self.ring.steps())
+        self._rates = {s: r for s, r in self._rates.items() if s in self.ring.steps()}
+        self._rates[step] = _rate_of(trainer)
         self.probe.snapshot_taken(trainer, pl_module, step, batch, self._quarantine())
         return True
 
@@ -199,6 +203,10 @@ class AutoRollback(NanGuardCallback):
     @property
     def probe_verdict(self) -> ProbeVerdict | None:
         return self.probe.verdict
+
+    def rate_at(self, step: int) -> float | None:
+        """The learning rate the snapshot of ``step`` was taken at (a backoff holds the rate below it)."""
+        return self._rates.get(step)
 
     def can_restore(self, trainer: pl.Trainer, step: int) -> bool:
         """A verified snapshot, or a verified checkpoint of a step at or before ``step``, exists (every rank agrees)."""
@@ -273,3 +281,10 @@ class AutoRollback(NanGuardCallback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.policy.load_state_dict(state_dict)
+
+
+def _rate_of(trainer: pl.Trainer) -> float | None:
+    """The first optimizer's first param group's learning rate, where it is a host number (at a snapshot only)."""
+    groups = trainer.optimizers[0].param_groups if trainer.optimizers else []
+    lr = groups[0].get("lr") if groups else None
+    return float(lr) if isinstance(lr, (int, float)) else None

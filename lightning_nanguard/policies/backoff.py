@@ -90,7 +90,15 @@ class BackoffPolicy:
     cap: float | None = None  # the learning rate the last backoff left (``follow_schedule``)
     cut: float = 1.0  # the scale the last backoff left: ``follow`` never goes below it
 
-    def back_off(self, cause: str, notches: int = 1, step: int | None = None, lr: float | None = None) -> ScaleChange:
+    def back_off(
+        self,
+        cause: str,
+        notches: int = 1,
+        step: int | None = None,
+        lr: float | None = None,
+        ran_at: float | None = None,
+        restored_rate: float | None = None,
+    ) -> ScaleChange:
         """Lower the scale ``notches`` steps of ``lr_factor`` (not below the floor). ``before == after`` at the floor.
 
         More than one notch answers more than one divergence at once: a rollback that passed over snapshots taken
@@ -107,8 +115,14 @@ class BackoffPolicy:
         self.scale = max(before * self.lr_factor ** max(1, notches), self.min_lr_scale)
         if self.scale < before:
             self.backoffs += 1
-        if self.follow_schedule and lr is not None and before > 0 and math.isfinite(lr):
-            self.cap, self.cut = lr / before * self.scale, self.scale
+        if self.follow_schedule and lr is not None and before > 0 and math.isfinite(lr) and lr > 0:
+            cap = (ran_at if ran_at is not None and _rate(ran_at) else lr) * self.scale / before
+            if _rate(restored_rate) and restored_rate is not None:
+                # Not above the rate the restored state trained soundly at, nor more than one notch below ``cap``.
+                cap = min(cap, max(restored_rate, cap * self.lr_factor))
+            self.cap, self.cut = cap, self.scale
+            # The schedule rose since the step that diverged (a warmup): the rate is held at the cap from now on.
+            self.scale = max(self.min_lr_scale, min(self.scale, self.cap / (lr / before)))
         return ScaleChange(before=before, after=self.scale, cause=cause, eps=True)
 
     def follow(self, lr: float) -> ScaleChange | None:
@@ -116,7 +130,7 @@ class BackoffPolicy:
         stepped. The scale that keeps the rate at the cap, within ``[cut, ceiling]``; the change, or ``None``."""
         if not self.follow_schedule or self.cap is None or not lr > 0:
             return None
-        wanted = max(self.cut, min(self.ceiling, self.cap / (lr / self.scale)))
+        wanted = max(self.min_lr_scale, min(self.ceiling, self.cap / (lr / self.scale)))
         if math.isclose(wanted, self.scale, rel_tol=1e-9):
             return None
         before, self.scale = self.scale, wanted
@@ -141,3 +155,7 @@ class BackoffPolicy:
         self.last_recovery = (step, before)
         self.cut = max(self.cut, self.scale)  # ``follow`` keeps what this notch recovered
         return ScaleChange(before=before, after=self.scale, cause="recovery")
+
+
+def _rate(value: float | None) -> bool:
+    return value is not None and math.isfinite(value) and value > 0
