@@ -205,8 +205,10 @@ class AutoRollback(NanGuardCallback):
         return self.probe.verdict
 
     def rate_at(self, step: int) -> float | None:
-        """The learning rate the snapshot of ``step`` was taken at (a backoff holds the rate below it)."""
-        return self._rates.get(step)
+        """The lowest learning rate the kept snapshots up to ``step`` were taken at (a backoff holds the rate below
+        it): the newest may have been taken as the climb began, before its probe had risen enough to say so."""
+        rates = [r for s, r in self._rates.items() if s <= step and r is not None]
+        return min(rates) if rates else None
 
     def can_restore(self, trainer: pl.Trainer, step: int) -> bool:
         """A verified snapshot, or a verified checkpoint of a step at or before ``step``, exists (every rank agrees)."""
