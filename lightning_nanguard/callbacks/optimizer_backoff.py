@@ -58,8 +58,8 @@ class OptimizerBackoff(NanGuardCallback):
         recover_steps: notches from one backoff back to the previous level (each multiplies the scale by
             ``(1 / lr_factor) ** (1 / recover_steps)``, capped at 1.0).
         recover_with_schedule: a backoff caps the rate, held through the schedule: one notch below the rate the
-            step that diverged ran with, and not above the rate of the snapshot a rollback restored unless that is
-            a further notch below. Where the schedule rises (the rest of a warmup, a restart) the rate stays at the
+            step that diverged ran with, and not above the lowest rate of the snapshots kept up to the one a
+            rollback restored unless that is a further notch below. Where the schedule rises (the rest of a warmup, a restart) the rate stays at the
             cap; as the schedule falls below it (a decay, the end of a warm restart) the scale climbs back towards
             1.0, as far as keeps the rate at the cap.
         eps_backoff: ``"auto"`` (fp16 non-fused groups), ``"always"`` (every group with an eps) or ``"never"``.

@@ -63,9 +63,9 @@ class BackoffPolicy:
         recover_steps: notches to climb from one backoff back to the previous level: each notch multiplies the
             scale by ``(1 / lr_factor) ** (1 / recover_steps)``, capped at 1.0.
         follow_schedule: a backoff sets a ``cap`` on the rate, held through the schedule: one ``lr_factor`` notch
-            (per notch of the backoff) below the rate the step that diverged ran with, and not above the rate the
-            restored snapshot was taken at (the rate its state trained soundly at) unless that is more than one
-            further notch below. Where the schedule rises past the cap (the rest of a warmup, the next restart),
+            (per notch of the backoff) below the rate the step that diverged ran with, and not above the lowest rate
+            the snapshots kept up to the restored one were taken at (the rates that state trained soundly at)
+            unless that is more than one further notch below. Where the schedule rises past the cap (the rest of a warmup, the next restart),
             the scale comes down so the rate stays at the cap: a multiplier on a rising schedule would take it past
             the stability edge again. As the schedule itself falls below the cap (a decay, the end of a warm
             restart), the scale climbs back (``follow``), up to ``ceiling``, exactly as far as keeps the rate at the
@@ -108,7 +108,8 @@ class BackoffPolicy:
         post-step ``global_step`` now, to tell whether the level a recovery notch reached did not last. ``lr``: the
         learning rate now, before this backoff (the schedule times the old scale). ``follow_schedule`` only:
         ``ran_at``, the rate the step that diverged ran with (``lr`` where not known); ``restored_rate``, the rate
-        the snapshot a rollback just restored was taken at (``None``: no rollback, or not known).
+        the kept snapshots up to the one a rollback just restored were taken at, the lowest (``None``: no
+        rollback, or not known).
         """
         before = self.scale
         if step is not None and self.last_recovery is not None and self.recover_after is not None:

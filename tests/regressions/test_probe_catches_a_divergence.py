@@ -83,7 +83,7 @@ def _warmup(step: int) -> float:
 
 
 # The final loss vs the healthy run (seed 0, CPU: 1.11x and 1.46x). The backoff holds the rate at its cap through the
-# schedule (one notch below the rate the spiking step ran with, not above the restored snapshot's unless that is a
+# schedule (one notch below the rate the spiking step ran with, not above the kept snapshots' lowest unless that is a
 # further notch below); a multiplier on the schedule left the warmup's rate rising past the edge again (1.23x) and
 # the jump's above it (three catches, 2.79x).
 HEALTHY = {"warmup-overshoot": (_warmup, 1.15), "lr-jump-10x": (lambda step: 1.0, 1.5)}
