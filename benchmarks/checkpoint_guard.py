@@ -21,8 +21,8 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from lightning_nanguard._files import hash_file
-from lightning_nanguard.checkpoints import nonfinite_tensors
-from lightning_nanguard.recovery.verifying_io import VerifyingCheckpointIO
+from lightning_nanguard.checkpointing.verify import nonfinite_tensors
+from lightning_nanguard.checkpointing.verifying_io import VerifyingCheckpointIO
 
 
 def make_checkpoint(n_params: int, n_tensors: int = 100) -> dict[str, object]:

@@ -7,8 +7,9 @@ from lightning_nanguard.callbacks import (
     GradNormMonitor,
     LossScaleWatchdog,
     OptimizerBackoff,
+    PrecisionHeadroom,
 )
-from lightning_nanguard.checkpoints import last_good_checkpoint, verify_checkpoint
+from lightning_nanguard.checkpointing.verify import last_good_checkpoint, verify_checkpoint
 from lightning_nanguard.contract import Action
 from lightning_nanguard.exceptions import (
     BundleError,
@@ -43,6 +44,7 @@ __all__ = [
     "NanGuardWarning",
     "NonFiniteTrainingError",
     "OptimizerBackoff",
+    "PrecisionHeadroom",
     "RankDivergenceError",
     "RecoveryBudgetExhausted",
     "UnsupportedSetupError",

@@ -186,6 +186,7 @@ CONFLICTS: dict[str, tuple[Conflict, ...]] = {
     ),
     "CheckpointGuard": (),
     "FP32Evaluation": (),
+    "PrecisionHeadroom": (),
     "default_callbacks": (
         Conflict(
             ("GradNormMonitor.on_spike", "AutoRollback"),

@@ -18,9 +18,14 @@ import os
 import sys
 from collections.abc import Sequence
 
-from lightning_nanguard.checkpoint_manifest import is_distributed_checkpoint
-from lightning_nanguard.checkpoint_sidecar import read_sidecar
-from lightning_nanguard.checkpoints import SIDECAR_SUFFIX, checkpoint_candidates, verify_checkpoint, write_sidecar
+from lightning_nanguard.checkpointing.manifest import is_distributed_checkpoint
+from lightning_nanguard.checkpointing.sidecar import read_sidecar
+from lightning_nanguard.checkpointing.verify import (
+    SIDECAR_SUFFIX,
+    checkpoint_candidates,
+    verify_checkpoint,
+    write_sidecar,
+)
 from lightning_nanguard.engine.sink import INCIDENTS_FILE, SUMMARY_FILE
 from lightning_nanguard.reporting.incidents import Incident, IncidentLog
 from lightning_nanguard.reporting.summary import format_summary

@@ -58,6 +58,7 @@ class Action(_Value):
     BACKOFF = "backoff"  # learning-rate backoff (and eps, where the policy says so)
     EPS_BACKOFF = "eps_backoff"  # eps raised alone (optimizer numerics)
     PROMOTE = "promote"  # a module runs in float32 from now on
+    DEMOTE = "demote"  # a module the headroom forecast promoted runs in half precision again
     RERUN = "rerun"  # an evaluation batch was re-run in float32
     REFUSE = "refuse"  # a checkpoint was refused (save or load)
     FALLBACK = "fallback"  # a resume used another, verified checkpoint

@@ -14,6 +14,7 @@ from lightning_nanguard.callbacks import (
     GradNormMonitor,
     LossScaleWatchdog,
     OptimizerBackoff,
+    PrecisionHeadroom,
 )
 from lightning_nanguard.exceptions import NanGuardConfigError
 
@@ -35,6 +36,8 @@ PRESET: dict[type[Callback], dict[str, Any]] = {
     # sidecar) is checked by its zip CRC-32s, a weights-only load and finiteness instead of being refused.
     CheckpointGuard: {"fallback": True, "require_sidecar": False},
     FP32Evaluation: {"mode": "on_nonfinite", "promote_after": 2},
+    # Samples every 50 steps; under 16-mixed a module headed for a float16 overflow runs in float32 before it.
+    PrecisionHeadroom: {},
 }
 
 # Every nanguard callback, in the preset's order: the one list of them (demos, benchmarks and tests iterate it).
@@ -42,7 +45,7 @@ CALLBACKS: tuple[type[Callback], ...] = tuple(PRESET)
 
 
 def default_callbacks(**overrides: dict[str, Any] | bool) -> list[Callback]:
-    """The six nanguard callbacks, configured to save a run unattended wherever a remedy exists.
+    """The seven nanguard callbacks, configured to save a run unattended wherever a remedy exists.
 
     Each keyword is a callback's class name: ``False`` leaves it out (an ablation removes only its remedy), a dict
     overrides some of its arguments, ``True`` keeps the preset.

@@ -1,5 +1,5 @@
 """Conflicting configuration is refused at construction, from one table (``_validation.CONFLICTS``), for every
-constructor: the six callbacks and ``default_callbacks``.
+constructor: the seven callbacks and ``default_callbacks``.
 
 Each rule of the table is built with its example and must be refused with ``NanGuardConfigError`` naming every
 argument involved, its value and the rule; the same arguments with any one of them back at its default must not meet

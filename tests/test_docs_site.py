@@ -8,6 +8,7 @@ are called directly; CI's `mkdocs build --strict` renders them.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import glob
 import importlib
 import importlib.util
@@ -140,3 +141,64 @@ def test_logged_keys_become_a_table(callback: str) -> None:
     assert [key for key, _ in rows] == keys
     assert all(text.strip() for _, text in rows)
     assert "Raises:" in table  # the sections after the block are untouched
+
+
+def _prose(text: str) -> str:
+    """A page without what may hold a ``#`` or a number legitimately: code blocks, inline code, link targets, URLs."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    text = re.sub(r"\]\([^)]*\)", "]", text)
+    return re.sub(r"https?://\S+", "", text)
+
+
+PAST_WORK = [
+    r"(?<![\w&/])#\d+\b",  # an issue or pull-request number
+    r"\b[Ii]ssues? \d+",
+    r"\bbefore this change\b",
+    r"\bthis session\b",
+    r"\b[Rr]ound \d+\b",
+    r"\bstop \d+\b",
+    r"\bwas \d+(\.\d+)?x\b",
+]
+DATED_HEADING = re.compile(r"^#+ .*(\b20\d\d-\d\d-\d\d\b|\b\d\d?:\d\d UTC\b|\b[Ss]ession\b|\b[Aa]fter the\b)", re.M)
+
+
+@pytest.mark.parametrize("page", _pages())
+def test_the_pages_state_what_holds_now(page: str) -> None:
+    text = _read(page)
+    prose = _prose(text)
+    found = [m.group(0) for pattern in PAST_WORK for m in re.finditer(pattern, prose)]
+    assert not found, f"{page} refers to issues or past work: {found} (the history belongs in CHANGELOG.md)"
+    dated = DATED_HEADING.findall(text)
+    assert not dated, f"{page} has dated headings of past work: {dated}"
+
+
+def test_past_work_is_recognised() -> None:
+    page = "# Title\n\n## Session of 2026-11-24\n\nFixed in #24 (issue 23): was 1.55x before this change.\n"
+    found = [m.group(0) for pattern in PAST_WORK for m in re.finditer(pattern, _prose(page))]
+    assert found == ["#24", "issue 23", "before this change", "was 1.55x"]
+    assert DATED_HEADING.search(page)
+    assert not [p for p in PAST_WORK if re.search(p, _prose("See `#24` and [x](PAGE.md#issue-2) at https://x.org/#3"))]
+
+
+@pytest.mark.parametrize("callback", sorted(lightning_nanguard.callbacks.__all__))
+def test_arguments_table_comes_from_the_configuration(callback: str) -> None:
+    from lightning_nanguard.config import CONFIGS
+
+    signature = inspect.signature(getattr(lightning_nanguard, callback))
+    table = SITE.arguments_table(callback)
+    rows = re.findall(r"^\| `(\w+)` \| `(.*?)` \| (.+?) \| (.+) \|$", table, flags=re.MULTILINE)
+    assert [name for name, *_ in rows] == list(signature.parameters)
+    for name, default, accepts, text in rows:
+        assert default == repr(signature.parameters[name].default), name
+        assert accepts.strip(), name
+        assert text.strip(), name
+    part = f"arguments-{SITE._kebab(callback)}"
+    assert SITE.expand(f"<!-- generated: {part} -->") == table
+    pages = [p for p in _pages() if f"::: lightning_nanguard.{callback}\n" in _read(p)]
+    assert pages
+    assert f"<!-- generated: {part} -->" in _read(pages[0])
+    # The declaration is the documentation: a changed doc changes the table.
+    field = next(f for f in dataclasses.fields(CONFIGS[callback]) if f.name == rows[0][0])
+    assert " ".join(str(field.metadata["doc"]).split()).replace("|", "\\|") == rows[0][3]

@@ -23,8 +23,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("_distributed",),  # every collective
     ("_lightning_compat", "precision"),  # every reach into Lightning's and torch's internals; the precision, typed
     ("signals",),  # pure tensor reductions and evidence readers
-    ("policies",),  # pure decisions: facts in, verdicts out
-    ("checkpoint_manifest", "checkpoint_sidecar", "checkpoint_infinities", "checkpoints"),  # verifying checkpoints
+    ("policies", "config"),  # pure decisions: facts in, verdicts out; each callback's arguments, declared once
+    ("checkpointing",),  # checkpoint integrity: write, verify, fall back, shard manifest
     ("recovery", "forensics"),  # the mechanisms that act; the replay that investigates
     ("reporting",),  # keys, sentences, records, summary
     ("engine",),  # the per-Trainer engine

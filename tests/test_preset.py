@@ -43,6 +43,7 @@ def test_overrides_and_ablation_by_name() -> None:
         "OptimizerBackoff",
         "LossScaleWatchdog",
         "CheckpointGuard",
+        "PrecisionHeadroom",
     ]
     assert cbs[1].every_n_steps == 7  # type: ignore[attr-defined]
     with pytest.raises(ng.NanGuardConfigError, match=r"default_callbacks\(Rollback=...\): unknown callback"):

@@ -20,6 +20,7 @@ EXPECTED = {
     "NanGuardWarning",
     "NonFiniteTrainingError",
     "OptimizerBackoff",
+    "PrecisionHeadroom",
     "RankDivergenceError",
     "RecoveryBudgetExhausted",
     "UnsupportedSetupError",

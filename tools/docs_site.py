@@ -8,6 +8,8 @@ The parts, in ``PARTS``:
 * ``hints``: what an incident of each cause tells you to try.
 * ``evidence``: the evidence rules of ``EVIDENCE``, in the order they are tried, each with its docstring's summary.
 * ``cli``: ``nanguard`` and each command's usage, description and arguments, from ``lightning_nanguard.cli.build_parser()``.
+* ``arguments-<callback>`` (``arguments-grad-norm-monitor``, ...): a callback's arguments with their defaults, the
+  values they accept and what they do, from its configuration type in ``lightning_nanguard.config``.
 
 It also holds the API reference to the public surface (``on_files``): every name in the ``__all__`` of
 ``PUBLIC_MODULES`` has a docstring of its own and is rendered by a ``::: name`` line of a reference page
@@ -19,6 +21,7 @@ The functions need no mkdocs, so tests/test_docs_site.py calls them directly.
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import importlib
 import inspect
@@ -35,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-MARKER = re.compile(r"^<!-- generated: ([a-z-]+) -->$", re.MULTILINE)
+MARKER = re.compile(r"^<!-- generated: ([a-z0-9-]+) -->$", re.MULTILINE)
 DIRECTIVE = re.compile(r"^::: ([\w.]+)$", re.MULTILINE)  # mkdocstrings: render this object here
 PUBLIC_MODULES = ("lightning_nanguard", "lightning_nanguard.testing")
 # The API reference: its own page, and the callbacks' pages, where each callback's reference sits with its guide.
@@ -169,11 +172,34 @@ def cli_reference() -> str:
     return "\n\n".join(parts)
 
 
+def arguments_table(callback: str) -> str:
+    """A callback's arguments, from its configuration type (``lightning_nanguard.config.CONFIGS``): the name, the
+    default, the values it accepts and what it does, in the order of its signature."""
+    from lightning_nanguard.config import CONFIGS, argument_rows
+
+    lines = ["| argument | default | accepts | what it does |", "|---|---|---|---|"]
+    for name, default, rule, doc in argument_rows(CONFIGS[callback]):
+        lines.append(f"| `{name}` | `{_cell(default)}` | {_cell(rule)} | {_cell(doc)} |")
+    return "\n".join(lines)
+
+
+def _kebab(name: str) -> str:
+    """``GradNormMonitor`` -> ``grad-norm-monitor``; ``FP32Evaluation`` -> ``fp32-evaluation``."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "-", name).lower()
+
+
+def _arguments_parts() -> dict[str, Callable[[], str]]:
+    from lightning_nanguard.config import CONFIGS
+
+    return {f"arguments-{_kebab(name)}": functools.partial(arguments_table, name) for name in CONFIGS}
+
+
 PARTS: dict[str, Callable[[], str]] = {
     "causes": causes_table,
     "hints": hints_table,
     "evidence": evidence_table,
     "cli": cli_reference,
+    **_arguments_parts(),  # "arguments-grad-norm-monitor": each callback's page, its arguments
 }
 
 

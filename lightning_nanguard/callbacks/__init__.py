@@ -6,6 +6,7 @@ from lightning_nanguard.callbacks.fp32_evaluation import FP32Evaluation
 from lightning_nanguard.callbacks.grad_norm_monitor import GradNormMonitor
 from lightning_nanguard.callbacks.loss_scale_watchdog import LossScaleWatchdog
 from lightning_nanguard.callbacks.optimizer_backoff import OptimizerBackoff
+from lightning_nanguard.callbacks.precision_headroom import PrecisionHeadroom
 
 __all__ = [
     "AutoRollback",
@@ -14,4 +15,5 @@ __all__ = [
     "GradNormMonitor",
     "LossScaleWatchdog",
     "OptimizerBackoff",
+    "PrecisionHeadroom",
 ]

@@ -46,10 +46,21 @@ _REFUSED: dict[str, dict[str, str]] = {
             "Lightning holds. Evaluate from a DeepSpeed checkpoint converted to fp32 "
             "(zero_to_fp32.py) instead"
         ),
+        "PrecisionHeadroom": (
+            "DeepSpeed casts the module to fp16/bf16 itself, so there is no autocast to switch off for one module, "
+            "and the sampled forward hooks are untested under it"
+        ),
         "CheckpointGuard": (
             "DeepSpeed writes its own checkpoint directory (mp_rank_*_model_states.pt and one "
             "zero_pp_rank_*_optim_states.pt per rank, through engine.save_checkpoint), whose layout CheckpointGuard's "
             "verification and manifest do not read; it is untested there"
+        ),
+    },
+    # FSDP2: every other callback is tested there (tests/sharded).
+    "ModelParallelStrategy": {
+        "PrecisionHeadroom": (
+            "its sampled forward hooks and the float32 promotion are untested on fully_shard modules (a "
+            "MixedPrecisionPolicy casts the parameters whatever autocast says)"
         ),
     },
     "XLAStrategy": {
@@ -77,7 +88,8 @@ def check_strategy_supported(trainer: pl.Trainer, owner: str) -> None:
     Single device and DDP are supported by every callback; ModelParallelStrategy (FSDP2 ``fully_shard``, DTensor
     parameters) by GradNormMonitor, AutoRollback, OptimizerBackoff, LossScaleWatchdog, CheckpointGuard (directory
     and single-file checkpoints) and FP32Evaluation (``mode="always"`` under ``bf16-mixed``; it refuses its other
-    combinations itself, ``fp32_evaluation.py``), tested on 2 CPU ranks;
+    combinations itself, ``fp32_evaluation.py``), tested on 2 CPU ranks (PrecisionHeadroom is refused there: it then
+    measures nothing, rather than stop the fit);
     FSDPStrategy (FSDP1) under ``use_orig_params=True`` (Lightning's default) and ``32-true``/``bf16-mixed`` by
     GradNormMonitor, AutoRollback, OptimizerBackoff, LossScaleWatchdog and CheckpointGuard (``state_dict_type=
     "sharded"``), tested on 2 CPU ranks (``signals/fsdp1.py``:

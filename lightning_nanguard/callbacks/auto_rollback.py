@@ -2,27 +2,25 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 from typing_extensions import override
 
 from lightning_nanguard import _lightning_compat
-from lightning_nanguard._validation import check_choice, check_conflicts, check_int, check_path
 from lightning_nanguard.callbacks._base import NanGuardCallback
+from lightning_nanguard.checkpointing.final import checkpoint_dir, require_checkpoint_dir, save_final_checkpoint
+from lightning_nanguard.config import AutoRollbackConfig, arguments_from
 from lightning_nanguard.contract import Divergence, PassedOverSnapshots
 from lightning_nanguard.engine import Engine
 from lightning_nanguard.engine.capabilities import Restored
 from lightning_nanguard.engine.incidents import EventHandled
 from lightning_nanguard.engine.state_check import model_finite
-from lightning_nanguard.exceptions import NanGuardConfigError
 from lightning_nanguard.policies.causes import trusts_state
 from lightning_nanguard.policies.probe import ProbeVerdict
 from lightning_nanguard.policies.rollback import RollbackPolicy
 from lightning_nanguard.policies.snapshot_health import History, SnapshotBook
 from lightning_nanguard.recovery.disk_restore import has_rollback_checkpoint
-from lightning_nanguard.recovery.final_checkpoint import checkpoint_dir, require_checkpoint_dir, save_final_checkpoint
 from lightning_nanguard.recovery.probe import SnapshotProbe
 from lightning_nanguard.recovery.quarantine import Quarantine
 from lightning_nanguard.recovery.rollback import repair_buffers, restore_state
@@ -33,6 +31,7 @@ from lightning_nanguard.reporting import keys
 __all__ = ["AutoRollback"]
 
 
+@arguments_from(AutoRollbackConfig)
 class AutoRollback(NanGuardCallback):
     """Keep verified-finite snapshots of the training state in memory; restore one when the state is damaged or
     training diverges.
@@ -54,21 +53,7 @@ class AutoRollback(NanGuardCallback):
     (``diverging``); a jump that falls back or holds (a new data domain) is not. At the end of fit, non-finite weights
     left by the last update are restored too.
 
-    Args:
-        every_n_steps: snapshot cadence in optimizer steps (its cost: docs/PERFORMANCE.md).
-        num_snapshots: snapshots kept in memory (each costs 12 bytes/param with AdamW); 0 with ``source="disk"``.
-        quiet_steps: no snapshot within this many steps after an incident that distrusts the state.
-        max_rollbacks: rollbacks allowed within ``rollback_window`` steps; one more restores, saves a verified
-            checkpoint and stops.
-        rollback_window: the budget window, in optimizer steps.
-        recurrence_steps: a trigger this soon after a rollback restores an older snapshot.
-        skip_batches: batches after a rollback whose updates are dropped.
-        source: ``"memory"`` (snapshots; without a usable one, the newest verified checkpoint file of a step at or
-            before the current one, weights-only) or ``"disk"`` (verified checkpoints only).
-        checkpoint_dir: where verified checkpoints are found and the final one is written when no ModelCheckpoint
-            is configured.
-        max_snapshot_bytes: host memory per rank for all slots (``None``: no limit; under DDP a rank keeps 1/world
-            of each): fewer slots, with a warning, when not all fit; an error at train start if none does.
+    Its arguments are declared once, in ``lightning_nanguard.config.AutoRollbackConfig`` (the "Args" below).
 
     Logged keys:
         ``nanguard/rollbacks``                 cumulative rollbacks, every logged step
@@ -88,6 +73,8 @@ class AutoRollback(NanGuardCallback):
 
     owner = "AutoRollback"
 
+    config: AutoRollbackConfig
+
     def __init__(
         self,
         every_n_steps: int = 50,
@@ -101,36 +88,11 @@ class AutoRollback(NanGuardCallback):
         checkpoint_dir: str | None = None,
         max_snapshot_bytes: int | None = None,
     ) -> None:
-        owner = type(self).__name__
-        for name, value, minimum in (
-            ("every_n_steps", every_n_steps, 1),
-            ("num_snapshots", num_snapshots, 0),
-            ("quiet_steps", quiet_steps, 0),
-            ("recurrence_steps", recurrence_steps, 0),
-            ("skip_batches", skip_batches, 0),
-            ("max_rollbacks", max_rollbacks, 1),
-            ("rollback_window", rollback_window, 1),
-        ):
-            check_int(owner, name, value, minimum=minimum)
-        check_int(owner, "max_snapshot_bytes", max_snapshot_bytes, minimum=1, allow_none=True)
-        check_choice(owner, "source", source, ("memory", "disk"))
-        check_path(owner, "checkpoint_dir", checkpoint_dir)
-        check_conflicts("AutoRollback", owner, locals())
-        if source == "disk" and checkpoint_dir is not None and not os.path.isdir(checkpoint_dir):
-            raise NanGuardConfigError(
-                f"{owner}(source='disk', checkpoint_dir={os.fspath(checkpoint_dir)!r}): must be an existing directory "
-                "(the verified checkpoints a rollback restores from). Leave checkpoint_dir unset to use "
-                "ModelCheckpoint's dirpath."
-            )
-        self.every_n_steps, self.num_snapshots, self.quiet_steps = every_n_steps, num_snapshots, quiet_steps
-        self.max_rollbacks, self.rollback_window = max_rollbacks, rollback_window
-        self.recurrence_steps, self.skip_batches, self.source = recurrence_steps, skip_batches, source
-        self.checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
-        self.policy = RollbackPolicy(max_rollbacks, rollback_window, recurrence_steps, skip_batches)
-        self.book = SnapshotBook(every_n_steps, quiet_steps)
-        self.max_snapshot_bytes = max_snapshot_bytes
+        self.config = c = AutoRollbackConfig.from_arguments(type(self).__name__, locals())
+        self.policy = RollbackPolicy(c.max_rollbacks, c.rollback_window, c.recurrence_steps, c.skip_batches)
+        self.book = SnapshotBook(c.every_n_steps, c.quiet_steps)
         self.ring = SnapshotRing(
-            num_snapshots if source == "memory" else 0, pin_memory=True, max_bytes=max_snapshot_bytes
+            c.num_snapshots if c.source == "memory" else 0, pin_memory=True, max_bytes=c.max_snapshot_bytes
         )
         self.divergence: Divergence | None = None  # the verdict behind the last ``diverging()`` that answered True
         self.probe = SnapshotProbe()  # scored at each snapshot and spike where spikes are probed
@@ -151,7 +113,12 @@ class AutoRollback(NanGuardCallback):
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
         self._engine = engine
         # Each fit its own budget (a callback reused by another Trainer); a resume's load_state_dict comes after.
-        self.policy = RollbackPolicy(self.max_rollbacks, self.rollback_window, self.recurrence_steps, self.skip_batches)
+        self.policy = RollbackPolicy(
+            self.config.max_rollbacks,
+            self.config.rollback_window,
+            self.config.recurrence_steps,
+            self.config.skip_batches,
+        )
         self.book.reset()
         self.divergence = None
         self._rates = {}
@@ -161,12 +128,12 @@ class AutoRollback(NanGuardCallback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.source == "disk":
-            require_checkpoint_dir(trainer, self.checkpoint_dir, "AutoRollback(source='disk')")
+        if self.config.source == "disk":
+            require_checkpoint_dir(trainer, self.config.checkpoint_dir, "AutoRollback(source='disk')")
         else:  # every slot allocated now, outside the training steps
             self.ring.prepare(trainer, pl_module, trainer.optimizers)
         guard = self._engine.registry.guard if self._engine is not None else None
-        self.probe.start(self.source == "memory" and guard is not None and guard.on_spike == "probe")
+        self.probe.start(self.config.source == "memory" and guard is not None and guard.on_spike == "probe")
         super().on_train_start(trainer, pl_module)
 
     @override
@@ -177,8 +144,10 @@ class AutoRollback(NanGuardCallback):
     def before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, batch: object) -> bool:
         if (book := self.book).busy:  # a snapshot to judge, or a suspect's trend to follow
             book.diverging = book.score(step, self._history(), self.ring.steps())
-        due = self.ring.incomplete or (not step % self.every_n_steps and book.due(step, self.ring.steps()))
-        if self.source != "memory" or not due:  # ring.incomplete: the last snapshot predates a lazy layer's forward
+        due = self.ring.incomplete or (not step % self.config.every_n_steps and book.due(step, self.ring.steps()))
+        if (
+            self.config.source != "memory" or not due
+        ):  # ring.incomplete: the last snapshot predates a lazy layer's forward
             return True  # the healthy path: not a snapshot step
         if not model_finite(trainer, pl_module):  # one fused pass and one host read per snapshot, reduced
             book.diverging = False  # the non-finite state is the event; its restore passes over the snapshot anyway
@@ -212,7 +181,7 @@ class AutoRollback(NanGuardCallback):
 
     def can_restore(self, trainer: pl.Trainer, step: int) -> bool:
         """A verified snapshot, or a verified checkpoint of a step at or before ``step``, exists (every rank agrees)."""
-        dirpath = checkpoint_dir(trainer, self.checkpoint_dir)
+        dirpath = checkpoint_dir(trainer, self.config.checkpoint_dir)
         return bool(self.ring.steps()) or has_rollback_checkpoint(trainer, dirpath, at_or_before_step=step)
 
     def budget_left(self, step: int) -> int:
@@ -221,7 +190,7 @@ class AutoRollback(NanGuardCallback):
     def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Restored | None:
         self.book.settle(step, self._history(), self.ring.steps())  # passing over a suspect snapshot
         decision = self.policy.decide(step)
-        dirpath, unsound = checkpoint_dir(trainer, self.checkpoint_dir), self.book.judge.unsound
+        dirpath, unsound = checkpoint_dir(trainer, self.config.checkpoint_dir), self.book.judge.unsound
         restored = restore_state(
             trainer, pl_module, self.ring, decision, dirpath, at_or_before_step=step, unsound=unsound
         )
@@ -236,7 +205,7 @@ class AutoRollback(NanGuardCallback):
         return Restored(restored.step, restored.source, restored.path, recurrence, in_window)
 
     def repair_buffers(self, trainer: pl.Trainer, pl_module: pl.LightningModule, names: list[str]) -> Restored | None:
-        done = repair_buffers(self.ring, pl_module, names) if self.source == "memory" else None
+        done = repair_buffers(self.ring, pl_module, names) if self.config.source == "memory" else None
         return None if done is None else Restored(done.step, done.source, repaired=tuple(names))
 
     def diverging(self) -> bool:
@@ -253,13 +222,13 @@ class AutoRollback(NanGuardCallback):
 
     def sound_reference(self, names: set[str]) -> tuple[int, dict[str, float]] | None:
         """The newest snapshot judged sound and its parameters' largest |value| (incident path only)."""
-        step = self.book.keep(self.ring.steps()) if self.source == "memory" else None
+        step = self.book.keep(self.ring.steps()) if self.config.source == "memory" else None
         snapshot = self.ring.get(step) if step is not None else None
         return None if snapshot is None or step is None else (step, parameter_max_abs(snapshot, names))
 
     def save_final(self, trainer: pl.Trainer, step: int) -> str:
         """A verified checkpoint of the (restored, finite) state before a budget stop. Every rank calls it."""
-        return save_final_checkpoint(trainer, self.checkpoint_dir, step)
+        return save_final_checkpoint(trainer, self.config.checkpoint_dir, step)
 
     def _quarantine(self) -> Quarantine | None:
         return self._engine.registry.quarantine if self._engine is not None else None
@@ -272,7 +241,7 @@ class AutoRollback(NanGuardCallback):
             self.book.distrust(event.step)
 
     def _metrics(self, trainer: pl.Trainer) -> dict[str, float]:
-        skipped = {keys.ROLLBACK_SKIPPED_BATCHES: float(self.skipped_batches)} if self.skip_batches else {}
+        skipped = {keys.ROLLBACK_SKIPPED_BATCHES: float(self.skipped_batches)} if self.config.skip_batches else {}
         return {keys.ROLLBACKS: float(self.rollbacks), **skipped}
 
     # ------------------------------------------------------------------ state (counters only, no snapshots)

@@ -8,21 +8,21 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from lightning_nanguard import _notices
-from lightning_nanguard._validation import check_conflicts
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._common import make_incident
+from lightning_nanguard.checkpointing.events import CheckpointEvent, describe, incident_values
+from lightning_nanguard.checkpointing.install import install_verifying_io, remove_killed_saves
+from lightning_nanguard.checkpointing.lineage import Lineage
+from lightning_nanguard.checkpointing.verifying_io import VerifyingCheckpointIO
+from lightning_nanguard.config import CheckpointGuardConfig, arguments_from
 from lightning_nanguard.contract import Action, Cause
 from lightning_nanguard.engine import Engine, get_engine
-from lightning_nanguard.exceptions import NanGuardConfigError
-from lightning_nanguard.recovery.checkpoint_events import CheckpointEvent, describe, incident_values
-from lightning_nanguard.recovery.checkpoint_io import install_verifying_io, remove_killed_saves
-from lightning_nanguard.recovery.lineage import Lineage
-from lightning_nanguard.recovery.verifying_io import VerifyingCheckpointIO
 from lightning_nanguard.signals.model_tensors import intended_infinities, record_intended_infinities
 
 __all__ = ["CheckpointGuard"]
 
 
+@arguments_from(CheckpointGuardConfig)
 class CheckpointGuard(NanGuardCallback):
     """Write every checkpoint with a sha256 sidecar, refuse non-finite ones, verify before resuming.
 
@@ -43,13 +43,13 @@ class CheckpointGuard(NanGuardCallback):
       ``torch.load(weights_only=True)``, finiteness (a buffer's infinities are intended where the sidecar records them
       or the live module's buffer holds the same ones). A missing file raises ``FileNotFoundError``, as in plain
       Lightning. A failure raises ``CheckpointVerificationError`` naming the file, the reason and what to try; with
-      ``fallback=True`` a verified checkpoint of the same directory is loaded instead (``recovery/fallback.py``):
+      ``fallback=True`` a verified checkpoint of the same directory is loaded instead (``checkpointing/fallback.py``):
       always with ``weights_only=True``, never of a later step than the requested file's (its recorded step) nor of
       another run's trajectory, and a ``fallback`` incident (cause ``corrupt_checkpoint``) names both files
       (``trainer.ckpt_path`` still shows the requested one).
 
     Under ``ModelParallelStrategy`` (FSDP2) and ``FSDPStrategy`` the strategy's own ``save_checkpoint`` and
-    ``load_checkpoint`` are wrapped too (``recovery/sharded_checkpoint.py``): a directory checkpoint's finiteness is
+    ``load_checkpoint`` are wrapped too (``checkpointing/sharded.py``): a directory checkpoint's finiteness is
     reduced across ranks before the save, its shards are hashed into ``nanguard-manifest.json`` and it is published
     with one rename; at resume rank 0 verifies it and every rank loads what it decided (the same error on every rank
     otherwise). No ``nanguard-last-good.ckpt`` tag is kept for directories; ``last_good_checkpoint`` lists them.
@@ -61,13 +61,7 @@ class CheckpointGuard(NanGuardCallback):
     resume by hand, use ``lightning_nanguard.last_good_checkpoint(dirpath)``; to check files, ``nanguard verify``.
     Refusals of single files happen on rank 0 only and are reported, never fed to a training decision.
 
-    Args:
-        require_sidecar: refuse to load a file without its ``.checksum`` sidecar (written by CheckpointGuard or by
-            ``nanguard verify --write-sidecar``). ``False`` (the preset's) checks such files for zip CRC-32s,
-            readability and finiteness only.
-        fallback: on a failed verification, resume from the verified checkpoint of the same directory nearest to
-            the requested file's step and not after it.
-        tag_last_good: keep ``nanguard-last-good.ckpt`` pointing at the newest good checkpoint of each directory.
+    Its arguments are declared once, in ``lightning_nanguard.config.CheckpointGuardConfig`` (the "Args" below).
 
     Logged keys:
         ``nanguard/incident/refuse``     1.0 when a checkpoint was refused (save: rank 0; load: every rank)
@@ -87,19 +81,10 @@ class CheckpointGuard(NanGuardCallback):
         >>> trainer = Trainer(callbacks=[ModelCheckpoint(save_top_k=3), CheckpointGuard(fallback=True)])
     """
 
+    config: CheckpointGuardConfig
+
     def __init__(self, require_sidecar: bool = True, fallback: bool = False, tag_last_good: bool = True) -> None:
-        owner = type(self).__name__
-        for name, value in (
-            ("require_sidecar", require_sidecar),
-            ("fallback", fallback),
-            ("tag_last_good", tag_last_good),
-        ):
-            if not isinstance(value, bool):  # 0/1 compare equal to False/True but are not what a YAML bool reads as
-                raise NanGuardConfigError(f"{owner}({name}={value!r}): must be True or False (a bool).")
-        check_conflicts("CheckpointGuard", owner, locals())
-        self.require_sidecar = require_sidecar
-        self.fallback = fallback
-        self.tag_last_good = tag_last_good
+        self.config = CheckpointGuardConfig.from_arguments(type(self).__name__, locals())
         self.refused_saves = 0
         self.last_saved: str | None = None
         self._trainer: pl.Trainer | None = None
@@ -114,9 +99,9 @@ class CheckpointGuard(NanGuardCallback):
         self._check_environment(trainer)
         io = install_verifying_io(
             trainer,
-            require_sidecar=self.require_sidecar,
-            fallback=self.fallback,
-            tag_last_good=self.tag_last_good,
+            require_sidecar=self.config.require_sidecar,
+            fallback=self.config.fallback,
+            tag_last_good=self.config.tag_last_good,
             listener=self._on_event,
         )
         io.intended, io.live_module = self._intended, self._live_module  # bound methods: the Trainer still pickles

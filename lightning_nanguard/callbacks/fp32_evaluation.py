@@ -9,7 +9,6 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_nanguard import _distributed, _lightning_compat, _notices
-from lightning_nanguard._validation import check_choice, check_conflicts, check_int
 from lightning_nanguard.callbacks._base import mute_idle_hooks, unmute_hooks
 from lightning_nanguard.callbacks._common import (
     check_strategy_supported,
@@ -17,6 +16,7 @@ from lightning_nanguard.callbacks._common import (
     rerun_incident,
 )
 from lightning_nanguard.callbacks._state import adopt_saved_state, saved_state_key
+from lightning_nanguard.config import Configured, FP32EvaluationConfig, arguments_from
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.exceptions import UnsupportedSetupError
 from lightning_nanguard.precision import FULL_PRECISION, classify_precision
@@ -31,7 +31,8 @@ from lightning_nanguard.reporting import keys
 __all__ = ["FP32Evaluation"]
 
 
-class FP32Evaluation(Callback):
+@arguments_from(FP32EvaluationConfig)
+class FP32Evaluation(Configured, Callback):
     """Run validation and test in float32 (always, or only for the batches that come out non-finite in half precision).
 
     Lightning evaluates under the training precision. A model that forces float32 only where training needs it
@@ -68,11 +69,7 @@ class FP32Evaluation(Callback):
     (``recovery/promote.py``). The promotion is an incident, kept in the callback state and re-applied at a resume.
     Under ``*-true`` there is no autocast to switch off: nothing is promoted (train under ``*-mixed`` for this remedy).
 
-    Args:
-        mode: ``"always"`` runs every validation and test step in float32; ``"on_nonfinite"`` re-runs only the
-            non-finite batches in float32.
-        promote_after: half-precision overflows attributed to one training module before it runs in float32;
-            ``None`` (default): never.
+    Its arguments are declared once, in ``lightning_nanguard.config.FP32EvaluationConfig`` (the "Args" below).
 
     Logged keys (``mode="always"`` logs nothing):
         ``nanguard/eval/fp32_reruns``      batches re-run in float32 in this evaluation epoch (``"on_nonfinite"``)
@@ -92,18 +89,16 @@ class FP32Evaluation(Callback):
 
     owner = "FP32Evaluation"
 
+    config: FP32EvaluationConfig
+
     def __init__(self, mode: Literal["always", "on_nonfinite"] = "always", promote_after: int | None = None) -> None:
-        check_choice(type(self).__name__, "mode", mode, ("always", "on_nonfinite"))
-        check_int(type(self).__name__, "promote_after", promote_after, minimum=1, allow_none=True)
-        check_conflicts("FP32Evaluation", type(self).__name__, locals())
-        self.mode = mode
-        self.promote_after = promote_after
+        self.config = FP32EvaluationConfig.from_arguments(type(self).__name__, locals())
         self.promoted: list[str] = []  # training modules running in float32, in promotion order
         self.fp32_reruns = 0  # batches re-run in float32, over the callback's lifetime (and across resumes)
         self._precision = FULL_PRECISION
         self._stage = ""
         self._warned = False
-        self._eval = Fp32Eval(mode)
+        self._eval = Fp32Eval(self.config.mode)
 
     @property
     @override
@@ -122,10 +117,10 @@ class FP32Evaluation(Callback):
         self._stage = stage
         self._precision = classify_precision(trainer)
         self._eval.kind = kind = self._precision.kind
-        why = fp32_evaluation_sharded_refusal(self.mode, kind, self.promote_after)
+        why = fp32_evaluation_sharded_refusal(self.config.mode, kind, self.config.promote_after)
         if why and "ModelParallelStrategy" in _lightning_compat.strategy_class_names(trainer):
             raise UnsupportedSetupError(
-                f"FP32Evaluation(mode={self.mode!r}) does not support ModelParallelStrategy under "
+                f"FP32Evaluation(mode={self.config.mode!r}) does not support ModelParallelStrategy under "
                 f"precision={trainer.precision!r}: {why}"
             )
         if kind == "none":
@@ -133,14 +128,14 @@ class FP32Evaluation(Callback):
                 f"FP32Evaluation has nothing to do: the Trainer evaluates in {trainer.precision!r}, not half precision "
                 "(16-mixed, bf16-mixed, 16-true or bf16-true). Evaluation runs unchanged"
             )
-            if self.mode == "always":  # asked for float32 evaluation explicitly: say it is moot, as a warning
+            if self.config.mode == "always":  # asked for float32 evaluation explicitly: say it is moot, as a warning
                 self._warn_once(message + "; remove the callback or train in half precision.")
             elif not self._warned:  # "on_nonfinite" (the preset's) is a natural no-op in full precision
                 self._warned = True
                 _notices.note(message + ".")
         engine = get_engine(trainer)
         engine.join(trainer, self, fit=False)
-        if stage == "fit" and self.promote_after is not None:
+        if stage == "fit" and self.config.promote_after is not None:
             engine.set_promoter(self)
         mute_idle_hooks(self, drives=False)  # no per-batch work: Lightning need not dispatch those hooks to it
 
@@ -225,7 +220,7 @@ class FP32Evaluation(Callback):
         self._eval.begin(trainer.precision_plugin, pl_module, step_name, self._warn_once)
 
     def _epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.mode != "on_nonfinite" or self._eval.kind == "none":
+        if self.config.mode != "on_nonfinite" or self._eval.kind == "none":
             return
         # Every rank reaches the epoch end, whatever its number of batches: the one collective of the evaluation.
         pending, self._eval.pending = self._eval.pending, []

@@ -8,21 +8,18 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from lightning_nanguard import _notices
-from lightning_nanguard._validation import check_choice, check_conflicts, check_float, check_int, check_path
 from lightning_nanguard.callbacks import _deepspeed
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._state import warn_unloaded_quarantine
+from lightning_nanguard.config import GradNormMonitorConfig, arguments_from
 from lightning_nanguard.engine import Engine, get_engine
-from lightning_nanguard.engine.capabilities import GuardSettings
 from lightning_nanguard.engine.grad_metrics import grad_metrics, layers_due
 from lightning_nanguard.recovery.quarantine import Quarantine
 
 __all__ = ["GradNormMonitor"]
 
-# The largest incident bundle budget taken, in MB (1 TB): any larger number is no budget at all (a disk fills first).
-MAX_BUNDLE_MB = 1e6
 
-
+@arguments_from(GradNormMonitorConfig)
 class GradNormMonitor(NanGuardCallback):
     """Log the gradient norm, drop any update whose loss or gradients are non-finite, find out why, and keep the
     data that caused it away.
@@ -41,43 +38,7 @@ class GradNormMonitor(NanGuardCallback):
     (``input_data``, ``targets``), it is quarantined (``quarantine=True``): the dataset samples are replaced when they
     come back (or the batch's update is dropped, for datasets without sample indices), with no new incident.
 
-    Args:
-        on_nonfinite: ``"skip"`` drops the update; ``"warn"`` lets it through and warns (the weights will be
-            poisoned: for diagnosis only); ``"stop"`` drops it and stops training at once.
-        max_consecutive_skips: non-finite steps in a row tolerated (bad data's, which the quarantine answers, not
-            counted); one more escalates to a rollback (and a learning-rate backoff where that is the cause's remedy)
-            where AutoRollback is installed, and otherwise stops with ``NonFiniteTrainingError``. Under ``16-mixed``
-            with a LossScaleWatchdog installed, overflow streaks are the watchdog's to judge.
-        max_dropped_fraction: the dropped-updates budget: more dropped updates than this share of the last
-            ``dropped_window`` optimizer steps (drops a rollback answered and the GradScaler's routine skips aside)
-            stops training with ``NonFiniteTrainingError`` naming the cause and its fix; ``None``: no budget.
-        dropped_window: the window, in optimizer steps, of that budget.
-        on_dropped_budget: ``"stop"``; or ``"warn"``: warn as the budget is crossed and go on.
-        layer_depth: module depth at which per-layer gradient norms are grouped (``1``: top-level children,
-            ``2``: their children, ...), counted below single-child wrappers such as ``self.model``; ``None`` turns
-            per-layer norms off.
-        log_every_n_steps: how often per-layer norms (and the histogram) reach the loggers; ``None`` follows
-            ``Trainer(log_every_n_steps)``.
-        histogram: also write a TensorBoard histogram of the per-tensor gradient norms.
-        spike_zscore: flag a step whose loss or gradient norm is this many standard deviations above its running
-            mean (in log space, so a 10x jump is the same spike at any scale); ``None`` (default) turns spike
-            detection off. The test runs on the host floats the step's one read brings back.
-        spike_warmup: finite steps observed before spikes are tested.
-        on_spike: ``"warn"`` records and warns; ``"skip"`` drops the update; ``"rollback"`` drops it and has
-            ``AutoRollback`` restore the last good state (and ``OptimizerBackoff`` lower the learning rate);
-            ``"probe"`` measures whether the weights got worse: AutoRollback's probe batch (a few training samples,
-            scored at each snapshot) is re-scored with the current weights; its loss rose more than 2x against the
-            newest sound snapshot's: roll back to before the climb and lower the learning rate (cause
-            ``weights_diverging``); it did not: nothing is done (a debug-level line). Requires ``spike_zscore``.
-        quarantine: quarantine the data that caused an incident (``input_data``/``targets`` causes).
-        quarantine_file: a JSON file of sample indices to quarantine from the start (``[12, 507]`` or
-            ``{"samples": [...]}``: the format of a run's ``<log_dir>/nanguard/quarantine.json``).
-        forensics: ``"first"`` replays the first incident of each kind of evidence and reuses that verdict for
-            later ones; ``"every"`` replays each incident; ``"off"`` uses the cheap evidence only.
-        max_replay_steps: replays stop once they have cost this many training steps' worth of time in this fit.
-        bundle_mb: the size budget, in MB, of each replayed incident's bundle (for ``nanguard replay``); ``0``: none.
-        max_quarantined_fraction: records blamed as a hypothesis (not holding NaN/inf) past this share of the
-            dataset (never fewer than 4): the blame is withdrawn and they are released (docs/FORENSICS.md).
+    Its arguments are declared once, in ``lightning_nanguard.config.GradNormMonitorConfig`` (the "Args" below).
 
     Logged keys (every logging step, one batched logger call):
         ``nanguard/grad_norm``                   total 2-norm of the gradients (unscaled, pre-clip), last step
@@ -99,6 +60,8 @@ class GradNormMonitor(NanGuardCallback):
     Example: ``Trainer(callbacks=[GradNormMonitor(on_nonfinite="skip", max_consecutive_skips=5)])``.
     """
 
+    config: GradNormMonitorConfig
+
     def __init__(
         self,
         on_nonfinite: Literal["warn", "skip", "stop"] = "skip",
@@ -119,34 +82,8 @@ class GradNormMonitor(NanGuardCallback):
         bundle_mb: float = 64.0,
         max_quarantined_fraction: float = 0.005,
     ) -> None:
-        owner = type(self).__name__
-        check_choice(owner, "on_nonfinite", on_nonfinite, ("warn", "skip", "stop"))
-        check_int(owner, "max_consecutive_skips", max_consecutive_skips, minimum=1)
-        check_float(owner, "max_dropped_fraction", max_dropped_fraction, low=0.0, high=1.0, allow_none=True)
-        check_int(owner, "dropped_window", dropped_window, minimum=1)
-        check_choice(owner, "on_dropped_budget", on_dropped_budget, ("stop", "warn"))
-        check_int(owner, "layer_depth", layer_depth, minimum=1, allow_none=True)
-        check_int(owner, "log_every_n_steps", log_every_n_steps, minimum=1, allow_none=True)
-        check_choice(owner, "histogram", histogram, (True, False))
-        check_float(owner, "spike_zscore", spike_zscore, low=0.0, low_inclusive=False, allow_none=True)
-        check_int(owner, "spike_warmup", spike_warmup, minimum=1)
-        check_choice(owner, "on_spike", on_spike, ("warn", "skip", "rollback", "probe"))
-        check_choice(owner, "quarantine", quarantine, (True, False))
-        check_path(owner, "quarantine_file", quarantine_file, must_exist=True)
-        check_choice(owner, "forensics", forensics, ("first", "every", "off"))
-        check_float(owner, "max_replay_steps", max_replay_steps, low=0.0)
-        check_float(owner, "bundle_mb", bundle_mb, low=0.0, high=MAX_BUNDLE_MB)
-        check_float(owner, "max_quarantined_fraction", max_quarantined_fraction, low=0.0, high=1.0)
-        check_conflicts("GradNormMonitor", owner, locals())
-        self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
-        self.layer_depth, self.log_every_n_steps, self.histogram = layer_depth, log_every_n_steps, histogram
-        self.spike_zscore, self.spike_warmup, self.on_spike = spike_zscore, spike_warmup, on_spike
-        self.quarantine, self.quarantine_file = quarantine, None if quarantine_file is None else str(quarantine_file)
-        self.forensics, self.max_replay_steps, self.bundle_mb = forensics, float(max_replay_steps), float(bundle_mb)
-        self.max_quarantined_fraction = float(max_quarantined_fraction)
-        self.max_dropped_fraction = None if max_dropped_fraction is None else float(max_dropped_fraction)
-        self.dropped_window, self.on_dropped_budget = dropped_window, on_dropped_budget
-        self._quarantine = Quarantine(self.quarantine_file) if quarantine else None
+        self.config = GradNormMonitorConfig.from_arguments(type(self).__name__, locals())
+        self._quarantine = Quarantine(self.config.quarantine_file) if quarantine else None
         self._restored_skips = 0
         self._spike_state: dict[str, Any] = {}
         self._engine: Engine | None = None
@@ -164,12 +101,20 @@ class GradNormMonitor(NanGuardCallback):
     # ------------------------------------------------------------------ lifecycle
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.on_spike == "rollback" and self.spike_zscore is not None and get_engine(trainer).restorer is None:
+        if (
+            self.config.on_spike == "rollback"
+            and self.config.spike_zscore is not None
+            and get_engine(trainer).restorer is None
+        ):
             _notices.warn(
                 f"{type(self).__name__}(on_spike='rollback') hands a spike to AutoRollback, which is not installed: "
                 "a spike is only skipped. Add AutoRollback(), or use on_spike='skip'."
             )
-        if self.on_spike == "probe" and self.spike_zscore is not None and get_engine(trainer).restorer is None:
+        if (
+            self.config.on_spike == "probe"
+            and self.config.spike_zscore is not None
+            and get_engine(trainer).restorer is None
+        ):
             _notices.note(
                 f"{type(self).__name__}(on_spike='probe'): the probe batch is AutoRollback's, which is not installed: "
                 "spikes are only counted."
@@ -181,7 +126,7 @@ class GradNormMonitor(NanGuardCallback):
         # comes after ``setup`` and restores the counts and the spike statistics.
         self._engine, self._restored_skips, self._spike_state = engine, 0, {}
         if _deepspeed.is_deepspeed(trainer):  # DeepSpeed's engine owns the step: its outcome is read after it
-            probing = self.on_spike == "probe" and self.spike_zscore is not None
+            probing = self.config.on_spike == "probe" and self.config.spike_zscore is not None
             if probing:  # the preset's setting: spikes go unprobed there rather than the preset being refused
                 _notices.note(
                     f"{type(self).__name__}(on_spike='probe'): spikes are not tested under DeepSpeedStrategy (its "
@@ -190,32 +135,16 @@ class GradNormMonitor(NanGuardCallback):
             _deepspeed.install_grad_watch(
                 trainer,
                 engine,
-                spike_zscore=None if probing else self.spike_zscore,
-                max_consecutive_skips=self.max_consecutive_skips,
+                spike_zscore=None if probing else self.config.spike_zscore,
+                max_consecutive_skips=self.config.max_consecutive_skips,
                 skipped_before=self._restored_skips,
             )
             return
-        settings = GuardSettings(
-            owner=type(self).__name__,
-            on_nonfinite=self.on_nonfinite,
-            max_consecutive_skips=self.max_consecutive_skips,
-            on_spike=self.on_spike,
-            spike_zscore=self.spike_zscore,
-            spike_warmup=self.spike_warmup,
-            quarantine=self.quarantine,
-            forensics=self.forensics,
-            max_replay_steps=self.max_replay_steps,
-            max_dropped_fraction=self.max_dropped_fraction,
-            dropped_window=self.dropped_window,
-            on_dropped_budget=self.on_dropped_budget,
-            bundle_mb=self.bundle_mb,
-            max_quarantined_fraction=self.max_quarantined_fraction,
-        )
         if self._quarantine is not None:
             self._quarantine.install()
-        engine.set_guard(settings, self._quarantine)
-        if self.layer_depth is not None:
-            engine.sensor.layer_depth = max(engine.sensor.layer_depth, self.layer_depth)
+        engine.set_guard(self.config, self._quarantine)
+        if self.config.layer_depth is not None:
+            engine.sensor.layer_depth = max(engine.sensor.layer_depth, self.config.layer_depth)
         engine.add_metrics(self._metrics)
 
     @override
@@ -264,6 +193,6 @@ class GradNormMonitor(NanGuardCallback):
             engine.last_reading,
             skipped=self.skipped_steps,
             quarantine=self._quarantine,
-            layers=layers_due(trainer, self.layer_depth, self.log_every_n_steps, self.histogram),
-            histogram=self.histogram,
+            layers=layers_due(trainer, self.config.layer_depth, self.config.log_every_n_steps, self.config.histogram),
+            histogram=self.config.histogram,
         )

@@ -10,18 +10,16 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
 from typing_extensions import override
 
 from lightning_nanguard import _lightning_compat, _notices
-from lightning_nanguard._validation import check_choice, check_conflicts, check_float, check_int
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._deepspeed import install_scale_watch, is_deepspeed
+from lightning_nanguard.config import LossScaleWatchdogConfig, arguments_from
 from lightning_nanguard.contract import StateRestored
 from lightning_nanguard.engine import Engine, get_engine
 from lightning_nanguard.engine.deepspeed_sensing import DeepSpeedScaleWatch, ScaleSettings
 from lightning_nanguard.engine.reading import Reading
-from lightning_nanguard.exceptions import NanGuardConfigError
 from lightning_nanguard.policies.loss_scale import CollapseFacts, CollapsePolicy
 from lightning_nanguard.reporting import keys
 from lightning_nanguard.signals.loss_scale import ScaleHistory
@@ -29,6 +27,7 @@ from lightning_nanguard.signals.loss_scale import ScaleHistory
 __all__ = ["LossScaleWatchdog"]
 
 
+@arguments_from(LossScaleWatchdogConfig)
 class LossScaleWatchdog(NanGuardCallback):
     """Watch the GradScaler (``16-mixed``): log its scale and overflows, keep it above a floor, meet a collapse.
 
@@ -54,16 +53,7 @@ class LossScaleWatchdog(NanGuardCallback):
     rollback under DeepSpeed) or, with ``on_collapse="warn"``, a warning. With both rules off DeepSpeed keeps its
     exit, and the watchdog explains it when it happens.
 
-    Args:
-        min_scale: the floor (> 0), so the scale never reaches ``0.0``. Megatron and DeepSpeed default to 1.
-        max_scale: an optional cap (``None``: the GradScaler's growth is unbounded).
-        floor_patience: overflowing steps at the floor that make a collapse (``None``: not this rule).
-        max_overflow_streak: consecutive overflowing steps that make a collapse (``None``: not this rule).
-        on_collapse: ``"auto"`` (roll back when AutoRollback is installed, else stop), ``"rollback"``, ``"warn"``
-            or ``"stop"``.
-        max_collapses: collapses met before one more stops training with ``RecoveryBudgetExhausted`` (``None``:
-            unbounded).
-        window: steps over which ``nanguard/overflow_rate`` is computed.
+    Its arguments are declared once, in ``lightning_nanguard.config.LossScaleWatchdogConfig`` (the "Args" below).
 
     Logged keys (every logging step):
         ``nanguard/loss_scale``         the scale the last step ran with
@@ -85,6 +75,8 @@ class LossScaleWatchdog(NanGuardCallback):
 
     owner = "LossScaleWatchdog"
 
+    config: LossScaleWatchdogConfig
+
     def __init__(
         self,
         min_scale: float = 1.0,
@@ -95,28 +87,8 @@ class LossScaleWatchdog(NanGuardCallback):
         max_collapses: int | None = 3,
         window: int = 100,
     ) -> None:
-        owner = type(self).__name__
-        check_float(owner, "min_scale", min_scale, low=0.0, low_inclusive=False, high=3.0e38)
-        if float(torch.tensor(float(min_scale), dtype=torch.float32)) <= 0.0:
-            raise NanGuardConfigError(
-                f"{owner}(min_scale={min_scale!r}): is 0.0 in float32 (the GradScaler's dtype), so no floor would "
-                "hold: must be at least 1.4e-45."
-            )
-        check_float(owner, "max_scale", max_scale, low=0.0, low_inclusive=False, high=3.0e38, allow_none=True)
-        check_int(owner, "floor_patience", floor_patience, minimum=1, allow_none=True)
-        check_int(owner, "max_overflow_streak", max_overflow_streak, minimum=1, allow_none=True)
-        check_choice(owner, "on_collapse", on_collapse, ("auto", "warn", "rollback", "stop"))
-        check_int(owner, "max_collapses", max_collapses, minimum=0, allow_none=True)
-        check_int(owner, "window", window, minimum=1)
-        check_conflicts("LossScaleWatchdog", owner, locals())
-        self.min_scale = float(min_scale)
-        self.max_scale = None if max_scale is None else float(max_scale)
-        self.floor_patience = floor_patience
-        self.max_overflow_streak = max_overflow_streak
-        self.on_collapse = on_collapse
-        self.max_collapses = max_collapses
-        self.window = window
-        self._policy = CollapsePolicy(floor_patience, max_overflow_streak, max_collapses, window)
+        self.config = c = LossScaleWatchdogConfig.from_arguments(type(self).__name__, locals())
+        self._policy = CollapsePolicy(c.floor_patience, c.max_overflow_streak, c.max_collapses, c.window)
         self._history = ScaleHistory()  # the last changes of the scale, for a collapse's record
         self._active = False
         self._deepspeed: DeepSpeedScaleWatch | None = None
@@ -130,13 +102,17 @@ class LossScaleWatchdog(NanGuardCallback):
     @override
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
         # Each fit its own counts (a callback reused by another Trainer); a resume's load_state_dict comes after.
-        self._policy = CollapsePolicy(self.floor_patience, self.max_overflow_streak, self.max_collapses, self.window)
+        self._policy = CollapsePolicy(
+            self.config.floor_patience, self.config.max_overflow_streak, self.config.max_collapses, self.config.window
+        )
         self._history = ScaleHistory()
         if is_deepspeed(trainer):
             # DeepSpeed's engine owns the scaler and the step: watched after it (the scaler exists from train start).
             self._active = True
-            rules = self.floor_patience is not None or self.max_overflow_streak is not None
-            settings = ScaleSettings(self.min_scale, self.max_scale, self.on_collapse, self.max_collapses, rules)
+            rules = self.config.floor_patience is not None or self.config.max_overflow_streak is not None
+            settings = ScaleSettings(
+                self.config.min_scale, self.config.max_scale, self.config.on_collapse, self.config.max_collapses, rules
+            )
             self._deepspeed = install_scale_watch(engine, settings, self._policy, self._history)
             return
         scaler = _lightning_compat.get_scaler(trainer)
@@ -158,8 +134,10 @@ class LossScaleWatchdog(NanGuardCallback):
             self._active = self._deepspeed.active
         elif self._active:
             # The scaler's state is restored from a checkpoint before this hook: hold it to the floor from step 1.
-            _lightning_compat.clamp_scale(_lightning_compat.get_scaler(trainer), self.min_scale, self.max_scale)
-            if self.on_collapse == "rollback" and get_engine(trainer).restorer is None:
+            _lightning_compat.clamp_scale(
+                _lightning_compat.get_scaler(trainer), self.config.min_scale, self.config.max_scale
+            )
+            if self.config.on_collapse == "rollback" and get_engine(trainer).restorer is None:
                 _notices.warn(
                     f"{type(self).__name__}(on_collapse='rollback') hands a collapse to AutoRollback, which is not "
                     "installed: a collapse will stop training instead. Add AutoRollback(), or use on_collapse='auto'."
@@ -185,10 +163,10 @@ class LossScaleWatchdog(NanGuardCallback):
         scale = reading.scale
         assert scale is not None
         self._history.note(reading.step, scale)
-        at_floor = scale <= self.min_scale  # identical on every rank: the scale came with the reduced reading
+        at_floor = scale <= self.config.min_scale  # identical on every rank: the scale came with the reduced reading
         if not self._policy.observe(reading.bad, at_floor):
             return None
-        return self._policy.collapse(scale, self.min_scale, self._history.as_lists())
+        return self._policy.collapse(scale, self.config.min_scale, self._history.as_lists())
 
     def collapses_left(self) -> int | None:
         """Further collapses the budget allows (``None``: unlimited)."""
@@ -200,7 +178,7 @@ class LossScaleWatchdog(NanGuardCallback):
         scaler = _lightning_compat.get_scaler(trainer)
         if readings and self._update_stays_in_range(scaler, readings[-1].scale):
             return
-        _lightning_compat.clamp_scale(scaler, self.min_scale, self.max_scale)
+        _lightning_compat.clamp_scale(scaler, self.config.min_scale, self.config.max_scale)
 
     def _update_stays_in_range(self, scaler: object, ran_with: float | None) -> bool:
         """The scale after the scaler's update of a step that ran with ``ran_with`` is within ``[ran_with *
@@ -208,7 +186,9 @@ class LossScaleWatchdog(NanGuardCallback):
         grow, back = _lightning_compat.scaler_factors(scaler)
         if ran_with is None or grow is None or back is None:
             return False
-        return ran_with * back >= self.min_scale and (self.max_scale is None or ran_with * grow <= self.max_scale)
+        return ran_with * back >= self.config.min_scale and (
+            self.config.max_scale is None or ran_with * grow <= self.config.max_scale
+        )
 
     def _on_restored(self, trainer: pl.Trainer, event: StateRestored) -> None:
         """A rollback restored the state: keep the floor, count afresh."""

@@ -7,13 +7,13 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lightning_nanguard._validation import check_choice, check_conflicts, check_float, check_int
 from lightning_nanguard.callbacks._base import NanGuardCallback, show_hooks
 from lightning_nanguard.callbacks._preflight import OnHazard, run_preflight
+from lightning_nanguard.config import OptimizerBackoffConfig, arguments_from
 from lightning_nanguard.contract import PassedOverSnapshots, StateRestored
 from lightning_nanguard.engine import Engine
 from lightning_nanguard.engine.incidents import EventHandled
-from lightning_nanguard.policies.backoff import BackoffPolicy, check_triggers
+from lightning_nanguard.policies.backoff import BackoffPolicy
 from lightning_nanguard.recovery.backoff import eps_metrics
 from lightning_nanguard.recovery.backoff_scales import BackoffResult, BackoffScales
 from lightning_nanguard.reporting import keys
@@ -21,6 +21,7 @@ from lightning_nanguard.reporting import keys
 __all__ = ["OptimizerBackoff"]
 
 
+@arguments_from(OptimizerBackoffConfig)
 class OptimizerBackoff(NanGuardCallback):
     """Back off the learning rate (and Adam eps under fp16) when training diverges, so that the lowered rate persists.
 
@@ -45,29 +46,7 @@ class OptimizerBackoff(NanGuardCallback):
     an eps that is not a normal number in the parameter dtype, a fused optimizer with GradScaler and clipping, and true
     half parameters without an fp32 master copy.
 
-    Args:
-        lr_factor: multiply the learning-rate scale by this at each backoff, in (0, 1).
-        min_lr_scale: floor of the scale (relative to the configured schedule), in (0, 1].
-        triggers: comma list of event kinds that may lower the learning rate: ``rollback`` (a rollback for
-            divergence), ``skip`` (repeated drops a lower rate answers), ``loss_scale_collapse``.
-        skips_before_backoff: such dropped updates needed within ``skip_window`` steps for one backoff.
-        skip_window: the window, in optimizer steps, those skips are counted over.
-        recover_after: healthy optimizer steps (no incident) before the scale is raised one notch; ``None``: never.
-            A level a notch reached that is backed off again within ``recover_after`` steps is never climbed to
-            again.
-        recover_steps: notches from one backoff back to the previous level (each multiplies the scale by
-            ``(1 / lr_factor) ** (1 / recover_steps)``, capped at 1.0).
-        recover_with_schedule: a backoff caps the rate, held through the schedule: one notch below the rate the
-            step that diverged ran with, and not above the lowest rate of the snapshots kept up to the one a
-            rollback restored unless that is a further notch below. Where the schedule rises (the rest of a warmup, a restart) the rate stays at the
-            cap; as the schedule falls below it (a decay, the end of a warm restart) the scale climbs back towards
-            1.0, as far as keeps the rate at the cap.
-        eps_backoff: ``"auto"`` (fp16 non-fused groups), ``"always"`` (every group with an eps) or ``"never"``.
-        eps_factor: multiply eps by this at each eps backoff (> 1).
-        max_eps: eps is never raised above this.
-        on_hazard: preflight before step 1: ``"fix"`` (raise an underflowing eps to ``safe_eps``), ``"warn"``,
-            ``"raise"`` (``UnsupportedSetupError``), ``"off"``.
-        safe_eps: the eps a ``"fix"`` sets (at least the dtype's smallest normal number).
+    Its arguments are declared once, in ``lightning_nanguard.config.OptimizerBackoffConfig`` (the "Args" below).
 
     Logged keys:
         ``nanguard/lr_scale``                    current learning-rate scale, logged steps
@@ -89,6 +68,8 @@ class OptimizerBackoff(NanGuardCallback):
 
     owner = "OptimizerBackoff"
 
+    config: OptimizerBackoffConfig
+
     def __init__(
         self,
         lr_factor: float = 0.5,
@@ -105,39 +86,19 @@ class OptimizerBackoff(NanGuardCallback):
         on_hazard: OnHazard = "fix",
         safe_eps: float = 1e-4,
     ) -> None:
-        owner = type(self).__name__
-        check_float(owner, "lr_factor", lr_factor, low=0.0, high=1.0, low_inclusive=False, high_inclusive=False)
-        check_float(owner, "min_lr_scale", min_lr_scale, low=0.0, high=1.0, low_inclusive=False)
-        trigger_set = check_triggers(owner, triggers)
-        check_int(owner, "skips_before_backoff", skips_before_backoff, minimum=1)
-        check_int(owner, "skip_window", skip_window, minimum=1)
-        check_int(owner, "recover_after", recover_after, minimum=1, allow_none=True)
-        check_int(owner, "recover_steps", recover_steps, minimum=1)
-        check_choice(owner, "recover_with_schedule", recover_with_schedule, (True, False))
-        check_choice(owner, "eps_backoff", eps_backoff, ("auto", "always", "never"))
-        check_float(owner, "eps_factor", eps_factor, low=1.0, high=1e6, low_inclusive=False)
-        check_float(owner, "max_eps", max_eps, low=0.0, high=1.0, low_inclusive=False)
-        check_choice(owner, "on_hazard", on_hazard, ("fix", "warn", "raise", "off"))
-        check_float(owner, "safe_eps", safe_eps, low=0.0, high=1.0, low_inclusive=False)
-        check_conflicts("OptimizerBackoff", owner, locals())
-        self.lr_factor, self.min_lr_scale = float(lr_factor), float(min_lr_scale)
-        self.skips_before_backoff, self.skip_window = skips_before_backoff, skip_window
-        self.recover_after, self.recover_steps = recover_after, recover_steps
-        self.recover_with_schedule = recover_with_schedule
-        self.eps_backoff, self.eps_factor, self.max_eps = eps_backoff, float(eps_factor), float(max_eps)
-        self.on_hazard, self.safe_eps = on_hazard, float(safe_eps)
-        self.triggers: frozenset[str] = trigger_set
+        self.config = c = OptimizerBackoffConfig.from_arguments(type(self).__name__, locals())
+        self.triggers: frozenset[str] = c.trigger_set
         self._policy = BackoffPolicy(
-            lr_factor=self.lr_factor,
-            min_lr_scale=self.min_lr_scale,
-            on=trigger_set,
-            skips_before_backoff=skips_before_backoff,
-            skip_window=skip_window,
-            recover_after=recover_after,
-            recover_steps=recover_steps,
-            follow_schedule=recover_with_schedule,
+            lr_factor=c.lr_factor,
+            min_lr_scale=c.min_lr_scale,
+            on=self.triggers,
+            skips_before_backoff=c.skips_before_backoff,
+            skip_window=c.skip_window,
+            recover_after=c.recover_after,
+            recover_steps=c.recover_steps,
+            follow_schedule=c.recover_with_schedule,
         )
-        self._scales = BackoffScales(self._policy, eps_mode=eps_backoff, eps_factor=self.eps_factor, max_eps=max_eps)
+        self._scales = BackoffScales(self._policy, eps_mode=c.eps_backoff, eps_factor=c.eps_factor, max_eps=c.max_eps)
         self._state_loaded = False
         self._engine: Engine | None = None
         self._restored: int | None = None  # the step a rollback of the event being handled restored
@@ -169,7 +130,7 @@ class OptimizerBackoff(NanGuardCallback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Optimizer and scheduler state are restored by now (on a resume too): check them, then re-apply.
-        run_preflight(trainer, self.on_hazard, self.safe_eps, type(self).__name__)
+        run_preflight(trainer, self.config.on_hazard, self.config.safe_eps, type(self).__name__)
         if not self._state_loaded:  # no callback state (added on resume): the scales the optimizer state holds
             self._scales.adopt(trainer.optimizers)
         self._sync(trainer)
@@ -188,7 +149,11 @@ class OptimizerBackoff(NanGuardCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if self.recover_after is not None and self._policy.scale < 1.0 and self._policy.tick(trainer.global_step):
+        if (
+            self.config.recover_after is not None
+            and self._policy.scale < 1.0
+            and self._policy.tick(trainer.global_step)
+        ):
             self._sync(trainer)  # a recovery notch
         elif self._policy.cap is not None and self._scales.follow(trainer.optimizers, _schedulers(trainer)):
             self._refresh_hooks()  # the scale follows the schedule (recover_with_schedule)

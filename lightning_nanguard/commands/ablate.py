@@ -115,7 +115,7 @@ def _final_weights(run_dir: str, train_loss: float) -> tuple[bool, str]:
         if state:
             ok = state.startswith("finite") and "DIFFER" not in state
             return ok, "" if ok else f"final weights: {state}"
-    from lightning_nanguard.checkpoints import verify_checkpoint
+    from lightning_nanguard.checkpointing.verify import verify_checkpoint
 
     checkpoints = sorted(_found(run_dir, "*.ckpt"), key=os.path.getmtime)
     if checkpoints:

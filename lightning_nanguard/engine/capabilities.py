@@ -1,4 +1,5 @@
-"""What each callback brings to the engine: typed settings and remedy executors, registered at setup.
+"""What each callback brings to the engine: its configuration (``lightning_nanguard.config``) and remedy executors,
+registered at setup.
 
 The engine runs the five stages; callbacks hold configuration and carry out their own remedy when the policy plans
 it. A capability that is not registered is not planned (ablation = which capabilities are registered).
@@ -12,6 +13,7 @@ from typing import Protocol
 
 import lightning.pytorch as pl
 
+from lightning_nanguard.config import GradNormMonitorConfig
 from lightning_nanguard.contract import Divergence
 from lightning_nanguard.engine.reading import Reading
 from lightning_nanguard.policies.loss_scale import CollapseFacts
@@ -23,7 +25,6 @@ __all__ = [
     "DEFAULT_MAX_CONSECUTIVE_SKIPS",
     "DEFAULT_MAX_DROPPED_FRACTION",
     "Backoff",
-    "GuardSettings",
     "MetricSource",
     "Promoter",
     "Restored",
@@ -32,30 +33,11 @@ __all__ = [
 ]
 
 
-DEFAULT_MAX_CONSECUTIVE_SKIPS = 20
-DEFAULT_MAX_DROPPED_FRACTION = 0.05
-DEFAULT_DROPPED_WINDOW = 1000
-DEFAULT_MAX_QUARANTINED_FRACTION = 0.005
-
-
-@dataclass(frozen=True)
-class GuardSettings:
-    """GradNormMonitor's choices: how a non-finite or spiking step is met, and how incidents are investigated."""
-
-    owner: str
-    on_nonfinite: str = "skip"  # "skip" | "warn" | "stop"
-    max_consecutive_skips: int = DEFAULT_MAX_CONSECUTIVE_SKIPS
-    on_spike: str = "warn"  # "warn" | "skip" | "rollback" | "probe"
-    spike_zscore: float | None = None
-    spike_warmup: int = 50
-    quarantine: bool = True
-    forensics: str = "first"  # "first" | "every" | "off"
-    max_replay_steps: float = 20.0
-    max_dropped_fraction: float | None = DEFAULT_MAX_DROPPED_FRACTION
-    dropped_window: int = DEFAULT_DROPPED_WINDOW
-    on_dropped_budget: str = "stop"  # "stop" | "warn"
-    bundle_mb: float = 64.0  # an incident bundle's size budget (0: none written)
-    max_quarantined_fraction: float = DEFAULT_MAX_QUARANTINED_FRACTION  # past it, a data hypothesis is withdrawn
+# With no GradNormMonitor installed, the engine guards with its defaults (where AutoRollback is installed).
+DEFAULT_MAX_CONSECUTIVE_SKIPS = GradNormMonitorConfig.max_consecutive_skips
+DEFAULT_MAX_DROPPED_FRACTION = GradNormMonitorConfig.max_dropped_fraction
+DEFAULT_DROPPED_WINDOW = GradNormMonitorConfig.dropped_window
+DEFAULT_MAX_QUARANTINED_FRACTION = GradNormMonitorConfig.max_quarantined_fraction
 
 
 @dataclass(frozen=True)

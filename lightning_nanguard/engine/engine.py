@@ -15,16 +15,18 @@ per-step hooks. This class builds them for each fit, lets the callbacks join and
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 
 from lightning_nanguard import _lightning_compat, _notices
+from lightning_nanguard.config import GradNormMonitorConfig
 from lightning_nanguard.contract import StateRestored
 from lightning_nanguard.engine.accounting import FitLedger
 from lightning_nanguard.engine.bus import EventBus
-from lightning_nanguard.engine.capabilities import Backoff, GuardSettings, MetricSource, Promoter, Restorer, ScaleWatch
+from lightning_nanguard.engine.capabilities import Backoff, MetricSource, Promoter, Restorer, ScaleWatch
 from lightning_nanguard.engine.events import PendingEvent
 from lightning_nanguard.engine.final_check import final_check
 from lightning_nanguard.engine.incidents import IncidentPath
@@ -118,7 +120,7 @@ class Engine(StepFlow):
         return sorted({type(m).__name__ for m in self.members})
 
     # ------------------------------------------------------------------ registration (the callbacks' setup)
-    def set_guard(self, settings: GuardSettings, quarantine: Quarantine | None) -> None:
+    def set_guard(self, settings: GradNormMonitorConfig, quarantine: Quarantine | None) -> None:
         self.registry.set_guard(settings, quarantine)
 
     def set_restorer(self, restorer: Restorer) -> None:
@@ -135,6 +137,10 @@ class Engine(StepFlow):
 
     def add_metrics(self, source: MetricSource) -> None:
         self.registry.add_metrics(source)
+
+    def add_summary_notes(self, source: Callable[[], list[str]]) -> None:
+        """Lines ``source()`` returns at the end of fit go into the summary (after the incidents)."""
+        self.registry.add_summary_notes(source)
 
     def post(self, event: PendingEvent) -> None:
         """An event found outside the engine's own sensing (DeepSpeed's step), handled with this batch's events."""
@@ -241,12 +247,15 @@ class Engine(StepFlow):
         if not self.finished and (self.began or self.sink.records):
             self.finished = True
             quarantine = self.registry.quarantine
+            notes = [*(quarantine.summary_lines() if quarantine is not None else []), *self.incidents.blames.lines]
+            for source in self.registry.summary_notes:
+                notes.extend(source())
             self.sink.summary(
                 trainer,
                 self.member_names,
                 monitored=self.registry.monitors_steps or bool(self.registry.step_hooks),
                 final_state=self.ledger.final_state,
-                notes=[*(quarantine.summary_lines() if quarantine is not None else []), *self.incidents.blames.lines],
+                notes=notes,
                 steps=trainer.global_step - self.first_step,
                 # trainer.validate()/test()/predict(): the step monitors join fits only, and there is no step
                 evaluation=_evaluation_only(trainer),

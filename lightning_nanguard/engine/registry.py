@@ -13,7 +13,8 @@ from collections.abc import Callable
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
-from lightning_nanguard.engine.capabilities import Backoff, GuardSettings, MetricSource, Promoter, Restorer, ScaleWatch
+from lightning_nanguard.config import GradNormMonitorConfig
+from lightning_nanguard.engine.capabilities import Backoff, MetricSource, Promoter, Restorer, ScaleWatch
 from lightning_nanguard.exceptions import NanGuardConfigError
 from lightning_nanguard.policies.remedy import Installed
 from lightning_nanguard.recovery.quarantine import Quarantine
@@ -26,13 +27,14 @@ class Registry:
     """The capabilities of one fit, and the facts that follow from them."""
 
     def __init__(self) -> None:
-        self.guard: GuardSettings | None = None
+        self.guard: GradNormMonitorConfig | None = None
         self.quarantine: Quarantine | None = None
         self.restorer: Restorer | None = None
         self.backoff: Backoff | None = None
         self.scale_watch: ScaleWatch | None = None
         self.promoter: Promoter | None = None
         self.metric_sources: list[MetricSource] = []
+        self.summary_notes: list[Callable[[], list[str]]] = []  # lines a member adds to the end-of-fit summary
         # Run first at each batch end, after the optimizer step: DeepSpeed's own step outcome is read there
         # (engine/deepspeed_sensing.py), since its engine steps after the last hook Lightning gives before it.
         self.step_hooks: list[Callable[[pl.Trainer], None]] = []
@@ -52,7 +54,7 @@ class Registry:
         if first is not member:
             raise _second_of_a_kind(kind, first, member)
 
-    def set_guard(self, settings: GuardSettings, quarantine: Quarantine | None) -> None:
+    def set_guard(self, settings: GradNormMonitorConfig, quarantine: Quarantine | None) -> None:
         if self.guard is not None and self.guard != settings:
             raise NanGuardConfigError(
                 f"Two GradNormMonitors with different settings are installed ({self.guard} and {settings}): one "
@@ -97,6 +99,10 @@ class Registry:
     def add_metrics(self, source: MetricSource) -> None:
         if source not in self.metric_sources:
             self.metric_sources.append(source)
+
+    def add_summary_notes(self, source: Callable[[], list[str]]) -> None:
+        if source not in self.summary_notes:
+            self.summary_notes.append(source)
 
     # ------------------------------------------------------------------ what follows from them
     def drops_nonfinite(self) -> bool:

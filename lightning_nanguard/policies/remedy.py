@@ -1,6 +1,6 @@
 """The remedy policy: which installed callback does what about one event, chosen by its cause. Pure.
 
-The ladder (README, "What happens when"):
+The ladder (docs/decides.md, "Every situation, in detail"):
 
 =============================================  ======================================================================
 cause / state                                  actions

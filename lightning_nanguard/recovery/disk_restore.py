@@ -10,10 +10,10 @@ The file is read here, with ``torch.load(weights_only=True)`` and the full verif
 through the strategy's ``CheckpointIO``: nanguard chose this file, so nothing in it is unpickled beyond weights, and a
 ``CheckpointGuard(fallback=True)`` wrapper cannot swap in another file (possibly a later step) behind the caller's
 back. A checkpoint of a step after the current ``global_step`` is refused, and so is one that is not the run's own
-past (``recovery/lineage.py``: under CheckpointGuard each file records the runs it descends from; after a resume from
+past (``checkpointing/lineage.py``: under CheckpointGuard each file records the runs it descends from; after a resume from
 step 32, the step-40 file the abandoned first run wrote is not this run's past). The verdict is reduced across
 ranks, so every rank loads or every rank raises. Buffers whose infinities are intended (a mask of -inf the module
-builds itself) are checked for NaN only (``checkpoint_infinities.py``).
+builds itself) are checked for NaN only (``checkpointing/infinities.py``).
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_nanguard import _distributed, _lightning_compat
-from lightning_nanguard.checkpoints import checkpoint_step, last_good_checkpoint, verify_and_load
+from lightning_nanguard.checkpointing.lineage import Lineage, lineage_of
+from lightning_nanguard.checkpointing.sidecar import meta_of
+from lightning_nanguard.checkpointing.verify import checkpoint_step, last_good_checkpoint, verify_and_load
+from lightning_nanguard.checkpointing.verifying_io import VerifyingCheckpointIO
 from lightning_nanguard.exceptions import CheckpointVerificationError
-from lightning_nanguard.recovery.fallback import meta_of
-from lightning_nanguard.recovery.lineage import Lineage, lineage_of
-from lightning_nanguard.recovery.verifying_io import VerifyingCheckpointIO
 
 __all__ = [
     "DiskRestore",

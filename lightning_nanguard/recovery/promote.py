@@ -17,9 +17,10 @@ from torch import Tensor, nn
 
 from lightning_nanguard._lightning_compat import tree_map
 
-__all__ = ["is_promoted", "promote", "promote_submodule"]
+__all__ = ["demote", "is_promoted", "promote", "promote_submodule"]
 
 _MARK = "_nanguard_fp32_forward"
+_SAVED = "_nanguard_fp32_saved_forward"  # the instance ``forward`` the promotion replaced (None: the class's)
 
 
 def is_promoted(module: nn.Module) -> bool:
@@ -31,6 +32,7 @@ def promote(module: nn.Module, device_type: str) -> bool:
     if is_promoted(module):
         return False
     original = module.forward
+    saved = vars(module).get("forward")  # a forward the instance already had (another wrapper), else None
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -40,6 +42,21 @@ def promote(module: nn.Module, device_type: str) -> bool:
 
     module.forward = forward  # type: ignore[method-assign]
     setattr(module, _MARK, True)
+    setattr(module, _SAVED, saved)
+    return True
+
+
+def demote(module: nn.Module) -> bool:
+    """Undo ``promote``: the module's forward runs under the surrounding autocast again. False if it was not
+    promoted."""
+    if not is_promoted(module):
+        return False
+    saved = vars(module).pop(_SAVED, None)
+    if saved is None:
+        vars(module).pop("forward", None)  # the class's forward again
+    else:
+        module.forward = saved  # type: ignore[method-assign]
+    setattr(module, _MARK, False)
     return True
 
 

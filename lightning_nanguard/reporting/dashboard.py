@@ -1,6 +1,6 @@
 """The TensorBoard dashboard: a custom-scalars layout grouping nanguard's charts, written once per run.
 
-Open TensorBoard's "Custom Scalars" tab: three sections (health, precision, interventions), each chart a regex over
+Open TensorBoard's "Custom Scalars" tab: three sections (health, precision: the loss scale, overflows and each module's headroom; interventions), each chart a regex over
 the ``nanguard/...`` tags. Incident markers are the ``nanguard/incident/<action>`` scalars (1.0 at each incident's
 step) and the incident text is Markdown under ``nanguard/incidents`` in the "Text" tab.
 """
@@ -33,6 +33,10 @@ LAYOUT: dict[str, dict[str, list[object]]] = {
         "loss scale": _chart(keys.LOSS_SCALE + "$"),
         "overflows": _chart(keys.OVERFLOW_RATE + "$", keys.OVERFLOW_STREAK + "$", keys.OVERFLOW_STEPS + "$"),
         "evaluation batches re-run in float32": _chart(keys.EVAL_FP32_RERUNS + "$"),
+        "headroom in bits, lowest modules (0: the output overflows)": _chart(
+            keys.HEADROOM_MIN + "$", keys.HEADROOM + "/.*"
+        ),
+        "modules moved to float32 by the headroom forecast": _chart(keys.PROMOTED_MODULES + "$"),
     },
     "nanguard: interventions": {
         "incidents (1.0 at each incident's step, by action)": _chart(keys.key("incident") + "/.*"),

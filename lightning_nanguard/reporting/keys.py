@@ -9,6 +9,8 @@ __all__ = [
     "GRAD_NORM_CLIPPED",
     "GRAD_NORM_HIST",
     "GRAD_NORM_MAX",
+    "HEADROOM",
+    "HEADROOM_MIN",
     "LAYER_GRAD_NORM",
     "LOSS",
     "LOSS_SCALE",
@@ -18,6 +20,7 @@ __all__ = [
     "OVERFLOW_STEPS",
     "OVERFLOW_STREAK",
     "PREFIX",
+    "PROMOTED_MODULES",
     "QUARANTINED",
     "ROLLBACKS",
     "ROLLBACK_SKIPPED_BATCHES",
@@ -51,3 +54,6 @@ OVERFLOW_STEPS = key("overflow_steps")
 OVERFLOW_RATE = key("overflow_rate")
 OVERFLOW_STREAK = key("overflow_streak")
 EVAL_FP32_RERUNS = key("eval", "fp32_reruns")
+HEADROOM = key("headroom")  # + "/<module path>": bits left before the output overflows the training precision
+HEADROOM_MIN = key("headroom_min")
+PROMOTED_MODULES = key("promoted_modules")

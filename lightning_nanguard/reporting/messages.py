@@ -40,6 +40,7 @@ _ACTION_TEXT = {
     Action.BACKOFF: "lowered the learning rate",
     Action.EPS_BACKOFF: "raised Adam's eps",
     Action.PROMOTE: "moved a module to float32",
+    Action.DEMOTE: "moved a module back to half precision",
     Action.WARN: "let the update through",
     Action.STOP: "stopped training",
 }

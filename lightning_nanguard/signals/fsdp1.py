@@ -32,8 +32,12 @@ SHARE_ATTR = "_nanguard_share"  # set on an original parameter: its weight in th
 
 # The callbacks that do not run under FSDPStrategy, and why (every other one runs under ``use_orig_params=True``;
 # CheckpointGuard with ``state_dict_type="sharded"`` only: it wraps the strategy's own save and load,
-# ``recovery/sharded_checkpoint.py``).
+# ``checkpointing/sharded.py``).
 _NOT_SUPPORTED = {
+    "PrecisionHeadroom": (
+        "FSDP1 casts each unit's parameters to its MixedPrecision param_dtype at the all-gather whatever autocast "
+        "says, so a module moved to float32 would still compute in it; its sampled forward hooks are untested there"
+    ),
     "FP32Evaluation": (
         "FSDP1 casts each unit's parameters to its MixedPrecision param_dtype at the all-gather whatever autocast "
         "says, so switching autocast off does not evaluate in float32; its mode='on_nonfinite' re-runs a batch on "

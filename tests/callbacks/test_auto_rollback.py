@@ -17,7 +17,7 @@ from lightning_nanguard import (
     RecoveryBudgetExhausted,
     UnsupportedSetupError,
 )
-from lightning_nanguard.checkpoints import SIDECAR_SUFFIX, verify_checkpoint, write_sidecar
+from lightning_nanguard.checkpointing.verify import SIDECAR_SUFFIX, verify_checkpoint, write_sidecar
 from lightning_nanguard.contract import RestoreSource, StateRestored
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.testing import FaultInjector

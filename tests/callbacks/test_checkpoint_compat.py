@@ -21,8 +21,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_nanguard import CheckpointGuard, GradNormMonitor, default_callbacks, verify_checkpoint
-from lightning_nanguard.checkpoint_sidecar import LEGACY_SIDECAR_SUFFIX, SIDECAR_SUFFIX
-from lightning_nanguard.checkpoints import LAST_GOOD_NAME
+from lightning_nanguard.checkpointing.sidecar import LEGACY_SIDECAR_SUFFIX, SIDECAR_SUFFIX
+from lightning_nanguard.checkpointing.verify import LAST_GOOD_NAME
 from tests.helpers import TinyModel, make_trainer
 
 _ROOT = str(pathlib.Path(__file__).resolve().parents[2])

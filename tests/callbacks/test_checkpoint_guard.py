@@ -13,10 +13,10 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_nanguard import CheckpointGuard, CheckpointVerificationError, last_good_checkpoint, verify_checkpoint
-from lightning_nanguard.checkpoints import LAST_GOOD_NAME, SIDECAR_SUFFIX, write_sidecar
+from lightning_nanguard.checkpointing.verify import LAST_GOOD_NAME, SIDECAR_SUFFIX, write_sidecar
+from lightning_nanguard.checkpointing.verifying_io import VerifyingCheckpointIO
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.exceptions import NanGuardConfigError, NonFiniteTrainingError, UnsupportedSetupError
-from lightning_nanguard.recovery.verifying_io import VerifyingCheckpointIO
 from lightning_nanguard.testing import FaultInjector
 from tests.helpers import TinyModel, all_finite, make_trainer
 

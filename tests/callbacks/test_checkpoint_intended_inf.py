@@ -14,8 +14,8 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_nanguard import CheckpointGuard, CheckpointVerificationError, default_callbacks, verify_checkpoint
-from lightning_nanguard.checkpoint_sidecar import read_sidecar
-from lightning_nanguard.checkpoints import LAST_GOOD_NAME, write_sidecar
+from lightning_nanguard.checkpointing.sidecar import read_sidecar
+from lightning_nanguard.checkpointing.verify import LAST_GOOD_NAME, write_sidecar
 from lightning_nanguard.cli import main as nanguard
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.exceptions import NonFiniteTrainingError

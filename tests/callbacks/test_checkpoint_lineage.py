@@ -15,11 +15,11 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_nanguard import AutoRollback, CheckpointGuard, CheckpointVerificationError, default_callbacks
-from lightning_nanguard.checkpoint_sidecar import read_sidecar
+from lightning_nanguard.checkpointing.fallback import FallbackBound, find_fallback
+from lightning_nanguard.checkpointing.lineage import Lineage
+from lightning_nanguard.checkpointing.sidecar import read_sidecar
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.engine.sink import INCIDENTS_FILE, SUMMARY_FILE
-from lightning_nanguard.recovery.fallback import FallbackBound, find_fallback
-from lightning_nanguard.recovery.lineage import Lineage
 from lightning_nanguard.testing import FaultInjector
 from tests.helpers import TinyModel, make_trainer
 

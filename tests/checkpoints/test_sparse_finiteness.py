@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_nanguard.checkpoints import nonfinite_tensors
+from lightning_nanguard.checkpointing.verify import nonfinite_tensors
 
 
 def _coo(value: float) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""checkpoints.py: sidecars, verification (any layout, complex tensors, zip CRC-32s), the fused finiteness check, the
+"""checkpointing/verify.py: sidecars, verification (any layout, complex tensors, zip CRC-32s), the fused finiteness check, the
 newest verified file of a directory, and the verified, step-bounded load of a disk rollback."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from lightning_nanguard import last_good_checkpoint
 from lightning_nanguard._files import hash_file
-from lightning_nanguard.checkpoints import (
+from lightning_nanguard.checkpointing.verify import (
     LAST_GOOD_NAME,
     SIDECAR_SUFFIX,
     check_sidecar,
@@ -289,7 +289,7 @@ def test_restore_from_checkpoint_never_loads_a_later_step_into_the_fit(tmp_path:
 @pytest.mark.parametrize("guarded", [False, True])
 def test_final_checkpoint_is_blessed_only_when_it_verifies(tmp_path: pathlib.Path, guarded: bool) -> None:
     from lightning_nanguard import CheckpointGuard
-    from lightning_nanguard.recovery.final_checkpoint import save_verified_checkpoint
+    from lightning_nanguard.checkpointing.final import save_verified_checkpoint
     from tests.helpers import TinyModel, make_trainer
 
     callbacks = [CheckpointGuard()] if guarded else []

@@ -1,7 +1,7 @@
-"""The two bundles a new user meets first, the demo's and examples/quickstart.py's, replay with the README's commands.
+"""The two bundles a new user meets first, the demo's and examples/quickstart.py's, replay with the documented commands.
 
-Each test makes its bundle the way the README says (the demo's runner; the quickstart run as a script, so its
-module is defined in ``__main__``), takes the ``nanguard replay`` line from the README's code block and runs it.
+Each test makes its bundle the way the docs say (the demo's runner; the quickstart run as a script, so its module is
+defined in ``__main__``), takes the ``nanguard replay`` line from docs/FORENSICS.md's code block and runs it.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _readme_command(flag: str) -> list[str]:
-    """The README's ``nanguard replay BUNDLE <flag> ...`` line, as argv (without ``nanguard``)."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    """The docs' ``nanguard replay BUNDLE <flag> ...`` line (docs/FORENSICS.md), as argv (without ``nanguard``)."""
+    text = (ROOT / "docs" / "FORENSICS.md").read_text(encoding="utf-8")
     lines = [line for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S) for line in block.splitlines()]
     line = next(ln for ln in lines if ln.startswith("nanguard replay BUNDLE") and f" {flag} " in ln)
     return shlex.split(line, comments=True)[1:]

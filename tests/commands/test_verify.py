@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_nanguard import cli
-from lightning_nanguard.checkpoints import SIDECAR_SUFFIX, verify_checkpoint, write_sidecar
+from lightning_nanguard.checkpointing.verify import SIDECAR_SUFFIX, verify_checkpoint, write_sidecar
 
 
 def _data_offset(path: str, member: Any) -> int:

@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_nanguard import AutoRollback, CheckpointGuard, GradNormMonitor, last_good_checkpoint
-from lightning_nanguard.checkpoints import LAST_GOOD_NAME
+from lightning_nanguard.checkpointing.verify import LAST_GOOD_NAME
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.testing import FaultInjector
 from tests.helpers import TinyModel, all_finite, make_trainer

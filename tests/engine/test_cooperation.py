@@ -99,15 +99,16 @@ class DispatchedHooks(pl.Callback):
 
 def test_only_members_with_per_batch_work_are_dispatched_per_batch(tmp_path: Any) -> None:
     # Lightning charges a profiler context per hook per callback even for a no-op; members hide the per-batch hooks
-    # they have nothing to do in (the driver's engine hooks stay; OptimizerBackoff's only while backed off).
+    # they have nothing to do in (the driver's engine hooks stay; OptimizerBackoff's only while backed off;
+    # PrecisionHeadroom's batch start, its sampling clock: one comparison between samples).
     probe = DispatchedHooks()
     callbacks = ng.default_callbacks()
     trainer = make_trainer(tmp_path, callbacks=[*callbacks, probe], max_steps=4)
     trainer.fit(TinyModel())
     assert probe.seen["on_after_backward"] == []
     assert probe.seen["on_before_optimizer_step"] == ["GradNormMonitor"]  # the driver
-    assert probe.seen["on_train_batch_start"] == ["GradNormMonitor"]
-    assert probe.seen["on_train_batch_end"] == ["GradNormMonitor"]
+    assert probe.seen["on_train_batch_start"] == ["GradNormMonitor", "PrecisionHeadroom"]
+    assert probe.seen["on_train_batch_end"] == ["GradNormMonitor"]  # PrecisionHeadroom's: on sampled steps only
     # After the fit every hook is a method again (a later fit, or a user calling it, finds it).
     assert all(callable(cb.on_after_backward) for cb in callbacks)
 
@@ -130,5 +131,5 @@ def test_optimizer_backoff_is_dispatched_per_batch_while_the_lr_is_backed_off(tm
     trainer = make_trainer(tmp_path, callbacks=[*callbacks, _BackOffAt(backoff, 2), probe], max_steps=6)
     trainer.fit(TinyModel())
     assert backoff.lr_scale < 1.0
-    assert probe.seen["on_train_batch_start"] == ["GradNormMonitor", "OptimizerBackoff"]
+    assert probe.seen["on_train_batch_start"] == ["GradNormMonitor", "OptimizerBackoff", "PrecisionHeadroom"]
     assert probe.seen["on_train_batch_end"] == ["GradNormMonitor", "OptimizerBackoff"]

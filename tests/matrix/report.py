@@ -109,7 +109,7 @@ def markdown(
         + "The code: `tests/matrix/` (`spec.py` the dimensions and the case lists, `run.py` one case, `report.py` "
         "this page).",
         "",
-        "## Invariants (issue 12, F)",
+        "## Invariants",
         "",
         "* **finished finite** or **documented error**: a fit that returns normally has finite parameters and buffers "
         "(every rank's); otherwise it raises a `NanGuardError` subclass (`NonFiniteTrainingError`, "

@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_nanguard import AutoRollback, CheckpointGuard, last_good_checkpoint
 from lightning_nanguard._files import hash_file
-from lightning_nanguard.checkpoint_manifest import MANIFEST_NAME, directory_files, write_manifest
+from lightning_nanguard.checkpointing.manifest import MANIFEST_NAME, directory_files, write_manifest
 from lightning_nanguard.policies.rollback import RollbackPolicy
 from lightning_nanguard.recovery.rollback import restore_state
 from lightning_nanguard.recovery.snapshot import SnapshotRing

@@ -14,12 +14,12 @@ import pytest
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from lightning_nanguard import checkpoints
-from lightning_nanguard.checkpoints import LAST_GOOD_NAME, SIDECAR_SUFFIX, checkpoint_files, verify_checkpoint
+from lightning_nanguard.checkpointing import tmp_files, verifying_io
+from lightning_nanguard.checkpointing import verify as checkpoints
+from lightning_nanguard.checkpointing.events import CheckpointEvent
+from lightning_nanguard.checkpointing.verify import LAST_GOOD_NAME, SIDECAR_SUFFIX, checkpoint_files, verify_checkpoint
+from lightning_nanguard.checkpointing.verifying_io import VerifyingCheckpointIO
 from lightning_nanguard.exceptions import CheckpointVerificationError
-from lightning_nanguard.recovery import tmp_files, verifying_io
-from lightning_nanguard.recovery.checkpoint_events import CheckpointEvent
-from lightning_nanguard.recovery.verifying_io import VerifyingCheckpointIO
 
 
 def _slow_write(checkpoint: dict[str, Any], path: Any, signal_fd: int) -> None:

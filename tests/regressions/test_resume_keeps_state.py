@@ -32,6 +32,7 @@ CHANGED: dict[str, tuple[dict[str, Any], str, Any]] = {
     "LossScaleWatchdog": ({"min_scale": 4.0, "on_collapse": "warn", "window": 50}, "floor_hits", 7),
     "CheckpointGuard": ({"tag_last_good": False}, "refused_saves", 2),
     "FP32Evaluation": ({"promote_after": 5}, "fp32_reruns", 4),
+    "PrecisionHeadroom": ({"every_n_steps": 10, "margin_bits": 2.0, "demote_after": None}, "promotions", 3),
 }
 # The keys the state was saved under before it was the class name (what a checkpoint of then holds).
 OLDER_KEYS = {

@@ -4,7 +4,7 @@ A session with plain Lightning rewrote ``last.ckpt`` and left nanguard's sidecar
 guarded resume called the good file corrupt and fell back, weights only, to an older checkpoint while the step
 counter went on. A sidecar whose file was written again after it is stale (not corruption): the file is verified on
 its own. A file damaged in place is still corrupt, and the tag, which nanguard writes with its sidecar, never goes
-stale. A checkpoint the project deletes leaves neither its sidecar nor a tag holding its bytes (``recovery/orphans.py``).
+stale. A checkpoint the project deletes leaves neither its sidecar nor a tag holding its bytes (``checkpointing/orphans.py``).
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_nanguard import CheckpointGuard, cli, verify_checkpoint
-from lightning_nanguard.checkpoint_sidecar import SIDECAR_SUFFIX, read_sidecar, write_sidecar
-from lightning_nanguard.checkpoints import LAST_GOOD_NAME
+from lightning_nanguard.checkpointing.orphans import remove_orphans
+from lightning_nanguard.checkpointing.sidecar import SIDECAR_SUFFIX, read_sidecar, write_sidecar
+from lightning_nanguard.checkpointing.verify import LAST_GOOD_NAME
 from lightning_nanguard.engine import get_engine
-from lightning_nanguard.recovery.orphans import remove_orphans
 from tests.helpers import TinyModel, make_trainer
 
 # The plain session resumes a guarded run's checkpoint without CheckpointGuard: Lightning says so.

@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_nanguard import default_callbacks, verify_checkpoint
-from lightning_nanguard.checkpoints import nonfinite_tensors
+from lightning_nanguard.checkpointing.verify import nonfinite_tensors
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.recovery.snapshot import SnapshotRing
 from lightning_nanguard.recovery.snapshot_layout import byte_view

@@ -40,6 +40,7 @@ def test_the_layout_names_charts_the_run_fills_and_the_incidents_are_readable(tm
         ng.OptimizerBackoff(),
         ng.LossScaleWatchdog(),
         ng.FP32Evaluation(mode="on_nonfinite"),
+        ng.PrecisionHeadroom(every_n_steps=4),
     ]
     trainer = make_trainer(
         tmp_path,

@@ -8,6 +8,7 @@ import pytest
 
 from lightning_nanguard.demo import CONFIGS, RunResult, get_task, preset, task_names
 from lightning_nanguard.demo.table import format_table
+from lightning_nanguard.preset import PRESET
 from lightning_nanguard.reporting.incidents import Incident
 
 TASKS = ["fp16-explosion", "eval-overflow", "eps-underflow", "corrupt-resume", "bad-data", "bn-poison"]
@@ -31,7 +32,7 @@ def test_unknown_task_names_the_known_ones() -> None:
 def test_configs_build_fresh_callbacks() -> None:
     assert CONFIGS["unguarded"]() == []
     first, second = preset(), preset()
-    assert len(first) == 6
+    assert len(first) == len(PRESET)
     assert all(a is not b for a, b in zip(first, second, strict=True))
 
 

@@ -5,7 +5,7 @@ valid inputs with 20-100x gradient-norm spikes, a loss falling by orders of magn
 attention masks, a warmup from a learning rate of 0) is fit twice from the same seed: unguarded, and with
 ``default_callbacks()``, whose GradNormMonitor probes every spike. The preset must end with the same loss (within 1%)
 and intervene nowhere: no incident, no rollback, no dropped update, no quarantine, no LR or eps change, no module
-promoted. Under ``16-mixed`` too (the loss-scale collapse rule), and with spikes dropped instead of probed.
+promoted (by an overflow or by the headroom forecast). Under ``16-mixed`` too (the loss-scale collapse rule), and with spikes dropped instead of probed.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from lightning_nanguard import (
     FP32Evaluation,
     GradNormMonitor,
     OptimizerBackoff,
+    PrecisionHeadroom,
     default_callbacks,
 )
 from lightning_nanguard.engine import get_engine
@@ -66,6 +67,7 @@ def _assert_untouched(fit: Fit, callbacks: list[Callback], reference: Fit) -> No
     assert (rollback.rollbacks, rollback.skipped_batches) == (0, 0)
     assert (backoff.lr_scale, backoff.eps_scale) == (1.0, 1.0)
     assert (monitor.skipped_steps, monitor.quarantined_samples, fp32.promoted) == (0, [], [])
+    assert _find(callbacks, PrecisionHeadroom).promoted == []
     assert _groups(fit) == _groups(reference)  # the schedule's LR and the eps as configured, to the last step
     assert fit.trainer.global_step == reference.trainer.global_step
     ratio = fit.final_loss / reference.final_loss

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lightning_nanguard import cli
-from lightning_nanguard.checkpoint_manifest import MANIFEST_NAME
-from lightning_nanguard.checkpoints import SIDECAR_SUFFIX, last_good_checkpoint, verify_checkpoint
+from lightning_nanguard.checkpointing.manifest import MANIFEST_NAME
+from lightning_nanguard.checkpointing.verify import SIDECAR_SUFFIX, last_good_checkpoint, verify_checkpoint
 from tests.sharded._launch import run_checkpoint_ranks
 
 pytestmark = pytest.mark.distributed

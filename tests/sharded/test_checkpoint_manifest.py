@@ -11,16 +11,16 @@ import torch
 
 from lightning_nanguard import cli
 from lightning_nanguard._files import hash_file
-from lightning_nanguard.checkpoint_manifest import (
+from lightning_nanguard.checkpointing import sharded as sharded_checkpoint
+from lightning_nanguard.checkpointing.manifest import (
     MANIFEST_NAME,
     directory_files,
     files_of_rank,
     verify_directory,
     write_manifest,
 )
-from lightning_nanguard.checkpoints import last_good_checkpoint, verify_checkpoint, write_sidecar
-from lightning_nanguard.recovery import sharded_checkpoint
-from lightning_nanguard.recovery.tmp_files import remove_stale_tmp_files, tmp_name
+from lightning_nanguard.checkpointing.tmp_files import remove_stale_tmp_files, tmp_name
+from lightning_nanguard.checkpointing.verify import last_good_checkpoint, verify_checkpoint, write_sidecar
 
 
 def _distributed_checkpoint(path: pathlib.Path, step: int, payload: bytes = b"shard") -> str:

@@ -156,8 +156,8 @@ def test_checkpoint_guard_verifies_sharded_saves_and_falls_back_from_a_corrupted
     # nanguard's manifest), written by every rank and loaded by FSDPStrategy itself on every rank, past the
     # CheckpointIO: nanguard verifies on rank 0 and every rank takes the broadcast decision. (state_dict_type="full"
     # is refused: torch's FSDP1 full state dict with offload_to_cpu=True crashes on CPU ranks, so it is untested.)
-    from lightning_nanguard.checkpoint_manifest import MANIFEST_NAME
-    from lightning_nanguard.checkpoints import verify_checkpoint
+    from lightning_nanguard.checkpointing.manifest import MANIFEST_NAME
+    from lightning_nanguard.checkpointing.verify import verify_checkpoint
     from tests.sharded._launch import run_checkpoint_ranks
     from tests.sharded.test_checkpoint_guard_fsdp2 import _assert_same_params, _flip_a_byte, _params
 

@@ -1,11 +1,11 @@
 """Which verified checkpoint a failed resume falls back to: never one of a later step than the file asked for.
 
 The bound is the requested file's own step, as far as it can be known although the file failed
-(``checkpoints.recorded_step``): its sidecar's record, else the ``global_step`` read from it (a file with NaN weights
+(``recorded_step``): its sidecar's record, else the ``global_step`` read from it (a file with NaN weights
 still loads), else the ``step=N`` of its name. Where none is known (a ``last.ckpt`` that no longer loads and has no
 record), the bound is its modification time: no file written after it is taken. Among the files within the bound
 the one of the highest step wins (then the newest), and where the requested file's sidecar records its lineage, only
-files of that lineage's past count (``recovery/lineage.py``): a fallback resumes the trajectory the user chose, never
+files of that lineage's past count (``checkpointing/lineage.py``): a fallback resumes the trajectory the user chose, never
 an abandoned run's file that happens to sit in the same directory.
 
 Resuming from an older file is how a user leaves a trajectory that went bad; its newer files are that trajectory.
@@ -18,25 +18,24 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_nanguard.checkpoint_manifest import manifest_mtime_ns, manifest_step, read_manifest
-from lightning_nanguard.checkpoint_sidecar import read_sidecar
-from lightning_nanguard.checkpoints import LAST_GOOD_NAME, recorded_step
-from lightning_nanguard.recovery.lineage import Lineage, lineage_of
+from lightning_nanguard.checkpointing.lineage import Lineage, lineage_of
+from lightning_nanguard.checkpointing.manifest import manifest_step, recorded_int, written_ns
+from lightning_nanguard.checkpointing.sidecar import meta_of
+from lightning_nanguard.checkpointing.verify import LAST_GOOD_NAME, step_in_name
 
-__all__ = ["FallbackBound", "fallback_bound", "find_fallback", "meta_of"]
+__all__ = ["FallbackBound", "fallback_bound", "find_fallback", "recorded_step"]
 
 
-def meta_of(path: str) -> dict[str, Any]:
-    """nanguard's record of a checkpoint: a file's sidecar comment, a directory's manifest (``{}`` without one)."""
+def recorded_step(path: str, read: int | None = None) -> int | None:
+    """The ``global_step`` of ``path`` as far as it can be known, even for a file that fails verification: its
+    sidecar's record, else ``read`` (the step read from the file, ``VerifyResult.step``), else its name's
+    ``step=N``. A distributed checkpoint directory's is its manifest's, or ``None``."""
     if os.path.isdir(path):
-        manifest, _ = read_manifest(path)
-        return manifest or {}
-    sidecar = read_sidecar(path) if os.path.isfile(path) else None
-    return sidecar.meta if sidecar is not None else {}
-
-
-def _mtime_ns(path: str) -> int:
-    return manifest_mtime_ns(path) if os.path.isdir(path) else os.stat(path).st_mtime_ns
+        return manifest_step(path)
+    step = recorded_int(meta_of(path).get("step"))
+    if step is not None:
+        return step
+    return read if read is not None else step_in_name(path)
 
 
 @dataclass(frozen=True)
@@ -62,11 +61,11 @@ class FallbackBound:
 
 def fallback_bound(requested: str, read_step: int | None = None) -> FallbackBound:
     """The bound of a fallback for ``requested`` (``read_step``: the step read from it, when it loaded)."""
-    step = manifest_step(requested) if os.path.isdir(requested) else recorded_step(requested, read_step)
+    step = recorded_step(requested, read_step)
     written = None
     if step is None and os.path.lexists(requested):
         try:
-            written = _mtime_ns(requested)
+            written = written_ns(requested)
         except OSError:  # a dangling symlink: the time of the link itself
             written = os.lstat(requested).st_mtime_ns
     return FallbackBound(step, written, lineage_of(meta_of(requested)) if os.path.exists(requested) else None)
@@ -78,10 +77,10 @@ def _order(candidates: Iterable[str]) -> list[str]:
     keyed = []
     for path in candidates:
         try:
-            mtime = _mtime_ns(path)
+            mtime = written_ns(path)
         except OSError:
             continue
-        step = manifest_step(path) if os.path.isdir(path) else recorded_step(path)
+        step = recorded_step(path)
         keyed.append((step is not None, step or 0, mtime, os.path.basename(path) != LAST_GOOD_NAME, path))
     return [k[-1] for k in sorted(keyed, reverse=True)]
 
@@ -107,7 +106,7 @@ def find_fallback(
         if not ok or step is None:  # failed, or not a Lightning checkpoint: nothing to resume from
             continue
         if (bound.step is not None and step > bound.step) or (
-            bound.written_ns is not None and _mtime_ns(candidate) > bound.written_ns
+            bound.written_ns is not None and written_ns(candidate) > bound.written_ns
         ):
             later.append(candidate)
             continue

@@ -20,10 +20,10 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from lightning_nanguard._files import hash_file
-from lightning_nanguard.checkpoint_sidecar import LEGACY_SIDECAR_SUFFIX, remove_sidecars, sidecar_path, write_sidecar
-from lightning_nanguard.checkpoints import LAST_GOOD_NAME
-from lightning_nanguard.recovery.orphans import TAG_SOURCE_KEY
-from lightning_nanguard.recovery.tmp_files import tmp_name
+from lightning_nanguard.checkpointing.orphans import TAG_SOURCE_KEY
+from lightning_nanguard.checkpointing.sidecar import LEGACY_SIDECAR_SUFFIX, remove_sidecars, sidecar_path, write_sidecar
+from lightning_nanguard.checkpointing.tmp_files import tmp_name
+from lightning_nanguard.checkpointing.verify import LAST_GOOD_NAME
 
 __all__ = ["tag", "write_at_path", "write_through_tmp", "writes_one_file"]
 

@@ -8,12 +8,12 @@ from collections.abc import Callable
 import lightning.pytorch as pl
 
 from lightning_nanguard import _lightning_compat
+from lightning_nanguard.checkpointing import sharded
+from lightning_nanguard.checkpointing.events import CheckpointEvent
+from lightning_nanguard.checkpointing.orphans import remove_orphans
+from lightning_nanguard.checkpointing.tmp_files import remove_stale_tmp_files
+from lightning_nanguard.checkpointing.verifying_io import VerifyingCheckpointIO
 from lightning_nanguard.exceptions import UnsupportedSetupError
-from lightning_nanguard.recovery import sharded_checkpoint
-from lightning_nanguard.recovery.checkpoint_events import CheckpointEvent
-from lightning_nanguard.recovery.orphans import remove_orphans
-from lightning_nanguard.recovery.tmp_files import remove_stale_tmp_files
-from lightning_nanguard.recovery.verifying_io import VerifyingCheckpointIO
 
 __all__ = ["install_verifying_io", "remove_killed_saves"]
 
@@ -49,7 +49,7 @@ def install_verifying_io(
         )
         trainer.strategy.checkpoint_io = io
     if {"ModelParallelStrategy", "FSDPStrategy"} & _lightning_compat.strategy_class_names(trainer):
-        sharded_checkpoint.install(trainer, io)
+        sharded.install(trainer, io)
     return io
 
 

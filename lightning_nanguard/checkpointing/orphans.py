@@ -15,8 +15,13 @@ from __future__ import annotations
 import contextlib
 import os
 
-from lightning_nanguard.checkpoint_sidecar import LEGACY_SIDECAR_SUFFIX, SIDECAR_SUFFIX, read_sidecar, remove_sidecars
-from lightning_nanguard.checkpoints import LAST_GOOD_NAME
+from lightning_nanguard.checkpointing.sidecar import (
+    LEGACY_SIDECAR_SUFFIX,
+    SIDECAR_SUFFIX,
+    meta_of,
+    remove_sidecars,
+)
+from lightning_nanguard.checkpointing.verify import LAST_GOOD_NAME
 
 __all__ = ["TAG_SOURCE_KEY", "remove_orphans"]
 
@@ -52,8 +57,7 @@ def _tag_orphaned(tag: os.DirEntry[str], entries: dict[str, os.DirEntry[str]]) -
         st = tag.stat(follow_symlinks=False)
     except OSError:
         return False
-    sidecar = read_sidecar(tag.path)
-    source = (sidecar.meta if sidecar is not None else {}).get(TAG_SOURCE_KEY)
+    source = meta_of(tag.path).get(TAG_SOURCE_KEY)
     if isinstance(source, str) and source:
         return source not in entries
     # No record (a tag of an older version): orphaned when no other name shares its bytes and no file could be the

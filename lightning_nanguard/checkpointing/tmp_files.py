@@ -19,7 +19,7 @@ import shutil
 import socket
 import time
 
-from lightning_nanguard.checkpoint_sidecar import LEGACY_SIDECAR_SUFFIX, SIDECAR_SUFFIX
+from lightning_nanguard.checkpointing.sidecar import LEGACY_SIDECAR_SUFFIX, SIDECAR_SUFFIX
 
 __all__ = ["STALE_TMP_SECONDS", "host_name", "remove_stale_tmp_files", "tmp_name"]
 

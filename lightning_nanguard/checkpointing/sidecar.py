@@ -8,7 +8,7 @@ A checkpoint ``X.ckpt`` gets ``X.ckpt.checksum``, in ``sha256sum`` format (``sha
 The second line is a comment to ``sha256sum`` and nanguard's record of the file, all of it known when it was saved:
 ``step`` (the checkpoint's ``global_step``: what a fallback compares with even when the file no longer loads),
 ``intended_infinities`` (the ``state_dict`` entries that held infinities by design when it was saved, such as an
-attention mask of -inf) and ``lineage`` (the runs the file descends from, ``recovery/lineage.py``). Nothing is added
+attention mask of -inf) and ``lineage`` (the runs the file descends from, ``checkpointing/lineage.py``). Nothing is added
 to the checkpoint itself: it loads with ``torch.load(weights_only=True)`` exactly as Lightning wrote it.
 
 The suffix has no digit and the name ends in neither ``.ckpt`` nor ``.tmp``: Lightning reads the digits of every file
@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_nanguard._files import hash_file, write_text_atomic
+from lightning_nanguard.checkpointing.manifest import read_manifest
 
 __all__ = [
     "LEGACY_SIDECAR_SUFFIX",
@@ -43,6 +44,7 @@ __all__ = [
     "Sidecar",
     "check_zip_crc",
     "existing_sidecar",
+    "meta_of",
     "read_sidecar",
     "remove_sidecars",
     "sidecar_path",
@@ -102,6 +104,15 @@ def read_sidecar(path: str) -> Sidecar | None:
 # The verdict on the few files whose staleness was asked about, by their identity on disk (a rewrite changes the
 # inode, size, mtime or ctime) and their sidecar's: a resume asks several times about the file it resumes from.
 _STALE: dict[tuple[int, ...], bool] = {}
+
+
+def meta_of(path: str) -> dict[str, Any]:
+    """nanguard's record of a checkpoint: a file's sidecar comment, a directory's manifest (``{}`` without one)."""
+    if os.path.isdir(path):
+        manifest, _ = read_manifest(path)
+        return manifest or {}
+    sidecar = read_sidecar(path) if os.path.isfile(path) else None
+    return sidecar.meta if sidecar is not None else {}
 
 
 def _rewritten_since(path: str, sidecar: str, digest: str) -> bool:

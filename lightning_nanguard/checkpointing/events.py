@@ -1,6 +1,6 @@
 """What CheckpointGuard's checkpoint IO did with a file, and the sentences that say so.
 
-``CheckpointEvent`` is what ``VerifyingCheckpointIO`` and ``sharded_checkpoint`` report to the callback;
+``CheckpointEvent`` is what ``VerifyingCheckpointIO`` and ``sharded`` report to the callback;
 ``describe`` and ``incident_values`` turn one into the warning and the incident record; ``load_error`` is the message
 of a refused load (the file, the reason, what to try).
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from lightning_nanguard._files import is_local_path
-from lightning_nanguard.checkpoints import last_good_checkpoint
+from lightning_nanguard.checkpointing.verify import last_good_checkpoint
 
 __all__ = ["CheckpointEvent", "EventKind", "describe", "incident_values", "load_error"]
 

@@ -19,8 +19,13 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_nanguard._files import fsync_dir, is_local_path
-from lightning_nanguard.checkpoint_sidecar import remove_sidecars
-from lightning_nanguard.checkpoints import (
+from lightning_nanguard.checkpointing.events import CheckpointEvent, load_error
+from lightning_nanguard.checkpointing.fallback import FallbackBound, fallback_bound, find_fallback
+from lightning_nanguard.checkpointing.lineage import Lineage, lineage_of
+from lightning_nanguard.checkpointing.orphans import remove_orphans
+from lightning_nanguard.checkpointing.sidecar import meta_of, remove_sidecars
+from lightning_nanguard.checkpointing.tmp_files import remove_stale_tmp_files
+from lightning_nanguard.checkpointing.verify import (
     LAST_GOOD_NAME,
     checkpoint_files,
     checkpoint_step,
@@ -28,13 +33,8 @@ from lightning_nanguard.checkpoints import (
     verify_and_load,
     write_sidecar,
 )
+from lightning_nanguard.checkpointing.write import tag, write_at_path, write_through_tmp, writes_one_file
 from lightning_nanguard.exceptions import CheckpointVerificationError
-from lightning_nanguard.recovery.checkpoint_events import CheckpointEvent, load_error
-from lightning_nanguard.recovery.checkpoint_write import tag, write_at_path, write_through_tmp, writes_one_file
-from lightning_nanguard.recovery.fallback import FallbackBound, fallback_bound, find_fallback, meta_of
-from lightning_nanguard.recovery.lineage import Lineage, lineage_of
-from lightning_nanguard.recovery.orphans import remove_orphans
-from lightning_nanguard.recovery.tmp_files import remove_stale_tmp_files
 
 __all__ = ["VerifyingCheckpointIO"]
 
@@ -53,7 +53,7 @@ class VerifyingCheckpointIO(CheckpointIO):
       wrote is then fsynced and hashed. An IO that writes no regular file at that path (a directory, another
       store) is told about once: that checkpoint has no sidecar.
 
-    Then the sidecar (``checkpoint_sidecar.py``: the digest and the record: step, intended infinities, lineage) and
+    Then the sidecar (``checkpointing/sidecar.py``: the digest and the record: step, intended infinities, lineage) and
     the directory's ``nanguard-last-good.ckpt`` hard link. The first save into a directory removes the temporary
     files earlier killed saves left there (ours only, and only when not in use); every save removes the sidecars of
     checkpoints the project deleted, and the tag when its source is one of them (``orphans.py``).
@@ -66,7 +66,7 @@ class VerifyingCheckpointIO(CheckpointIO):
     zip CRC-32s without one), load with ``weights_only=True`` (unless the caller passed ``False`` for the file it
     named), check finiteness (intended infinities aside: ``live_module``); on failure raise
     ``CheckpointVerificationError`` or, with ``fallback``, load a verified checkpoint of the same directory instead
-    (``recovery/fallback.py``: never of a later step than the requested file's, of its lineage's past), always with
+    (``checkpointing/fallback.py``: never of a later step than the requested file's, of its lineage's past), always with
     ``weights_only=True``, whatever the caller allowed for its own file.
 
     Args:
@@ -79,7 +79,7 @@ class VerifyingCheckpointIO(CheckpointIO):
     Attributes set by CheckpointGuard (``None`` when used alone):
         intended: the buffer names whose infinities are intended now (recorded at each save).
         live_module: the module a load is for (its own buffers say which infinities in a checkpoint are intended).
-        lineage: the run's lineage (``recovery/lineage.py``), recorded at each save; ``track_lineage``: the next
+        lineage: the run's lineage (``checkpointing/lineage.py``), recorded at each save; ``track_lineage``: the next
             load is a resume, which extends it.
     """
 
@@ -123,7 +123,7 @@ class VerifyingCheckpointIO(CheckpointIO):
             if local:
                 self._refused.add(directory)
             kept = self._newest_good(directory) if local else ""
-            self._notify(
+            self.notify(
                 CheckpointEvent(
                     "refused_save",
                     target,
@@ -172,17 +172,17 @@ class VerifyingCheckpointIO(CheckpointIO):
         return meta
 
     def note_saved(self, target: str) -> None:
-        """A good checkpoint (a file, or a directory published by ``sharded_checkpoint``) is now at ``target``:
+        """A good checkpoint (a file, or a directory published by ``sharded``) is now at ``target``:
         carry out the removals deferred since a refusal in its directory, and report it."""
         directory = os.path.dirname(os.path.abspath(target))
         if os.path.basename(target) != LAST_GOOD_NAME:
             self._newest[directory] = target
         self._refused.discard(directory)
         self._release_deferred(directory, keep=target)
-        self._notify(CheckpointEvent("saved", target))
+        self.notify(CheckpointEvent("saved", target))
 
     def note_refused(self, target: str) -> None:
-        """A save to ``target`` was refused (by ``sharded_checkpoint``, on every rank): defer removals in its
+        """A save to ``target`` was refused (by ``sharded``, on every rank): defer removals in its
         directory until a finite checkpoint is written there again, as for a refused file."""
         self._refused.add(os.path.dirname(os.path.abspath(target)))
 
@@ -214,7 +214,7 @@ class VerifyingCheckpointIO(CheckpointIO):
         result, checkpoint = verify_and_load(requested, require_sidecar=self.require_sidecar, load=load, module=module)
         if result.ok:
             self.resumed(requested, checkpoint_step(checkpoint))
-            self._notify(CheckpointEvent("loaded", requested, result.note))  # the note: a stale sidecar passed over
+            self.notify(CheckpointEvent("loaded", requested, result.note))  # the note: a stale sidecar passed over
             return checkpoint
         later: list[str] = []
         bound = fallback_bound(requested, result.step)
@@ -232,14 +232,14 @@ class VerifyingCheckpointIO(CheckpointIO):
             if chosen is not None:
                 step = checkpoint_step(checkpoint)
                 self.resumed(chosen, step)
-                self._notify(
+                self.notify(
                     CheckpointEvent(
                         "fallback", requested, result.reason, substitute=chosen, step=step, bound=bound.step
                     )
                 )
                 return checkpoint
         message = self.load_error(requested, result.reason, later, bound)
-        self._notify(CheckpointEvent("refused_load", requested, result.reason))
+        self.notify(CheckpointEvent("refused_load", requested, result.reason))
         raise CheckpointVerificationError(message)
 
     def resumed(self, loaded: str, step: int | None) -> None:
@@ -260,7 +260,7 @@ class VerifyingCheckpointIO(CheckpointIO):
             # The caller (ModelCheckpoint's retention) believes the refused checkpoint exists and replaces this one:
             # keep it until a finite checkpoint is written in this directory again.
             self._deferred.setdefault(directory, []).append(target)
-            self._notify(CheckpointEvent("kept", target, "a newer save in this directory was refused", kept=target))
+            self.notify(CheckpointEvent("kept", target, "a newer save in this directory was refused", kept=target))
             return
         self._remove(target)
 
@@ -291,19 +291,16 @@ class VerifyingCheckpointIO(CheckpointIO):
 
     def notify(self, event: CheckpointEvent) -> None:
         """Tell the listener (the callback) about ``event``."""
-        self._notify(event)
-
-    def _notify(self, event: CheckpointEvent) -> None:
         if self.listener is not None:
             self.listener(event)
 
     def _tell(self, kind: str, path: str, reason: str) -> None:
         if kind not in self._told:  # once per wrapper and kind: a warning per save would drown the log
             self._told.add(kind)
-            self._notify(CheckpointEvent("unverified", path, reason))
+            self.notify(CheckpointEvent("unverified", path, reason))
 
     def load_error(self, path: str, reason: str, later: Sequence[str] = (), bound: FallbackBound | None = None) -> str:
-        """The message of a refused load, with this wrapper's settings (``checkpoint_events.load_error``)."""
+        """The message of a refused load, with this wrapper's settings (``events.load_error``)."""
         return load_error(
             path,
             reason,
@@ -319,7 +316,7 @@ class VerifyingCheckpointIO(CheckpointIO):
         bad = nonfinite_tensors(checkpoint)
         if bad:
             reason = f"non-finite values in {', '.join(bad[:3])}"
-            self._notify(CheckpointEvent("refused_load", path, reason))
+            self.notify(CheckpointEvent("refused_load", path, reason))
             raise CheckpointVerificationError(self.load_error(path, reason))
         self._tell("remote", path, "not a local file: finiteness checked, checksum not (checksums are local-only)")
         return checkpoint

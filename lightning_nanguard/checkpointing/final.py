@@ -8,7 +8,7 @@ import os
 import lightning.pytorch as pl
 
 from lightning_nanguard import _distributed
-from lightning_nanguard.checkpoints import SIDECAR_SUFFIX, verify_checkpoint, write_sidecar
+from lightning_nanguard.checkpointing.verify import SIDECAR_SUFFIX, verify_checkpoint, write_sidecar
 from lightning_nanguard.exceptions import UnsupportedSetupError
 
 __all__ = ["checkpoint_dir", "require_checkpoint_dir", "save_final_checkpoint", "save_verified_checkpoint"]

@@ -22,7 +22,7 @@ Save of a directory (every rank, in the same order; each collective below is cal
 2. the strategy writes into ``.<name>.<pid>@<host>.tmp/`` (rank 0's name, broadcast) next to the target;
 3. each rank hashes (sha256, after an fsync) the files it wrote (its ``__{rank}_*.distcp``; rank 0 also
    ``.metadata`` and ``meta.pt``), and the hashes are gathered to rank 0 (``all_gather_objects``);
-4. rank 0 writes ``nanguard-manifest.json`` (``checkpoint_manifest.py``), fsyncs the directory and publishes it:
+4. rank 0 writes ``nanguard-manifest.json`` (``checkpointing/manifest.py``), fsyncs the directory and publishes it:
    ``os.replace(tmp, target)`` when the target does not exist, else an atomic exchange (Linux ``renameat2``
    ``RENAME_EXCHANGE``) and the old one removed; where no exchange exists, the old one is renamed aside to
    ``.<name>.replaced-<pid>@<host>`` first (a crash between the two renames leaves both complete directories, one of
@@ -50,14 +50,14 @@ import lightning.pytorch as pl
 
 from lightning_nanguard import _distributed, _lightning_compat
 from lightning_nanguard._files import fsync_dir, hash_file
-from lightning_nanguard.checkpoint_manifest import directory_files, files_of_rank, write_manifest
-from lightning_nanguard.checkpoint_sidecar import remove_sidecars
-from lightning_nanguard.checkpoints import checkpoint_candidates, nonfinite_tensors, verified_step
+from lightning_nanguard.checkpointing.events import CheckpointEvent
+from lightning_nanguard.checkpointing.fallback import fallback_bound, find_fallback
+from lightning_nanguard.checkpointing.manifest import directory_files, files_of_rank, write_manifest
+from lightning_nanguard.checkpointing.sidecar import remove_sidecars
+from lightning_nanguard.checkpointing.tmp_files import tmp_name
+from lightning_nanguard.checkpointing.verify import checkpoint_candidates, nonfinite_tensors, verified_step
+from lightning_nanguard.checkpointing.verifying_io import VerifyingCheckpointIO
 from lightning_nanguard.exceptions import CheckpointVerificationError
-from lightning_nanguard.recovery.checkpoint_events import CheckpointEvent
-from lightning_nanguard.recovery.fallback import fallback_bound, find_fallback
-from lightning_nanguard.recovery.tmp_files import tmp_name
-from lightning_nanguard.recovery.verifying_io import VerifyingCheckpointIO
 from lightning_nanguard.signals.fsdp1 import is_fsdp1
 from lightning_nanguard.signals.sharded import is_sharded, local_tensor
 

@@ -1,6 +1,6 @@
 """Checkpoint integrity: sha256 sidecars, verification, and the newest verified checkpoint in a directory.
 
-A checkpoint ``X.ckpt`` is *verified* when its sidecar ``X.ckpt.checksum`` (``checkpoint_sidecar.py``; an older
+A checkpoint ``X.ckpt`` is *verified* when its sidecar ``X.ckpt.checksum`` (``checkpointing/sidecar.py``; an older
 ``X.ckpt.sha256`` is read too) exists and matches the file's sha256, the file loads with
 ``torch.load(weights_only=True)``, and every floating-point (and complex) tensor of its weights is finite:
 ``state_dict`` and ``optimizer_states`` of a Lightning checkpoint, every tensor of any other layout (a plain
@@ -9,11 +9,11 @@ A checkpoint ``X.ckpt`` is *verified* when its sidecar ``X.ckpt.checksum`` (``ch
 torch's zip format stores for every member is checked instead, so a flipped bit in a tensor's bytes is still caught.
 
 Intended infinities (a buffer that holds a mask of -inf by design) are checked for NaN only; which ones are
-intended is decided in ``checkpoint_infinities.py`` (the sidecar's record, or the live module's own buffers).
+intended is decided in ``checkpointing/infinities.py`` (the sidecar's record, or the live module's own buffers).
 
 A distributed checkpoint (a directory written by ``ModelParallelStrategy(save_distributed_checkpoint=True)`` under
 CheckpointGuard) is verified by its ``nanguard-manifest.json`` instead: every file's size and sha256, no unlisted
-shard, and the finiteness recorded at save time (``checkpoint_manifest.py``).
+shard, and the finiteness recorded at save time (``checkpointing/manifest.py``).
 
 No Trainer needed: these functions are usable from any script (``nanguard verify``, a resume by hand).
 """
@@ -32,14 +32,14 @@ from torch import Tensor, nn
 
 from lightning_nanguard._files import hash_file
 from lightning_nanguard._lightning_compat import foreach_norms
-from lightning_nanguard.checkpoint_infinities import intended_infinities_of
-from lightning_nanguard.checkpoint_manifest import (
+from lightning_nanguard.checkpointing.infinities import intended_infinities_of
+from lightning_nanguard.checkpointing.manifest import (
     is_distributed_checkpoint,
-    manifest_mtime_ns,
     manifest_step,
     verify_directory,
+    written_ns,
 )
-from lightning_nanguard.checkpoint_sidecar import (
+from lightning_nanguard.checkpointing.sidecar import (
     SIDECAR_SUFFIX,
     check_zip_crc,
     read_sidecar,
@@ -59,7 +59,6 @@ __all__ = [
     "checkpoint_step",
     "last_good_checkpoint",
     "nonfinite_tensors",
-    "recorded_step",
     "step_in_name",
     "verified_step",
     "verify_and_load",
@@ -152,22 +151,11 @@ def nonfinite_tensors(checkpoint: Any, intended: Collection[str] = ()) -> list[s
     return bad
 
 
-def recorded_step(path: str, read: int | None = None) -> int | None:
-    """The ``global_step`` of ``path`` as far as it can be known, even for a file that fails verification: its
-    sidecar's record, else ``read`` (the step read from the file, ``VerifyResult.step``), else its name's
-    ``step=N``."""
-    sidecar = read_sidecar(path) if os.path.isfile(path) else None
-    step = (sidecar.meta if sidecar is not None else {}).get("step")
-    if isinstance(step, int) and not isinstance(step, bool):
-        return step
-    return read if read is not None else step_in_name(path)
-
-
 def check_sidecar(path: str, *, require_sidecar: bool = True) -> str | None:
     """Why ``path`` fails its existence and checksum check, or ``None`` when it passes.
 
     A symlink without a sidecar of its own (ModelCheckpoint's ``save_last="link"``) is checked against its target's.
-    A stale sidecar (the file was written again after it: ``checkpoint_sidecar``) is no evidence either way: the file
+    A stale sidecar (the file was written again after it: ``checkpointing/sidecar.py``) is no evidence either way: the file
     is checked as one without a sidecar (its zip CRC-32s), whatever ``require_sidecar`` says, and ``verify_and_load``
     says so in its note. Not the ``nanguard-last-good.ckpt`` tag: nanguard writes it and its sidecar together, so a
     tag that no longer matches was changed behind its back (its source rewritten in place) and fails.
@@ -291,7 +279,7 @@ def checkpoint_candidates(dirpath: str, *, directories: bool = True) -> list[str
             and entry.is_dir(follow_symlinks=False)
             and is_distributed_checkpoint(entry.path)
         ):
-            found.append((manifest_mtime_ns(entry.path), True, entry.name, entry.path))
+            found.append((written_ns(entry.path), True, entry.name, entry.path))
     return [path for *_, path in sorted(found, reverse=True)]
 
 
@@ -321,7 +309,7 @@ def last_good_checkpoint(
             loads the result with ``torch.load``).
         module: the live module, for intended infinities (``verify_and_load``).
         admit: ``admit(path, step)``: whether a verified Lightning checkpoint of that step may be chosen (a disk
-            rollback admits only its run's own past: ``recovery/lineage.py``). A file without a step is not.
+            rollback admits only its run's own past: ``checkpointing/lineage.py``). A file without a step is not.
 
     Example::
 

@@ -3,7 +3,7 @@
 Every fit under CheckpointGuard gets a run id. Its *lineage* is the list of ``(run id, the global_step it started
 at)`` from the oldest known run to itself: a fresh fit is ``[(me, 0)]``; a fit resumed from a file extends that
 file's lineage with ``(me, the file's global_step)``. Each file's sidecar records the lineage of the run that wrote
-it (``checkpoint_sidecar.py``), so a file's writer is its lineage's last run.
+it (``checkpointing/sidecar.py``), so a file's writer is its lineage's last run.
 
 A file is the run's own past (``Lineage.admits``) when its step is at or before the current step and
 

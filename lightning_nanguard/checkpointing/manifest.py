@@ -34,8 +34,10 @@ __all__ = [
     "is_distributed_checkpoint",
     "manifest_step",
     "read_manifest",
+    "recorded_int",
     "verify_directory",
     "write_manifest",
+    "written_ns",
 ]
 
 MANIFEST_NAME = "nanguard-manifest.json"
@@ -163,11 +165,15 @@ def verify_directory(dirpath: str) -> str | None:
     return None
 
 
+def recorded_int(value: Any) -> int | None:
+    """``value`` when it is an ``int`` (a step in a manifest or a sidecar's record), else ``None``."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def manifest_step(dirpath: str) -> int | None:
     """The ``step`` a directory's manifest records, or ``None``."""
     manifest, _ = read_manifest(dirpath)
-    step = None if manifest is None else manifest.get("step")
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
+    return None if manifest is None else recorded_int(manifest.get("step"))
 
 
 def is_distributed_checkpoint(path: str) -> bool:
@@ -177,8 +183,9 @@ def is_distributed_checkpoint(path: str) -> bool:
     )
 
 
-def manifest_mtime_ns(dirpath: str) -> int:
-    """When the directory's checkpoint was completed: its manifest's mtime (else the directory's)."""
-    with contextlib.suppress(OSError):
-        return os.stat(os.path.join(dirpath, MANIFEST_NAME)).st_mtime_ns
-    return os.stat(dirpath).st_mtime_ns
+def written_ns(path: str) -> int:
+    """When a checkpoint was completed: a directory's manifest's mtime (else the directory's), a file's mtime."""
+    if os.path.isdir(path):
+        with contextlib.suppress(OSError):
+            return os.stat(os.path.join(path, MANIFEST_NAME)).st_mtime_ns
+    return os.stat(path).st_mtime_ns

@@ -1,0 +1,180 @@
+"""PrecisionHeadroom: how many bits each module has left before it overflows half precision, and a guard on the trend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_nanguard import _notices
+from lightning_nanguard.callbacks._base import NanGuardCallback, show_hooks
+from lightning_nanguard.callbacks._common import check_strategy_supported
+from lightning_nanguard.config import PrecisionHeadroomConfig, arguments_from
+from lightning_nanguard.engine import Engine
+from lightning_nanguard.engine.headroom import HeadroomWatch
+from lightning_nanguard.exceptions import UnsupportedSetupError
+from lightning_nanguard.policies.headroom import HeadroomSettings
+
+__all__ = ["PrecisionHeadroom"]
+
+# Shown to Lightning only during a sampled step (where this callback does not drive the engine).
+_SAMPLE_HOOKS = ("on_before_backward", "on_before_optimizer_step", "on_train_batch_end")
+
+
+@arguments_from(PrecisionHeadroomConfig)
+class PrecisionHeadroom(NanGuardCallback):
+    """Measure each module's headroom in the training precision every few steps, and move a module to float32
+    before it overflows.
+
+    Every ``every_n_steps`` optimizer steps (and at the first step of a fit), the output abs-max of every submodule
+    is taken during the forward (forward hooks registered for that step only, one fused reduction on the device, one
+    MAX all-reduce across ranks, a non-blocking copy read at the next step: no host synchronization on the step
+    path). Headroom in bits is ``log2(dtype max / abs-max)``: float16's 65504 against an output of 2000 leaves 5
+    bits. A short history per module feeds a forecast: under ``16-mixed`` a module with fewer than ``margin_bits``
+    left, or close to the limit and falling steadily enough to reach it within ``horizon_steps``, runs in float32 from
+    then on (autocast off for its forward, as ``FP32Evaluation(promote_after=...)`` does after an overflow), before
+    it overflows; the promotion is an incident with the history and the forecast. Samples come sooner while a module
+    is close to the limit. When the loss is climbing too, the run is diverging and nothing is promoted (float32
+    would only hide it). A module the forecast promoted runs in half precision again once its float32 output has
+    kept 6 bits or more of would-be half-precision headroom for ``demote_after`` samples (its submodules' outputs
+    too); one that comes back is promoted for good.
+
+    Under ``bf16-*`` (float32's range) and ``16-true`` (no autocast to switch off) headroom is reported only. Under
+    ``32-true`` the abs-maxima are still kept (in the checkpoint): a float32 run resumed in float16 has its modules
+    judged against float16 before its first step. Only module outputs are seen: a value that overflows inside one
+    module's forward without leaving it as an output (a fused attention's logits) shows only in what it does to the
+    output. Gradients are left to the GradScaler (``16-mixed``); under ``16-true``, which has none, each module's
+    parameter gradients are sampled too (``"<module> (gradient)"``, reported only).
+
+    Its arguments are declared once, in ``lightning_nanguard.config.PrecisionHeadroomConfig`` (the "Args" below).
+
+    Logged keys (every logging step, half precision only):
+        ``nanguard/headroom_min``          the lowest headroom of any module at the last sample (bits)
+        ``nanguard/headroom/<module>``     the headroom of the 8 modules with the least (bits)
+        ``nanguard/promoted_modules``      modules the forecast runs in float32
+        ``nanguard/incident/promote``      1.0 at a promotion (``nanguard/incident/demote`` at a demotion)
+
+    Under DeepSpeed, FSDP1 and ``ModelParallelStrategy`` (FSDP2) it is untested and measures nothing (a note says
+    so): single device and DDP are supported.
+
+    Raises:
+        NanGuardConfigError: at construction, for an argument outside its rule.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> trainer = Trainer(precision="16-mixed", callbacks=[PrecisionHeadroom(every_n_steps=25)])
+    """
+
+    owner = "PrecisionHeadroom"
+
+    config: PrecisionHeadroomConfig
+
+    def __init__(
+        self,
+        every_n_steps: int = 50,
+        margin_bits: float = 1.0,
+        horizon_steps: int = 200,
+        demote_after: int | None = 20,
+        promote: bool = True,
+    ) -> None:
+        self.config = c = PrecisionHeadroomConfig.from_arguments(type(self).__name__, locals())
+        settings = HeadroomSettings(
+            every_n_steps=c.every_n_steps,
+            margin_bits=c.margin_bits,
+            horizon_steps=c.horizon_steps,
+            demote_after=c.demote_after,
+            max_promotions=HeadroomSettings.max_promotions if c.promote else 0,
+        )
+        self.watch = HeadroomWatch(settings, c.owner)
+        self._sampling = False
+
+    @property
+    def promoted(self) -> list[str]:
+        """The modules the forecast runs in float32, in promotion order."""
+        return list(self.watch.promoted)
+
+    @override
+    def _check_environment(self, trainer: pl.Trainer) -> None:
+        # Where it is untested it measures nothing, with a note, rather than refuse: the preset keeps running there.
+        try:
+            check_strategy_supported(trainer, type(self).__name__)
+        except UnsupportedSetupError as error:
+            self.watch.idle = str(error)
+            _notices.note(f"PrecisionHeadroom measures nothing in this fit: {error}")
+        else:
+            self.watch.idle = ""
+
+    @override
+    def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
+        engine.add_metrics(self.watch.metrics)
+        engine.add_summary_notes(self.watch.summary_lines)
+
+    @override
+    def _mute_idle_hooks(self) -> None:
+        super()._mute_idle_hooks()
+        if not self._drives:
+            show_hooks(self, _SAMPLE_HOOKS, shown=False)
+
+    # ------------------------------------------------------------------ hooks
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self.watch.start(trainer, pl_module, self._engine_now)
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        if self.watch.tick(trainer, pl_module, self._engine_now) and not self._sampling:
+            self._sampling = True
+            if not self._drives:
+                show_hooks(self, _SAMPLE_HOOKS, shown=True)
+
+    @override
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
+        super().on_before_backward(trainer, pl_module, loss)
+        if self._sampling:
+            self.watch.collect(trainer.global_step)
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        super().on_before_optimizer_step(trainer, pl_module, optimizer)
+        if self._sampling:
+            self.watch.collect_grads()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self._sampling:
+            self._sampling = False
+            self.watch.end_sample(trainer)
+            if not self._drives:
+                show_hooks(self, _SAMPLE_HOOKS, shown=False)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        self.watch.finish(trainer, pl_module, self._engine_now)
+
+    @override
+    def _uninstall(self, trainer: pl.Trainer) -> None:
+        self.watch.stop()
+        self._sampling = False
+
+    # ------------------------------------------------------------------ state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": 1, **self.watch.state_dict()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.watch.load_state_dict(state_dict)

@@ -1,0 +1,74 @@
+"""PrecisionHeadroom under DDP (ddp_spawn, gloo, 2 CPU processes): one MAX all-reduce per sample, so the rank whose
+outputs are largest decides, and every rank promotes the same module at the same step."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+from lightning_nanguard import PrecisionHeadroom
+from lightning_nanguard.engine import get_engine
+from tests.callbacks.test_precision_headroom import ClassHead
+from tests.helpers import make_trainer
+
+
+class Boost(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.factor = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.factor
+
+
+class RankScaledHead(ClassHead):
+    """Rank 1's logits are 4x rank 0's (its batches are harder): they reach float16's limit 2 bits (~10 steps)
+    earlier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.boost = Boost()
+
+    def setup(self, stage: str) -> None:
+        self.boost.factor = 1.0 + 3.0 * self.trainer.global_rank
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.boost(self.head(self.body(x)))
+        centred = logits - logits.mean(-1, keepdim=True)
+        return nn.functional.cross_entropy(centred.float(), y)
+
+
+class Dump(pl.Callback):
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        records = [i.to_dict() for i in get_engine(trainer).sink.records]
+        with open(f"{self.out_dir}/rank{trainer.global_rank}.json", "w") as f:
+            json.dump({"incidents": records, "nonfinite": pl_module.nonfinite}, f)  # type: ignore[attr-defined]
+
+
+@pytest.mark.distributed
+def test_every_rank_promotes_the_same_module_at_the_same_step(tmp_path: Any) -> None:
+    trainer = make_trainer(
+        tmp_path,
+        "16-mixed",
+        strategy="ddp_spawn",
+        devices=2,
+        max_steps=60,
+        callbacks=[PrecisionHeadroom(), Dump(str(tmp_path))],
+    )
+    trainer.fit(RankScaledHead())
+    dumps = []
+    for r in (0, 1):
+        with open(f"{tmp_path}/rank{r}.json") as f:
+            dumps.append(json.load(f))
+    promotions = [[(i["step"], i["where"], i["actions"]) for i in d["incidents"]] for d in dumps]
+    assert promotions[0] == promotions[1]
+    assert [where for _, where, _ in promotions[0]] == ["boost", "head"]  # the boosted logits first
+    assert dumps[0]["nonfinite"] == dumps[1]["nonfinite"] == 0  # rank 1, the closer one, never overflowed
