@@ -96,6 +96,7 @@ class AutoRollback(NanGuardCallback):
         )
         self.divergence: Divergence | None = None  # the verdict behind the last ``diverging()`` that answered True
         self.probe = SnapshotProbe()  # scored at each snapshot and spike where spikes are probed
+        self._rates: dict[int, float | None] = {}  # the learning rate at each kept snapshot
         self._engine: Engine | None = None
 
     @property
@@ -120,6 +121,7 @@ class AutoRollback(NanGuardCallback):
         )
         self.book.reset()
         self.divergence = None
+        self._rates = {}
         engine.set_restorer(self)
         engine.bus.subscribe(EventHandled, self._on_event)
         engine.add_metrics(self._metrics)
@@ -154,6 +156,8 @@ class AutoRollback(NanGuardCallback):
         keep = book.keep(self.ring.steps())
         self.ring.take(pl_module, trainer.optimizers, step=step, log_step=log_step, scale=scale, keep=keep)
         book.taken(step, self.ring.steps())
+        self._rates = {s: r for s, r in self._rates.items() if s in self.ring.steps()}
+        self._rates[step] = _rate_of(trainer)
         self.probe.snapshot_taken(trainer, pl_module, step, batch, self._quarantine())
         return True
 
@@ -168,6 +172,12 @@ class AutoRollback(NanGuardCallback):
     @property
     def probe_verdict(self) -> ProbeVerdict | None:
         return self.probe.verdict
+
+    def rate_at(self, step: int) -> float | None:
+        """The lowest learning rate the kept snapshots up to ``step`` were taken at (a backoff holds the rate below
+        it): the newest may have been taken as the climb began, before its probe had risen enough to say so."""
+        rates = [r for s, r in self._rates.items() if s <= step and r is not None]
+        return min(rates) if rates else None
 
     def can_restore(self, trainer: pl.Trainer, step: int) -> bool:
         """A verified snapshot, or a verified checkpoint of a step at or before ``step``, exists (every rank agrees)."""
@@ -242,3 +252,10 @@ class AutoRollback(NanGuardCallback):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.policy.load_state_dict(state_dict)
+
+
+def _rate_of(trainer: pl.Trainer) -> float | None:
+    """The first optimizer's first param group's learning rate, where it is a host number (at a snapshot only)."""
+    groups = trainer.optimizers[0].param_groups if trainer.optimizers else []
+    lr = groups[0].get("lr") if groups else None
+    return float(lr) if isinstance(lr, (int, float)) else None

@@ -100,6 +100,8 @@ class OptimizerBackoff(NanGuardCallback):
         )
         self._scales = BackoffScales(self._policy, eps_mode=c.eps_backoff, eps_factor=c.eps_factor, max_eps=c.max_eps)
         self._state_loaded = False
+        self._engine: Engine | None = None
+        self._restored: int | None = None  # the step a rollback of the event being handled restored
 
     @property
     def lr_scale(self) -> float:
@@ -114,6 +116,7 @@ class OptimizerBackoff(NanGuardCallback):
     @override
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
         engine.set_backoff(self)
+        self._engine = engine
         engine.bus.subscribe(EventHandled, self._on_event)
         engine.bus.subscribe(StateRestored, self._on_restored)
         engine.bus.subscribe(PassedOverSnapshots, self._on_passed_over)
@@ -162,7 +165,14 @@ class OptimizerBackoff(NanGuardCallback):
     def back_off(self, trainer: pl.Trainer, *, lr: bool, eps: bool, cause: str) -> BackoffResult:
         """Apply one backoff now (after the scheduler step)."""
         step, schedulers = trainer.global_step, _schedulers(trainer)
-        done = self._scales.back_off(trainer.optimizers, schedulers, step, lr=lr, eps=eps, cause=cause)
+        engine, restored, self._restored = self._engine, self._restored, None
+        reading = engine.last_reading if engine is not None else None
+        ran_at = reading.lr if reading is not None else None  # the rate the step that spiked ran with
+        restorer = engine.registry.restorer if engine is not None and restored is not None else None
+        rate = restorer.rate_at(restored) if restorer is not None and restored is not None else None
+        done = self._scales.back_off(
+            trainer.optimizers, schedulers, step, lr=lr, eps=eps, cause=cause, ran_at=ran_at, restored_rate=rate
+        )
         self._refresh_hooks()
         return done
 
@@ -170,11 +180,13 @@ class OptimizerBackoff(NanGuardCallback):
     def _on_event(self, trainer: pl.Trainer, event: EventHandled) -> None:
         self._policy.last_event_step = max(self._policy.last_event_step, event.step)
         self._scales.extra_notches = 0  # the event is handled: its rollback's finding does not carry over
+        self._restored = None
 
     def _on_passed_over(self, trainer: pl.Trainer, event: PassedOverSnapshots) -> None:  # before the event's backoff
         self._scales.extra_notches = len(event.passed_over)
 
     def _on_restored(self, trainer: pl.Trainer, event: StateRestored) -> None:
+        self._restored = event.from_step
         self._sync(trainer)
 
     # ------------------------------------------------------------------ acting

@@ -116,9 +116,11 @@ class OptimizerBackoffConfig(CallbackConfig):
     recover_with_schedule: bool = arg(
         False,
         Flag(),
-        """As the schedule itself falls (a decay, the end of a warm restart), the scale climbs back towards 1.0, as
-        far as keeps the rate at the one the backoff left, and comes down again (to the backoff's) where the schedule
-        rises. A constant or rising schedule keeps the backoff.""",
+        """A backoff caps the rate, held through the schedule: one notch below the rate the step that diverged ran
+        with, and not above the lowest rate of the snapshots kept up to the one a rollback restored unless that is a
+        further notch below. Where the schedule rises (the rest of a warmup, a restart) the rate stays at the cap; as
+        the schedule falls below it (a decay, the end of a warm restart) the scale climbs back towards 1.0, as far as
+        keeps the rate at the cap.""",
     )
     eps_backoff: Literal["auto", "always", "never"] = arg(
         "auto",

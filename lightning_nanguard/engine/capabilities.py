@@ -65,6 +65,10 @@ class Restorer(Protocol):
 
     def can_restore(self, trainer: pl.Trainer, step: int) -> bool: ...
 
+    def rate_at(self, step: int) -> float | None:
+        """The learning rate when the snapshot of ``step`` was taken (``None``: not known)."""
+        ...
+
     def budget_left(self, step: int) -> int: ...
 
     def before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, batch: object) -> bool:

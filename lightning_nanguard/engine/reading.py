@@ -59,6 +59,8 @@ class Reading:
         pending: device path only, until the batch end: what ``resolve`` needs to fill the host values.
         zscores: a spike's z-scores.
         state_before: a bad step (incident path): the state as it was before the update.
+        lr: a spike's step: the learning rate it ran with (the first param group's, read before the scheduler
+            steps); ``None`` elsewhere.
     """
 
     step: int
@@ -80,6 +82,7 @@ class Reading:
     pending: Pending | None = None
     zscores: dict[str, float] | None = None
     state_before: StateBefore | None = None
+    lr: float | None = None
 
     @property
     def loss_finite(self) -> bool:

@@ -217,6 +217,8 @@ class StepFlow:
                 reading.spike = judge_spike(self._spikes, reading)
             guard = self.registry.guard
             drop = drop or (reading.spike is not None and guard is not None and guard.on_spike in ("skip", "rollback"))
+        if reading.spike is not None:  # a spike only: the rate a backoff's cap is taken from (before the scheduler)
+            reading.lr = _host_lr(optimizer)
         if drop and not reading.dropped:
             drop_update(optimizer, path)
             reading.dropped = True
@@ -374,3 +376,11 @@ def _unsound_signal(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Signa
     """Which way the state is unsound, where every rank just found it so (a collective, incident path only)."""
     verdict = state_verdict(trainer, pl_module)
     return Signal.RANK_DIVERGENCE if verdict.finite and verdict.diverged else Signal.NONFINITE_STATE
+
+
+def _host_lr(optimizer: Optimizer) -> float | None:
+    """The first param group's learning rate, where it is a host number (never a device read)."""
+    lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+    if isinstance(lr, Tensor):
+        return float(lr) if lr.is_cpu and lr.numel() == 1 else None
+    return float(lr) if isinstance(lr, (int, float)) else None

@@ -62,12 +62,14 @@ class BackoffPolicy:
             ``None``: never recover.
         recover_steps: notches to climb from one backoff back to the previous level: each notch multiplies the
             scale by ``(1 / lr_factor) ** (1 / recover_steps)``, capped at 1.0.
-        follow_schedule: the rate a backoff leaves is its ``cap``; as the schedule itself falls below the rate that
-            was cut (a decay, the end of a warm restart), the scale climbs back (``follow``), up to 1.0, exactly as
-            far as keeps the rate at the cap: the cause a backoff answered (a rate too high) is gone before the scale
-            climbs. Where the schedule rises again (the next restart), the scale comes back down, never below the
-            backoff's own: the rate is never above what the plain backoff would give. A constant or rising schedule
-            keeps the backoff.
+        follow_schedule: a backoff sets a ``cap`` on the rate, held through the schedule: one ``lr_factor`` notch
+            (per notch of the backoff) below the rate the step that diverged ran with, and not above the lowest rate
+            the snapshots kept up to the restored one were taken at (the rates that state trained soundly at)
+            unless that is more than one further notch below. Where the schedule rises past the cap (the rest of a warmup, the next restart),
+            the scale comes down so the rate stays at the cap: a multiplier on a rising schedule would take it past
+            the stability edge again. As the schedule itself falls below the cap (a decay, the end of a warm
+            restart), the scale climbs back (``follow``), up to ``ceiling``, exactly as far as keeps the rate at the
+            cap: the cause a backoff answered (a rate too high) is gone before the scale climbs.
 
     A level that recovery climbed to and that did not last (a backoff within ``recover_after`` steps of the notch
     that reached it) was too high: recovery stops below it from then on (``ceiling``), instead of climbing back into
@@ -88,15 +90,26 @@ class BackoffPolicy:
     last_recovery: tuple[int, float] | None = None  # (step, scale before) of the last recovery notch
     follow_schedule: bool = False
     cap: float | None = None  # the learning rate the last backoff left (``follow_schedule``)
-    cut: float = 1.0  # the scale the last backoff left: ``follow`` never goes below it
+    cut: float = 1.0  # the scale the last backoff left (before holding the rate at the cap)
 
-    def back_off(self, cause: str, notches: int = 1, step: int | None = None, lr: float | None = None) -> ScaleChange:
+    def back_off(
+        self,
+        cause: str,
+        notches: int = 1,
+        step: int | None = None,
+        lr: float | None = None,
+        ran_at: float | None = None,
+        restored_rate: float | None = None,
+    ) -> ScaleChange:
         """Lower the scale ``notches`` steps of ``lr_factor`` (not below the floor). ``before == after`` at the floor.
 
         More than one notch answers more than one divergence at once: a rollback that passed over snapshots taken
         mid-divergence (each would have led back into it, and been met with a backoff of its own). ``step``: the
         post-step ``global_step`` now, to tell whether the level a recovery notch reached did not last. ``lr``: the
-        learning rate now, before this backoff (the schedule times the old scale): the cap of ``follow_schedule``.
+        learning rate now, before this backoff (the schedule times the old scale). ``follow_schedule`` only:
+        ``ran_at``, the rate the step that diverged ran with (``lr`` where not known); ``restored_rate``, the rate
+        the kept snapshots up to the one a rollback just restored were taken at, the lowest (``None``: no
+        rollback, or not known).
         """
         before = self.scale
         if step is not None and self.last_recovery is not None and self.recover_after is not None:
@@ -107,16 +120,23 @@ class BackoffPolicy:
         self.scale = max(before * self.lr_factor ** max(1, notches), self.min_lr_scale)
         if self.scale < before:
             self.backoffs += 1
-        if self.follow_schedule and lr is not None and before > 0 and math.isfinite(lr):
-            self.cap, self.cut = lr / before * self.scale, self.scale
+        if self.follow_schedule and lr is not None and before > 0 and math.isfinite(lr) and lr > 0:
+            cap = (ran_at if ran_at is not None and _rate(ran_at) else lr) * self.scale / before
+            if _rate(restored_rate) and restored_rate is not None:
+                # Not above the rate the restored state trained soundly at, nor more than one notch below ``cap``.
+                cap = min(cap, max(restored_rate, cap * self.lr_factor))
+            self.cap, self.cut = cap, self.scale
+            # The schedule rose since the step that diverged (a warmup): the rate is held at the cap from now on.
+            self.scale = max(self.min_lr_scale, min(self.scale, self.cap / (lr / before)))
         return ScaleChange(before=before, after=self.scale, cause=cause, eps=True)
 
     def follow(self, lr: float) -> ScaleChange | None:
         """``follow_schedule``: ``lr`` is the learning rate now (the schedule times ``scale``), after the scheduler
-        stepped. The scale that keeps the rate at the cap, within ``[cut, ceiling]``; the change, or ``None``."""
+        stepped. The scale that keeps the rate at the cap, within ``[min_lr_scale, ceiling]``; the change, or
+        ``None``."""
         if not self.follow_schedule or self.cap is None or not lr > 0:
             return None
-        wanted = max(self.cut, min(self.ceiling, self.cap / (lr / self.scale)))
+        wanted = max(self.min_lr_scale, min(self.ceiling, self.cap / (lr / self.scale)))
         if math.isclose(wanted, self.scale, rel_tol=1e-9):
             return None
         before, self.scale = self.scale, wanted
@@ -139,5 +159,11 @@ class BackoffPolicy:
         self.scale = top if after >= top or math.isclose(after, top, rel_tol=1e-9) else after
         self.last_event_step = step - 1
         self.last_recovery = (step, before)
-        self.cut = max(self.cut, self.scale)  # ``follow`` keeps what this notch recovered
+        self.cut = max(self.cut, self.scale)
+        if self.cap is not None and before > 0:  # ``follow`` keeps what this notch recovered: the cap climbs with it
+            self.cap *= self.scale / before
         return ScaleChange(before=before, after=self.scale, cause="recovery")
+
+
+def _rate(value: float | None) -> bool:
+    return value is not None and math.isfinite(value) and value > 0

@@ -163,20 +163,25 @@ def test_follow_schedule_caps_the_rate_and_climbs_back_as_the_schedule_falls_bel
     assert p.follow(lr=0.75 * 0.2) is not None  # the schedule at 0.2, below the cap: back to the schedule
     assert p.scale == 1.0
     assert p.follow(lr=0.1) is None
-    # A warm restart: the schedule back up to 0.6, then 1.2. The scale comes down to keep the rate at the cap, never
-    # below the backoff's own 0.5 (the rate is never above the plain backoff's).
+    # A warm restart: the schedule back up to 0.6, then 1.2. The scale comes down to hold the rate at the cap: a
+    # rate too high once is too high again.
     assert p.follow(lr=1.0 * 0.6) is not None
     assert p.scale == 0.5
-    assert p.follow(lr=0.5 * 1.2) is None
-    assert p.scale == 0.5
+    assert p.follow(lr=0.5 * 1.2) is not None
+    assert p.scale == pytest.approx(0.25)
 
 
-def test_follow_schedule_keeps_the_backoff_of_a_rising_or_constant_schedule() -> None:
+def test_follow_schedule_holds_the_rate_at_the_cap_through_a_rising_schedule() -> None:
     p = BackoffPolicy(follow_schedule=True)
-    p.back_off("gradient_explosion", lr=0.2)  # diverged during a warmup, at 0.2
-    for schedule in (0.2, 0.3, 0.6, 1.0, 1.0):  # the warmup goes on rising, then holds
-        assert p.follow(lr=schedule * p.scale) is None
-    assert p.scale == 0.5
+    p.back_off("weights_diverging", lr=0.22, ran_at=0.2)  # diverged during a warmup at 0.2; the schedule now at 0.22
+    assert p.cap == pytest.approx(0.1)  # one notch below the rate the diverging step ran with
+    assert p.scale == pytest.approx(0.1 / 0.22)  # held at the cap from the next step on
+    for schedule in (0.3, 0.6, 1.0, 1.0):  # the warmup goes on rising, then holds
+        p.follow(lr=schedule * p.scale)
+        assert schedule * p.scale == pytest.approx(0.1)
+    assert p.follow(lr=0.1) is None  # constant: nothing moves
+    assert p.follow(lr=0.05 * p.scale) is not None  # the schedule decays to 0.05, below the cap: its own rate again
+    assert p.scale == 1.0
     off = BackoffPolicy()
     off.back_off("gradient_explosion", lr=0.6)
     assert off.cap is None

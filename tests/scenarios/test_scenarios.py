@@ -168,6 +168,22 @@ def test_spike_then_diverge_is_caught_by_the_probe_while_finite(scenario_run: Ru
     assert {i.trigger for i in run.incidents} == {"probe_rose"}, _describe(run)
 
 
+# The final train / val loss vs the healthy run where the probe catches the divergence (seed 0, CPU: 1.18x / 1.00x
+# and 1.09x / 1.04x). One catch each: the rate is held one notch below the rate that diverged (spike-then-diverge: not
+# above it for the rest of the warmup; lr-restart: until the restart ends, then the schedule's own).
+PROBE_CATCH_COST = {"spike-then-diverge": (1.22, 1.05), "lr-restart": (1.12, 1.08)}
+
+
+@pytest.mark.parametrize("task", sorted(PROBE_CATCH_COST))
+def test_a_divergence_caught_by_the_probe_is_caught_once_and_costs_little(scenario_run: Runner, task: str) -> None:
+    run, healthy = scenario_run(task, "preset"), scenario_run(task, "healthy")
+    assert run.finished, _describe(run)
+    assert [(i.trigger, i.actions) for i in run.incidents] == [("probe_rose", ["rollback", "backoff"])], _describe(run)
+    train, val = PROBE_CATCH_COST[task]
+    assert run.train_loss <= train * healthy.train_loss, (healthy.train_loss, _describe(run))
+    assert run.val_loss <= val * healthy.val_loss, (healthy.val_loss, _describe(run))
+
+
 @pytest.mark.parametrize("task", TASKS)
 def test_no_divergence_is_reported_where_none_happens(scenario_run: Runner, task: str) -> None:
     # A snapshot judged mid-divergence rolls back and lowers the learning rate: it must never fire on a healthy run,
