@@ -33,11 +33,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_nanguard import _distributed, _notices
 from lightning_nanguard._lightning_compat import AttributePatches
-from lightning_nanguard.forensics.isolation import preserved_attributes, preserved_state
+from lightning_nanguard.forensics.isolation import preserved_attributes, preserved_state, swapped
 from lightning_nanguard.policies.probe import ProbeBook, ProbeVerdict
 from lightning_nanguard.recovery.quarantine import Quarantine
 
@@ -117,7 +117,12 @@ class ProbeBatch:
         # Outermost: what the call (and the patches) left in the module's Python state is put back last.
         with preserved_attributes(pl_module):
             try:
-                with preserved_state(pl_module), _host_rngs_seeded(), _buffers_on_copies(pl_module), torch.no_grad():
+                with (
+                    preserved_state(pl_module),
+                    _host_rngs_seeded(),
+                    swapped(pl_module, float32=False),
+                    torch.no_grad(),
+                ):
                     patches.set(pl_module, "log", _no_log)
                     patches.set(pl_module, "log_dict", _no_log)
                     torch.manual_seed(PROBE_SEED)  # preserved_state puts the training streams back
@@ -160,20 +165,6 @@ def _host_rngs_seeded() -> Iterator[None]:
         random.setstate(state)
         if np is not None and np_state is not None:
             np.random.set_state(np_state)
-
-
-@contextlib.contextmanager
-def _buffers_on_copies(module: nn.Module) -> Iterator[None]:
-    """Every buffer runs on a copy for the block; the originals are put back (nothing the forward wrote stays)."""
-    saved: list[tuple[Tensor, Tensor]] = []
-    try:
-        for b in module.buffers():
-            saved.append((b, b.data))
-            b.data = b.data.clone()
-        yield
-    finally:
-        for b, data in reversed(saved):
-            b.data = data
 
 
 def _batch_size(batch: Any) -> int | None:
