@@ -333,12 +333,11 @@ def _probe_rose(f: RemedyFacts) -> Plan:
     climb: the newest snapshot taken before the climb began (those after it are passed over, so a backoff planned
     with it goes one notch deeper each) and a lower learning rate.
     """
-    if not f.installed.rollback:
-        return Plan((), "the probe batch's loss rose, and no AutoRollback is installed to restore a sound state")
-    acts = [Action.ROLLBACK]
-    if f.installed.backoff and "rollback" in f.backoff_triggers:
-        acts.append(Action.BACKOFF)
-    return _with_restore(f, acts, "the weights are going wrong: the probe batch's loss rose with the spike")
+    return _restore_sound_state(
+        f,
+        "the probe batch's loss rose",
+        "the weights are going wrong: the probe batch's loss rose with the spike",
+    )
 
 
 def _diverging(f: RemedyFacts) -> Plan:
@@ -347,9 +346,17 @@ def _diverging(f: RemedyFacts) -> Plan:
     As for a gradient explosion: restore a sound state (the rollback passes over the snapshot, so a backoff planned
     with it goes one notch deeper) and lower the learning rate. Nothing is dropped: no update is at stake yet.
     """
+    return _restore_sound_state(
+        f, "training is diverging", "training is diverging: the newest snapshot was taken mid-divergence"
+    )
+
+
+def _restore_sound_state(f: RemedyFacts, seen: str, why: str) -> Plan:
+    """A divergence seen while everything is still finite: roll back to a sound state and, where OptimizerBackoff
+    backs off at a rollback, lower the learning rate; no AutoRollback: nothing to do but say so."""
     if not f.installed.rollback:
-        return Plan((), "training is diverging, and no AutoRollback is installed to restore a sound state")
+        return Plan((), f"{seen}, and no AutoRollback is installed to restore a sound state")
     acts = [Action.ROLLBACK]
     if f.installed.backoff and "rollback" in f.backoff_triggers:
         acts.append(Action.BACKOFF)
-    return _with_restore(f, acts, "training is diverging: the newest snapshot was taken mid-divergence")
+    return _with_restore(f, acts, why)
