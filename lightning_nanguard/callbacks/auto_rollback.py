@@ -20,6 +20,7 @@ from lightning_nanguard.policies.causes import trusts_state
 from lightning_nanguard.policies.probe import ProbeVerdict
 from lightning_nanguard.policies.rollback import RollbackPolicy
 from lightning_nanguard.policies.snapshot_health import History, SnapshotBook
+from lightning_nanguard.policies.snapshot_rates import SnapshotRates
 from lightning_nanguard.recovery.disk_restore import has_rollback_checkpoint
 from lightning_nanguard.recovery.probe import SnapshotProbe
 from lightning_nanguard.recovery.quarantine import Quarantine
@@ -96,7 +97,7 @@ class AutoRollback(NanGuardCallback):
         )
         self.divergence: Divergence | None = None  # the verdict behind the last ``diverging()`` that answered True
         self.probe = SnapshotProbe()  # scored at each snapshot and spike where spikes are probed
-        self._rates: dict[int, float | None] = {}  # the learning rate at each kept snapshot
+        self.rates = SnapshotRates()  # the learning rates each kept snapshot was taken and trained at
         self._engine: Engine | None = None
 
     @property
@@ -121,7 +122,7 @@ class AutoRollback(NanGuardCallback):
         )
         self.book.reset()
         self.divergence = None
-        self._rates = {}
+        self.rates.reset()
         engine.set_restorer(self)
         engine.bus.subscribe(EventHandled, self._on_event)
         engine.add_metrics(self._metrics)
@@ -144,10 +145,17 @@ class AutoRollback(NanGuardCallback):
     def before_batch(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, batch: object) -> bool:
         if (book := self.book).busy:  # a snapshot to judge, or a suspect's trend to follow
             book.diverging = book.score(step, self._history(), self.ring.steps())
-        due = self.ring.incomplete or (not step % self.config.every_n_steps and book.due(step, self.ring.steps()))
+        rate = _rate_of(trainer)  # the rate this step will run with
+        # Periodically, and before the first step at a rate that jumped (a restart, a schedule's step): the state
+        # that trained at the old rate is the one a divergence at the new one goes back to.
+        jumped = self.rates.jumped(rate)
+        due = self.ring.incomplete or (
+            (jumped or not step % self.config.every_n_steps) and book.due(step, self.ring.steps(), jumped=jumped)
+        )
         if (
             self.config.source != "memory" or not due
         ):  # ring.incomplete: the last snapshot predates a lazy layer's forward
+            self.rates.observe(rate)
             return True  # the healthy path: not a snapshot step
         if not model_finite(trainer, pl_module):  # one fused pass and one host read per snapshot, reduced
             book.diverging = False  # the non-finite state is the event; its restore passes over the snapshot anyway
@@ -156,8 +164,8 @@ class AutoRollback(NanGuardCallback):
         keep = book.keep(self.ring.steps())
         self.ring.take(pl_module, trainer.optimizers, step=step, log_step=log_step, scale=scale, keep=keep)
         book.taken(step, self.ring.steps())
-        self._rates = {s: r for s, r in self._rates.items() if s in self.ring.steps()}
-        self._rates[step] = _rate_of(trainer)
+        self.rates.snapshot(step, rate, self.ring.steps())
+        self.rates.observe(rate)
         self.probe.snapshot_taken(trainer, pl_module, step, batch, self._quarantine())
         return True
 
@@ -176,8 +184,12 @@ class AutoRollback(NanGuardCallback):
     def rate_at(self, step: int) -> float | None:
         """The lowest learning rate the kept snapshots up to ``step`` were taken at (a backoff holds the rate below
         it): the newest may have been taken as the climb began, before its probe had risen enough to say so."""
-        rates = [r for s, r in self._rates.items() if s <= step and r is not None]
-        return min(rates) if rates else None
+        return self.rates.lowest_taken(step)
+
+    def proven_rate(self, step: int) -> float | None:
+        """The lowest learning rate the kept snapshots up to ``step`` had trained at for ``PROVEN_STEPS`` steps or
+        more before they were taken (``policies.snapshot_rates``; ``None``: none had)."""
+        return self.rates.proven(step)
 
     def can_restore(self, trainer: pl.Trainer, step: int) -> bool:
         """A verified snapshot, or a verified checkpoint of a step at or before ``step``, exists (every rank agrees)."""
@@ -199,6 +211,7 @@ class AutoRollback(NanGuardCallback):
         self.policy.record(step, restored.step)
         self.book.restored(step, restored.step)
         self.probe.restored(restored.step)
+        self.rates.restored(restored.step)
         if restored.passed_over and self._engine is not None:
             self._engine.bus.emit(trainer, PassedOverSnapshots(restored.step, restored.passed_over))
         recurrence, in_window = decision.recurrence, decision.in_window
@@ -255,7 +268,7 @@ class AutoRollback(NanGuardCallback):
 
 
 def _rate_of(trainer: pl.Trainer) -> float | None:
-    """The first optimizer's first param group's learning rate, where it is a host number (at a snapshot only)."""
+    """The first optimizer's first param group's learning rate, where it is a host number (never a device read)."""
     groups = trainer.optimizers[0].param_groups if trainer.optimizers else []
     lr = groups[0].get("lr") if groups else None
     return float(lr) if isinstance(lr, (int, float)) else None

@@ -66,7 +66,12 @@ class Restorer(Protocol):
     def can_restore(self, trainer: pl.Trainer, step: int) -> bool: ...
 
     def rate_at(self, step: int) -> float | None:
-        """The learning rate when the snapshot of ``step`` was taken (``None``: not known)."""
+        """The lowest learning rate the kept snapshots up to ``step`` were taken at (``None``: not known)."""
+        ...
+
+    def proven_rate(self, step: int) -> float | None:
+        """The lowest learning rate the kept snapshots up to ``step`` had trained at before they were taken, where
+        they had trained long enough to show it (``None``: not known)."""
         ...
 
     def budget_left(self, step: int) -> int: ...

@@ -15,10 +15,17 @@ __all__ = ["RollbackDecision", "RollbackPolicy", "choose_sound", "snapshot_due"]
 
 
 def snapshot_due(
-    step: int, *, every_n_steps: int, last_snapshot_step: int | None, last_incident_step: int | None, quiet_steps: int
+    step: int,
+    *,
+    every_n_steps: int,
+    last_snapshot_step: int | None,
+    last_incident_step: int | None,
+    quiet_steps: int,
+    jumped: bool = False,
 ) -> bool:
-    """A snapshot is due on every ``every_n_steps``-th step, once, and only ``quiet_steps`` after the last incident."""
-    if step % every_n_steps != 0 or step == last_snapshot_step:
+    """A snapshot is due on every ``every_n_steps``-th step and on a step whose learning rate ``jumped``, once, and
+    only ``quiet_steps`` after the last incident."""
+    if (step % every_n_steps != 0 and not jumped) or step == last_snapshot_step:
         return False
     return last_incident_step is None or step - last_incident_step > quiet_steps
 

@@ -319,14 +319,16 @@ class SnapshotBook:
         self.watch = self.reported = None
         self.rolled_back_at = None
 
-    def due(self, step: int, kept: Collection[int]) -> bool:
-        """A snapshot is due at ``step`` (``kept``: the steps of the snapshots in the ring)."""
+    def due(self, step: int, kept: Collection[int], *, jumped: bool = False) -> bool:
+        """A snapshot is due at ``step`` (``kept``: the steps of the snapshots in the ring; ``jumped``: this step's
+        learning rate jumped, ``policies.snapshot_rates``)."""
         return snapshot_due(
             step,
             every_n_steps=self.every_n_steps,
             last_snapshot_step=max(kept, default=None),
             last_incident_step=self.last_incident,
             quiet_steps=self.quiet_steps,
+            jumped=jumped,
         )
 
     def keep(self, kept: Collection[int]) -> int | None:

@@ -103,6 +103,7 @@ class BackoffScales:
         cause: str,
         ran_at: float | None = None,
         restored_rate: float | None = None,
+        proven_rate: float | None = None,
     ) -> BackoffResult:
         """Lower the learning rate (one notch, and one more per snapshot the rollback passed over) and/or raise eps,
         now; say what changed."""
@@ -113,7 +114,13 @@ class BackoffScales:
         if lr:
             notches = 1 + self.extra_notches
             policy.back_off(
-                cause, notches, step=step, lr=_lr_of(optimizers), ran_at=ran_at, restored_rate=restored_rate
+                cause,
+                notches,
+                step=step,
+                lr=_lr_of(optimizers),
+                ran_at=ran_at,
+                restored_rate=restored_rate,
+                proven_rate=proven_rate,
             )
             at_floor = policy.scale == before
             values.update(lr_scale_before=before, lr_scale_after=policy.scale)
