@@ -1,5 +1,6 @@
-"""torch internals: the fused foreach norms, pytree's ``tree_map``, a tensor's base, FSDP1's ``ShardedTensor``; and
-``first_element``, the one in-place view of a tensor's first element that every layout has."""
+"""torch internals: the fused foreach norms, pytree's ``tree_map``, a tensor's base, FSDP1's ``ShardedTensor``,
+FSDP2's module class (``reshard_fsdp2``); and ``first_element``, the one in-place view of a tensor's first element
+that every layout has."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ __all__ = [
     "host_buffer_marked",
     "inner_schedulers",
     "local_shards",
+    "reshard_fsdp2",
     "scaler_factors",
     "sparse_values",
     "stored_values",
@@ -87,6 +89,40 @@ def local_shards(obj: Any) -> list[Tensor] | None:
     if _ShardedTensor is not None and isinstance(obj, _ShardedTensor):
         return [shard.tensor for shard in obj.local_shards()]
     return None
+
+
+_FSDPModule: Any = None
+try:  # FSDP2's module class: public from torch 2.6, under ``_composable`` before; absent from some torch builds
+    from torch.distributed.fsdp import FSDPModule as _FSDPModule
+except ImportError:  # pragma: no cover - depends on the torch version and build
+    try:
+        from torch.distributed._composable.fsdp import FSDPModule as _FSDPModule  # type: ignore[attr-defined]
+    except ImportError:
+        pass
+
+
+def reshard_fsdp2(module: torch.nn.Module, *, failed: bool = False) -> None:
+    """Every FSDP2 (``fully_shard``) module in ``module`` holds its sharded parameters again.
+
+    FSDP2 keeps the root module's parameters all-gathered after a forward, for the backward it expects next (its
+    ``reshard_after_forward`` is off for the root), and only that backward reshards them. A forward with no backward
+    (a scoring under ``no_grad``) leaves them so: plain full tensors registered on the modules in place of the
+    ``DTensor`` shards the optimizer holds, stale as soon as the shards are written (an optimizer step, a restore).
+    ``reshard()`` frees them and registers the shards again: local, no communication. ``failed``: the forward raised
+    midway; FSDP2's per-iteration state is reset first (``reset_iter_state`` on the root, where torch has it).
+    Nothing for a module without FSDP2."""
+    if _FSDPModule is None:
+        return
+    units = [m for m in module.modules() if isinstance(m, _FSDPModule)]
+    if failed and units:
+        reset = getattr(units[0], "reset_iter_state", None)
+        if reset is not None:
+            try:
+                reset()
+            except RuntimeError:  # the outermost unit is not FSDP2's root (only submodules are sharded)
+                pass
+    for unit in units:
+        unit.reshard()
 
 
 def sparse_values(g: Tensor) -> Tensor:

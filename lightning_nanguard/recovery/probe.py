@@ -17,7 +17,11 @@ it is deterministic and side-effect free:
   neither a buffer nor a metric's and is changed in place (an EMA kept as a plain tensor) is not undone.
 
 Under DDP each rank scores its own probe rows on the bare LightningModule (no DDP wrapper: no gradient reduction can
-start) and the ranks' losses are averaged in one all-reduce, so every rank reads the same value. Manual optimization
+start) and the ranks' losses are averaged in one all-reduce, so every rank reads the same value. Under FSDP2
+(``ModelParallelStrategy``, ``fully_shard``) the LightningModule is the sharded module, and its forward all-gathers
+the parameters: every rank scores or none does (the ranks agree first, ``SnapshotProbe``), and afterwards every
+``fully_shard`` module is resharded (FSDP2 keeps the root's parameters all-gathered for a backward that a scoring
+never runs; a restore or a snapshot would otherwise see the full tensors in place of the shards). Manual optimization
 is not probed: its ``training_step`` calls the optimizers itself, and a scoring must never step them (a notice says
 so once). Whatever ``training_step`` does outside its tensors (appending to a list, a counter) is not undone.
 """
@@ -35,7 +39,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_nanguard import _distributed, _notices
+from lightning_nanguard import _distributed, _lightning_compat, _notices
 from lightning_nanguard._lightning_compat import AttributePatches
 from lightning_nanguard.forensics.isolation import preserved_attributes, preserved_state, swapped
 from lightning_nanguard.policies.probe import ProbeBook, ProbeVerdict
@@ -114,6 +118,7 @@ class ProbeBatch:
         device = pl_module.device
         nan = torch.full((), math.nan, device=device)
         patches = AttributePatches()
+        failed = False
         # Outermost: what the call (and the patches) left in the module's Python state is put back last.
         with preserved_attributes(pl_module):
             try:
@@ -129,10 +134,14 @@ class ProbeBatch:
                     with trainer.precision_plugin.train_step_context():
                         loss = _loss_of(pl_module.training_step(self.batch, 0))
             except Exception as exc:  # a scoring must never take training down with it
+                failed = True
                 _notices.note(f"nanguard: the probe batch could not be scored ({type(exc).__name__}: {exc}).")
                 return nan
             finally:
                 patches.restore()
+                # FSDP2 leaves the root's parameters all-gathered after a forward with no backward: sharded again,
+                # or a restore or the next snapshot would see the full tensors in place of the shards.
+                _lightning_compat.reshard_fsdp2(pl_module, failed=failed)
         if loss is None or loss.numel() != 1:
             return nan
         return loss.detach().float().reshape(()).to(device)
