@@ -134,7 +134,7 @@ class AutoRollback(NanGuardCallback):
         else:  # every slot allocated now, outside the training steps
             self.ring.prepare(trainer, pl_module, trainer.optimizers)
         guard = self._engine.registry.guard if self._engine is not None else None
-        self.probe.start(self.config.source == "memory" and guard is not None and guard.on_spike == "probe")
+        self.probe.start(trainer, self.config.source == "memory" and guard is not None and guard.on_spike == "probe")
         super().on_train_start(trainer, pl_module)
 
     @override

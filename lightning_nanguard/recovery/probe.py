@@ -29,7 +29,6 @@ so once). Whatever ``training_step`` does outside its tensors (appending to a li
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any
@@ -44,6 +43,7 @@ from lightning_nanguard._lightning_compat import AttributePatches
 from lightning_nanguard.forensics.isolation import preserved_attributes, preserved_state, swapped
 from lightning_nanguard.policies.probe import ProbeBook, ProbeVerdict
 from lightning_nanguard.recovery.quarantine import Quarantine
+from lightning_nanguard.signals import fsdp1
 
 try:  # NumPy's global RNG is a training stream too where a training_step draws from it
     import numpy as np
@@ -81,14 +81,18 @@ class ProbeBatch:
         self.clear()
         self.disabled = ""
 
+    def disable(self, why: str) -> None:
+        """This fit is not probed, because of ``why`` (said once)."""
+        self.disabled = why
+        _notices.note(f"nanguard: spikes are not probed under {why}; they are only counted.")
+
     def capture(self, batch: Any, pl_module: pl.LightningModule, quarantine: Quarantine | None) -> bool:
         """Keep the first ``rows`` samples of ``batch`` (detached copies, on the batch's device). False when nothing
         could be taken (no tensor with a batch dimension) or this fit is not probed."""
         if self.disabled:
             return False
         if not pl_module.automatic_optimization:
-            self.disabled = "manual optimization (its training_step steps the optimizers)"
-            _notices.note(f"nanguard: spikes are not probed under {self.disabled}; they are only counted.")
+            self.disable("manual optimization (its training_step steps the optimizers)")
             return False
         size = _batch_size(batch)
         if size is None:
@@ -106,17 +110,20 @@ class ProbeBatch:
         """Some of the probe's samples are among ``samples`` (the quarantine's)."""
         return not self.samples.isdisjoint(samples)
 
-    def score(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> float:
+    def score(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> float | None:
         """The probe's loss under the current weights, averaged over the ranks (every rank calls it: one
-        all-reduce under DDP). NaN when ``training_step`` returned no loss or raised."""
+        all-reduce under DDP). ``None`` when ``training_step`` raised or returned no loss on any rank: nothing was
+        measured. (A NaN loss is a measurement: the weights make the probe non-finite.)"""
         value = self._local(trainer, pl_module)
         if trainer.world_size > 1:
-            value = _distributed.sum_across_ranks(trainer, value.reshape(1)).reshape(()) / trainer.world_size
-        return float(value)
+            zero = torch.zeros((), device=pl_module.device)
+            vec = torch.stack([zero if value is None else value, zero + (value is None)])
+            total, unscored = _distributed.sum_across_ranks(trainer, vec).tolist()
+            return None if unscored else total / trainer.world_size
+        return None if value is None else float(value)
 
-    def _local(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Tensor:
+    def _local(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Tensor | None:
         device = pl_module.device
-        nan = torch.full((), math.nan, device=device)
         patches = AttributePatches()
         failed = False
         # Outermost: what the call (and the patches) left in the module's Python state is put back last.
@@ -136,14 +143,14 @@ class ProbeBatch:
             except Exception as exc:  # a scoring must never take training down with it
                 failed = True
                 _notices.note(f"nanguard: the probe batch could not be scored ({type(exc).__name__}: {exc}).")
-                return nan
+                return None
             finally:
                 patches.restore()
                 # FSDP2 leaves the root's parameters all-gathered after a forward with no backward: sharded again,
                 # or a restore or the next snapshot would see the full tensors in place of the shards.
                 _lightning_compat.reshard_fsdp2(pl_module, failed=failed)
         if loss is None or loss.numel() != 1:
-            return nan
+            return None
         return loss.detach().float().reshape(()).to(device)
 
 
@@ -214,11 +221,16 @@ class SnapshotProbe:
         self.verdict: ProbeVerdict | None = None  # the last spike's
         self.scorings = 0  # forwards of the probe in this fit (snapshots and spikes)
 
-    def start(self, active: bool) -> None:
+    def start(self, trainer: pl.Trainer, active: bool) -> None:
         """A new fit: nothing captured or scored; ``active``: spikes are probed in it."""
         self.batch.reset()
         self.book.reset()
         self.active, self.verdict, self.scorings = active, None, 0
+        if active and fsdp1.is_fsdp1(trainer.strategy):
+            self.batch.disable(
+                "FSDPStrategy (FSDP1 gathers a module's parameters in its wrapper's forward, which a call of "
+                "training_step on the module itself bypasses)"
+            )
 
     def _agreed(
         self,
@@ -252,7 +264,9 @@ class SnapshotProbe:
         if not (self.active and self._agreed(trainer, pl_module, quarantine, batch, capture=True)):
             return
         self.scorings += 1
-        self.book.record(step, self.batch.score(trainer, pl_module))
+        score = self.batch.score(trainer, pl_module)
+        if score is not None:
+            self.book.record(step, score)
 
     def spike(
         self,
@@ -268,7 +282,9 @@ class SnapshotProbe:
         if not (self.active and self._agreed(trainer, pl_module, quarantine, capture=False)):
             return None
         self.scorings += 1
-        self.verdict = self.book.judge(step, self.batch.score(trainer, pl_module), kept, batch_loss)
+        score = self.batch.score(trainer, pl_module)
+        # Not scored (it raised, or returned no loss): nothing was measured, so no verdict; the spike is only counted.
+        self.verdict = None if score is None else self.book.judge(step, score, kept, batch_loss)
         return self.verdict
 
     def restored(self, step: int) -> None:

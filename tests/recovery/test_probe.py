@@ -98,14 +98,24 @@ def test_a_batch_without_a_batch_dimension_gives_no_probe() -> None:
     assert not ProbeBatch().capture({"lr": 0.1, "scale": torch.tensor(1.0)}, Diffusion(), None)
 
 
-def test_a_training_step_that_returns_no_loss_scores_nan() -> None:
+def test_a_training_step_that_returns_no_loss_or_raises_is_not_scored() -> None:
     class NoLoss(Diffusion):
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             return None
 
+    class Raises(Diffusion):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            raise RuntimeError("shape '[32, -1]' is invalid for input of size 32")
+
     probe = ProbeBatch()
     probe.capture({"x": torch.randn(8, 4)}, NoLoss(), None)
-    assert probe.score(_trainer(), NoLoss()) != probe.score(_trainer(), NoLoss())  # NaN
+    assert probe.score(_trainer(), NoLoss()) is None  # nothing measured: not a NaN loss, which would be a rise
+    assert probe.score(_trainer(), Raises()) is None
+    book = SnapshotProbe()
+    book.start(_trainer(), True)
+    book.snapshot_taken(_trainer(), Raises(), 0, {"x": torch.randn(8, 4)}, None)
+    assert book.book.scores == {}
+    assert book.spike(_trainer(), Raises(), 5, [0], None) is None
 
 
 class _Quarantine:
@@ -123,7 +133,7 @@ def test_a_probe_holding_a_quarantined_sample_is_dropped_and_taken_again() -> No
     torch.manual_seed(0)
     module, trainer, quarantine = Diffusion(), _trainer(), _Quarantine()
     probe = SnapshotProbe()
-    probe.start(True)
+    probe.start(trainer, True)
     probe.snapshot_taken(trainer, module, 0, {"x": torch.randn(32, 4)}, quarantine)  # type: ignore[arg-type]
     assert probe.batch.samples == frozenset(range(100, 108))
     assert list(probe.book.scores) == [0]
@@ -145,7 +155,7 @@ def test_the_ranks_agree_whether_the_probe_is_scored(monkeypatch: Any) -> None:
     torch.manual_seed(0)
     module, trainer, quarantine = Diffusion(), _trainer(), _Quarantine()
     probe = SnapshotProbe()
-    probe.start(True)
+    probe.start(trainer, True)
     probe.snapshot_taken(trainer, module, 0, {"x": torch.randn(32, 4)}, quarantine)  # type: ignore[arg-type]
     assert list(probe.book.scores) == [0]
     other_rank = {"dropped": True, "unready": False}  # the other rank's probe held a quarantined sample
@@ -203,3 +213,21 @@ def test_a_scoring_leaves_the_modules_python_state_as_it_was() -> None:
     del module.first_loss
     probe.score(trainer, module)
     assert not hasattr(module, "first_loss")  # an attribute the call added is gone again
+
+
+def test_fsdp1_is_not_probed() -> None:
+    # FSDPStrategy (FSDP1) gathers a module's parameters in its wrapper's forward: a scoring that calls training_step
+    # on the module itself would see the flat shards. It is refused at the start of the fit, once, not failed at
+    # every scoring.
+    class FSDPStrategy:  # what nanguard reads of it: the class name
+        pass
+
+    class Trainer:
+        strategy = FSDPStrategy()
+
+    probe = SnapshotProbe()
+    probe.start(Trainer(), True)  # type: ignore[arg-type]
+    assert "FSDPStrategy" in probe.batch.disabled
+    assert not probe.batch.capture({"x": torch.randn(8, 4)}, Diffusion(), None)
+    probe.start(_trainer(), True)
+    assert probe.batch.disabled == ""
