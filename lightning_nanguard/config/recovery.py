@@ -23,7 +23,10 @@ class AutoRollbackConfig(CallbackConfig):
     kind: ClassVar[str] = "AutoRollback"
 
     every_n_steps: int = arg(
-        50, Int(minimum=1), "Snapshot cadence in optimizer steps (its cost: the Performance page)."
+        50,
+        Int(minimum=1),
+        """Snapshot cadence in optimizer steps (its cost: the Performance page); a snapshot is also taken before the
+        first step at a learning rate that jumped 2x or more over the step before's (a warm restart).""",
     )
     num_snapshots: int = arg(
         2,
@@ -117,8 +120,9 @@ class OptimizerBackoffConfig(CallbackConfig):
         False,
         Flag(),
         """A backoff caps the rate, held through the schedule: one notch below the rate the step that diverged ran
-        with, and not above the lowest rate of the snapshots kept up to the one a rollback restored unless that is a
-        further notch below. Where the schedule rises (the rest of a warmup, a restart) the rate stays at the cap; as
+        with, and not above the rate the state a rollback restored had trained at (where it had trained long enough
+        at a steady rate to show it; else not above the rate the kept snapshots were taken at unless that is a
+        further notch below). Where the schedule rises (the rest of a warmup, a restart) the rate stays at the cap; as
         the schedule falls below it (a decay, the end of a warm restart) the scale climbs back towards 1.0, as far as
         keeps the rate at the cap.""",
     )
