@@ -39,7 +39,7 @@ class AutoRollback(NanGuardCallback):
 
     **Snapshots** are taken in ``on_train_batch_start`` (the state before that step's update; every rank on the same
     steps) every ``every_n_steps`` optimizer steps and before the first step at a learning rate that jumped (2x or
-    more over the step before, after steps that held: the state that trained at the old rate, which a divergence at
+    more over the step before, after 10 steps of training: the state that trained at the old rate, which a divergence at
     the new one goes back to), into ``num_snapshots`` preallocated CPU buffers, only when the
     parameters and buffers pass one fused finiteness check (reduced across ranks; a failed check is an incident) and
     no incident that distrusts the state happened in the last ``quiet_steps`` steps.

@@ -51,10 +51,9 @@ class SnapshotRates:
 
     def jumped(self, rate: float | None) -> bool:
         """``rate``, the rate the step beginning now will run with, jumped: ``RATE_JUMP`` x the last step's or more,
-        after ``PROVEN_STEPS`` steps that held (the state now is one proven at the old rate; the first steps of a
-        warmup that starts low are no jump)."""
+        after ``PROVEN_STEPS`` steps of training (the first steps of a warmup that starts low are no jump)."""
         recent = self.recent
-        return rate is not None and bool(recent) and rate >= RATE_JUMP * recent[-1] and self._steady() is not None
+        return rate is not None and len(recent) == PROVEN_STEPS and rate >= RATE_JUMP * recent[-1]
 
     def snapshot(self, step: int, rate: float | None, kept: Collection[int]) -> None:
         """The snapshot of ``step`` was taken (before that step's rate is observed); ``kept``: the steps kept now."""

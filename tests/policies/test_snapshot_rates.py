@@ -32,7 +32,7 @@ def test_a_constant_rate_is_proven_and_a_jump_is_snapshotted_before_its_first_st
 def test_the_start_of_a_fit_and_a_steep_warmup_prove_no_rate() -> None:
     rates = SnapshotRates()
     warmup = [0.3 * min(1.0, (s + 1) / 40) for s in range(45)]  # a linear warmup: its first step doubles the rate
-    assert _run(rates, warmup, {0}) == [0]  # no jump: the first steps had not held a rate
+    assert _run(rates, warmup, {0}) == [0]  # no jump: the first steps follow no training
     assert rates.proven(0) is None
     assert rates.lowest_taken(0) == pytest.approx(0.3 / 40)
     rates = SnapshotRates()
@@ -63,3 +63,14 @@ def test_a_restore_forgets_the_abandoned_steps_and_an_unknown_rate_proves_nothin
     assert 40 not in rates.trained
     rates.reset()
     assert rates.taken == rates.trained == {}
+
+
+def test_a_warm_restart_is_a_jump_though_its_cosine_tail_proves_no_rate() -> None:
+    # CosineAnnealingWarmRestarts(T_0=25): the rate decays steeply into each restart, then jumps back to its peak.
+    import math
+
+    schedule = [0.05 * 0.5 * (1 + math.cos(math.pi * (s % 25) / 25)) for s in range(60)]
+    rates = SnapshotRates()
+    assert _run(rates, schedule, {0}) == [0, 25, 50]
+    assert rates.proven(50) is None  # the tail's rates did not hold within RATE_JUMP of each other
+    assert rates.lowest_taken(50) == pytest.approx(0.05)
