@@ -80,6 +80,7 @@ class PrecisionHeadroom(NanGuardCallback):
         horizon_steps: int = 200,
         demote_after: int | None = 20,
         promote: bool = True,
+        scale_margin_bits: float | None = 4.0,
     ) -> None:
         self.config = c = PrecisionHeadroomConfig.from_arguments(type(self).__name__, locals())
         settings = HeadroomSettings(
@@ -88,6 +89,7 @@ class PrecisionHeadroom(NanGuardCallback):
             horizon_steps=c.horizon_steps,
             demote_after=c.demote_after,
             max_promotions=HeadroomSettings.max_promotions if c.promote else 0,
+            scale_margin_bits=c.scale_margin_bits,
         )
         self.watch = HeadroomWatch(settings, c.owner)
         self._sampling = False
@@ -147,7 +149,7 @@ class PrecisionHeadroom(NanGuardCallback):
     ) -> None:
         super().on_before_optimizer_step(trainer, pl_module, optimizer)
         if self._sampling:
-            self.watch.collect_grads()
+            self.watch.collect_grads(trainer, optimizer)
 
     @override
     def on_train_batch_end(

@@ -19,9 +19,19 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_nanguard._lightning_compat import foreach_norms
 
-__all__ = ["GRADIENT", "GradProbe", "OutputProbe", "dtype_max", "headroom_bits", "watched_modules"]
+__all__ = [
+    "GRADIENT",
+    "SCALED_GRADIENT",
+    "GradProbe",
+    "OutputProbe",
+    "dtype_max",
+    "headroom_bits",
+    "scaled_grad_amax",
+    "watched_modules",
+]
 
 GRADIENT = " (gradient)"  # the suffix of a module's gradient entry: "head (gradient)"
+SCALED_GRADIENT = "loss-scaled gradient"  # under 16-mixed: the largest parameter gradient times the loss scale
 
 # Modules that only hold others: their output is a child's (Sequential) or they have no forward of their own.
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential, nn.ParameterList, nn.ParameterDict)
@@ -159,3 +169,17 @@ class GradProbe:
         maxes = _abs_maxes(grads, device)
         index = torch.tensor([slot for _, slot in pairs], device=device)
         return torch.full((len(self.names),), -1.0, device=device).scatter_reduce(0, index, maxes, "amax")
+
+
+def scaled_grad_amax(grads: list[Tensor], scale: Tensor | None) -> Tensor | None:
+    """The largest |value| of ``grads`` times ``scale`` (``None``: they are not unscaled yet), as a 0-d float32
+    tensor on their device: the largest value the float16 backward wrote at that loss scale. ``None`` when there is
+    no floating-point gradient, or they are spread over devices."""
+    grads = [g for g in grads if g.is_floating_point() and not g.is_sparse and g.numel()]
+    if not grads:
+        return None
+    device = grads[0].device
+    if any(g.device != device for g in grads):
+        return None
+    amax = _abs_maxes(grads, device).max()
+    return amax if scale is None else amax * scale.to(device=device, dtype=torch.float32)
