@@ -5,8 +5,10 @@ reduction, one copy; ``--half`` adds ``16-mixed``, whose float16 matmuls torch e
 than float32 there, which makes the ratio look smaller than it is on a GPU):
 
 * **sample**: the extra process time of one sampled step, isolated: a forward + backward with the probe armed (a
-  forward hook on every submodule keeping its output), the fused reduction, the all-reduce (one rank: none) and the
-  host-mirror copy, minus the same forward + backward without (interleaved reps, medians);
+  forward hook on every submodule keeping its output), the fused reduction, under ``16-mixed`` the loss-scaled
+  gradient's reduction (the largest parameter gradient times the scale, ``signals.headroom.scaled_grad_amax``), the
+  all-reduce (one rank: none) and the host-mirror copy, minus the same forward + backward without (interleaved reps,
+  medians); **of which gradient**: that gradient reduction alone;
 * **tick**: the extra time of an unsampled step: the callback's batch-start hook (one comparison) timed on a real
   Trainer, plus Lightning's dispatch of one hook (about 2 µs; a Trainer-level ratio cannot resolve microseconds on a
   step of hundreds of milliseconds);
@@ -37,7 +39,7 @@ from _models import DEEP, GPT, SMALL, GPTConfig
 
 from lightning_nanguard import FP32Evaluation, PrecisionHeadroom
 from lightning_nanguard.engine.reading import HostMirror
-from lightning_nanguard.signals.headroom import OutputProbe, watched_modules
+from lightning_nanguard.signals.headroom import OutputProbe, scaled_grad_amax, watched_modules
 from lightning_nanguard.testing import HostReadCounter
 
 
@@ -48,15 +50,18 @@ def _step(model: GPT, x: torch.Tensor, y: torch.Tensor, half: bool) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def sample_cost(cfg: GPTConfig, half: bool, reps: int) -> tuple[float, float, int]:
-    """(plain step ms, sampled step's extra ms, modules watched), process time, interleaved reps."""
+def sample_cost(cfg: GPTConfig, half: bool, reps: int) -> tuple[float, float, float, int]:
+    """(plain step ms, sampled step's extra ms, of which the loss-scaled gradient's reduction (16-mixed), modules
+    watched), process time, interleaved reps."""
     torch.manual_seed(0)
     model = GPT(cfg)
     x, y = next(iter(model.train_dataloader()))
     probe = OutputProbe(watched_modules(model))
-    mirror = HostMirror(len(probe.names), torch.device("cpu"))
+    mirror = HostMirror(len(probe.names) + 2, torch.device("cpu"))
+    scale = torch.full((), 65536.0)
     plain: list[float] = []
     sampled: list[float] = []
+    gradient: list[float] = []
     for _ in range(2):
         _step(model, x, y, half)
     for _ in range(reps):
@@ -72,13 +77,20 @@ def sample_cost(cfg: GPTConfig, half: bool, reps: int) -> tuple[float, float, in
         assert reduced is not None
         full = torch.full((len(probe.names),), -1.0)
         full[torch.tensor(reduced[1])] = reduced[0]
-        mirror.fill(full)
         loss.backward()
+        if half:  # 16-mixed: the loss-scaled gradient's two entries join the vector, in on_before_optimizer_step
+            g = time.process_time()
+            amax = scaled_grad_amax([p.grad for p in model.parameters() if p.grad is not None], scale)
+            assert amax is not None
+            full = torch.cat([full, torch.stack([amax, scale])])
+            gradient.append(time.process_time() - g)
+        mirror.fill(full)
         model.zero_grad(set_to_none=True)
-        mirror.values(len(probe.names))
+        mirror.values(full.numel())
         sampled.append(time.process_time() - t)
     base = statistics.median(plain)
-    return base * 1e3, (statistics.median(sampled) - base) * 1e3, len(probe.names)
+    grad_ms = statistics.median(gradient) * 1e3 if gradient else 0.0
+    return base * 1e3, (statistics.median(sampled) - base) * 1e3, grad_ms, len(probe.names)
 
 
 def _fit(cfg: GPTConfig, half: bool, callbacks: list[pl.Callback], steps: int, tmp: str) -> None:
@@ -153,22 +165,22 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     print(
-        "| model | precision | modules | step ms | sample: extra ms | tick µs | amortized, every 50 "
-        "| every 10 | extra host reads per fit |"
+        "| model | precision | modules | step ms | sample: extra ms | of which gradient ms | tick µs "
+        "| amortized, every 50 | every 10 | extra host reads per fit |"
     )
-    print("|" + "---|" * 9)
+    print("|" + "---|" * 10)
     with tempfile.TemporaryDirectory() as tmp:
         for cfg in (SMALL, DEEP):
             for half in (False, True) if args.half else (False,):
                 print(f"measuring {cfg.name} {'16-mixed' if half else '32-true'} ...", file=sys.stderr, flush=True)
-                step, extra, modules = sample_cost(cfg, half, reps)
+                step, extra, grad_ms, modules = sample_cost(cfg, half, reps)
                 tick_us = tick_cost(cfg, tmp)
                 reads = extra_reads(cfg, half, tmp)
                 tick = tick_us / 1e3
                 every = {n: 100 * (extra / n + tick) / step for n in (50, 10)}
                 print(
                     f"| {cfg.name} | {'16-mixed' if half else '32-true'} | {modules} | {step:.1f} | {extra:.2f} "
-                    f"({100 * extra / step:.1f}%) | {tick_us:.1f} | {every[50]:.2f}% | "
+                    f"({100 * extra / step:.1f}%) | {f'{grad_ms:.2f}' if half else '-'} | {tick_us:.1f} | {every[50]:.2f}% | "
                     f"{every[10]:.2f}% | {reads} |",
                     flush=True,
                 )

@@ -10,8 +10,10 @@ it. At its read, a headroom under ``scale_margin_bits`` has the scale lowered by
 never below LossScaleWatchdog's ``min_scale`` (1.0 without it), never raised (the GradScaler's growth does that). A
 power of two changes no float16 value that neither overflows nor underflows: on a healthy run nothing else moves.
 
-The cut is made only where the step boundary is a batch start: automatic optimization without gradient accumulation
-(elsewhere a cut between two backward passes of one update would mix two scales); there the headroom is reported only.
+The cut is made only where a batch start is a step boundary: automatic optimization without gradient accumulation
+(elsewhere a cut between two backward passes of one update would mix two scales in its gradient); under manual
+optimization the headroom is reported only. (Under gradient accumulation a sample ends with its step's first
+micro-batch, before the optimizer step: the gradient is not sampled.)
 """
 
 from __future__ import annotations
