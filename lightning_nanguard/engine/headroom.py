@@ -68,6 +68,7 @@ class HeadroomWatch:
         self.scaled = ScaledGradient(settings.scale_margin_bits)  # under 16-mixed: the loss-scaled gradient
         self._names: list[str] = []  # the entries of the pending vector
         self._due = 0
+        self._armed_at = 0  # the step of the sample being taken
         self._mirror: HostMirror | None = None
         self._reduced: tuple[torch.Tensor, int] | None = None  # (per-module vector, step) awaiting the batch end
         # (step, n, dtypes, whether the loss-scaled gradient's entries end it) in the mirror
@@ -131,6 +132,7 @@ class HeadroomWatch:
         if probe is None or trainer.global_step < self._due:
             return False
         probe.arm()
+        self._armed_at = trainer.global_step
         return True
 
     def collect(self, step: int) -> None:
@@ -162,10 +164,15 @@ class HeadroomWatch:
         self._due = trainer.global_step + self.settings.every_n_steps  # until the next read says sooner
         grads, self._grad_vec = self._grad_vec, None
         scaled = self.scaled.take()
-        if self._reduced is None or self.probe is None:
+        reduced, self._reduced = self._reduced, None
+        if self.probe is None:
             return
-        vec, step = self._reduced
-        self._reduced = None
+        if reduced is None:  # no module output seen (none ran in floating point): the gradient's entries alone
+            if scaled is None:
+                return
+            self._dtypes = {}
+            reduced = (torch.full((len(self.probe.names),), -1.0, device=scaled.device), self._armed_at)
+        vec, step = reduced
         self._names = list(self.probe.names)
         if grads is not None and self.grads is not None and grads.device == vec.device:
             vec = torch.cat([vec, grads])  # one vector, one all-reduce

@@ -16,6 +16,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import LossScaleWatchdog, NanGuardConfigError, PrecisionHeadroom, default_callbacks
 from lightning_nanguard.demo import run_task
@@ -140,6 +142,34 @@ def test_sampling_the_scaled_gradient_and_lowering_the_scale_read_nothing_from_t
     assert _find(callbacks, PrecisionHeadroom).watch.scaled.lowerings.count >= 1
     assert sum(1 for hooks in guarded.hooked_steps if hooks) < len(guarded.hooked_steps) // 2
     assert guarded_reads == plain_reads
+
+
+class Raw(pl.LightningModule):
+    """A module with no submodule: its parameter used in ``training_step`` directly (no output to sample)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.full((8, 1), 0.1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss((x @ self.w).float(), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(x, x[:, :1] * 0.1), batch_size=8)
+
+
+def test_the_gradient_is_sampled_where_no_module_output_is(tmp_path: Any) -> None:
+    callback = PrecisionHeadroom()
+    trainer = make_trainer(tmp_path, "16-mixed", callbacks=[callback], max_steps=8, plugins=_plugins())
+    trainer.fit(Raw())
+    assert callback.watch.book.modules == {}
+    assert callback.watch.scaled.lowerings.count == 1  # 1.2 bits at 65536: 3 halvings
+    assert float(trainer.precision_plugin.scaler.get_scale()) == 8192.0  # type: ignore[attr-defined]
 
 
 def test_the_margin_is_validated() -> None:
