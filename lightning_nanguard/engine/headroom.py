@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_nanguard import _distributed
+from lightning_nanguard import _distributed, _lightning_compat
 from lightning_nanguard.contract import Action
 from lightning_nanguard.engine.reading import HostMirror
 from lightning_nanguard.engine.scaled_gradient import ENTRIES, ScaledGradient
@@ -96,7 +96,10 @@ class HeadroomWatch:
         self.precision = classify_precision(trainer)
         self._due = trainer.global_step
         self._reduced = self._pending = None
-        self.probe = None if self.idle else OutputProbe(watched_modules(pl_module))
+        if self.probe is not None:
+            self.probe.release()
+        compiled = _lightning_compat.is_compiled(pl_module)
+        self.probe = None if self.idle else OutputProbe(watched_modules(pl_module), resident=compiled)
         no_scaler = self.precision.true_half and self.precision.dtype is torch.float16
         self.grads = GradProbe(pl_module) if no_scaler and not self.idle else None
         self.scaled.start(trainer, pl_module, self.precision, bool(self.idle))
@@ -113,7 +116,7 @@ class HeadroomWatch:
 
     def stop(self) -> None:
         if self.probe is not None:
-            self.probe.disarm()
+            self.probe.release()
         self._reduced = None
 
     # ------------------------------------------------------------------ the step
