@@ -5,15 +5,18 @@ reduction, one copy; ``--half`` adds ``16-mixed``, whose float16 matmuls torch e
 than float32 there, which makes the ratio look smaller than it is on a GPU):
 
 * **sample**: the extra process time of one sampled step, isolated: a forward + backward with the probe armed (a
-  forward hook on every submodule keeping its output), the fused reduction, the all-reduce (one rank: none) and the
-  host-mirror copy, minus the same forward + backward without (interleaved reps, medians);
+  forward hook on every submodule keeping its output), the fused reduction, under ``16-mixed`` the loss-scaled
+  gradient's reduction (the largest parameter gradient times the scale, ``signals.headroom.scaled_grad_amax``), the
+  all-reduce (one rank: none) and the host-mirror copy, minus the same forward + backward without (interleaved reps,
+  medians); **of which gradient**: that gradient reduction alone;
 * **tick**: the extra time of an unsampled step: the callback's batch-start hook (one comparison) timed on a real
   Trainer, plus Lightning's dispatch of one hook (about 2 µs; a Trainer-level ratio cannot resolve microseconds on a
   step of hundreds of milliseconds);
 * **amortized**: (sample / every_n_steps + tick) as a share of the baseline step, for ``every_n_steps=50`` (the
   preset) and 10.
 
-And the host reads per step of a fit with the callback minus without (``HostReadCounter``; must be 0).
+And the host reads of a fit with the callback minus without (``HostReadCounter``, the optimizer's own left out; must
+be 0).
 
 Run: ``python benchmarks/headroom.py`` (about 5 minutes on 2 quiet cores) or ``--quick``.
 """
@@ -37,7 +40,7 @@ from _models import DEEP, GPT, SMALL, GPTConfig
 
 from lightning_nanguard import FP32Evaluation, PrecisionHeadroom
 from lightning_nanguard.engine.reading import HostMirror
-from lightning_nanguard.signals.headroom import OutputProbe, watched_modules
+from lightning_nanguard.signals.headroom import OutputProbe, scaled_grad_amax, watched_modules
 from lightning_nanguard.testing import HostReadCounter
 
 
@@ -48,15 +51,18 @@ def _step(model: GPT, x: torch.Tensor, y: torch.Tensor, half: bool) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def sample_cost(cfg: GPTConfig, half: bool, reps: int) -> tuple[float, float, int]:
-    """(plain step ms, sampled step's extra ms, modules watched), process time, interleaved reps."""
+def sample_cost(cfg: GPTConfig, half: bool, reps: int) -> tuple[float, float, float, int]:
+    """(plain step ms, sampled step's extra ms, of which the loss-scaled gradient's reduction (16-mixed), modules
+    watched), process time, interleaved reps."""
     torch.manual_seed(0)
     model = GPT(cfg)
     x, y = next(iter(model.train_dataloader()))
     probe = OutputProbe(watched_modules(model))
-    mirror = HostMirror(len(probe.names), torch.device("cpu"))
+    mirror = HostMirror(len(probe.names) + 2, torch.device("cpu"))
+    scale = torch.full((), 65536.0)
     plain: list[float] = []
     sampled: list[float] = []
+    gradient: list[float] = []
     for _ in range(2):
         _step(model, x, y, half)
     for _ in range(reps):
@@ -72,13 +78,20 @@ def sample_cost(cfg: GPTConfig, half: bool, reps: int) -> tuple[float, float, in
         assert reduced is not None
         full = torch.full((len(probe.names),), -1.0)
         full[torch.tensor(reduced[1])] = reduced[0]
-        mirror.fill(full)
         loss.backward()
+        if half:  # 16-mixed: the loss-scaled gradient's two entries join the vector, in on_before_optimizer_step
+            g = time.process_time()
+            amax = scaled_grad_amax([p.grad for p in model.parameters() if p.grad is not None], scale)
+            assert amax is not None
+            full = torch.cat([full, torch.stack([amax, scale])])
+            gradient.append(time.process_time() - g)
+        mirror.fill(full)
         model.zero_grad(set_to_none=True)
-        mirror.values(len(probe.names))
+        mirror.values(full.numel())
         sampled.append(time.process_time() - t)
     base = statistics.median(plain)
-    return base * 1e3, (statistics.median(sampled) - base) * 1e3, len(probe.names)
+    grad_ms = statistics.median(gradient) * 1e3 if gradient else 0.0
+    return base * 1e3, (statistics.median(sampled) - base) * 1e3, grad_ms, len(probe.names)
 
 
 def _fit(cfg: GPTConfig, half: bool, callbacks: list[pl.Callback], steps: int, tmp: str) -> None:
@@ -129,13 +142,35 @@ def tick_cost(cfg: GPTConfig, tmp: str, calls: int = 20000) -> float:
 LIGHTNING_DISPATCH_US = 2.0
 
 
+class _OptimizerReadsUncounted(pl.Callback):
+    """Pauses ``reads`` inside ``optimizer.step``: AdamW reads each tensor's step count (``item()``) on every step it
+    takes, so a fit in which the GradScaler drops fewer steps (the scale lowered ahead of an overflow) would show
+    the optimizer's own reads as the callback's."""
+
+    def __init__(self, reads: HostReadCounter) -> None:
+        self.reads = reads
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for optimizer in trainer.optimizers:
+            step = optimizer.step
+
+            def paused(*args: Any, _step: Any = step, **kwargs: Any) -> Any:
+                self.reads.paused = True
+                try:
+                    return _step(*args, **kwargs)
+                finally:
+                    self.reads.paused = False
+
+            optimizer.step = paused  # type: ignore[method-assign]
+
+
 def extra_reads(cfg: GPTConfig, half: bool, tmp: str, steps: int = 12) -> int:
     """Host reads of a whole fit with ``PrecisionHeadroom(every_n_steps=4)`` minus without (FP32Evaluation in both:
-    the end-of-fit state check both then make)."""
+    the end-of-fit state check both then make), the optimizer's own reads left out."""
     counts = []
     for callbacks in ([FP32Evaluation()], [FP32Evaluation(), PrecisionHeadroom(every_n_steps=4)]):
         with HostReadCounter() as reads:
-            _fit(cfg, half, callbacks, steps, tmp)
+            _fit(cfg, half, [*callbacks, _OptimizerReadsUncounted(reads)], steps, tmp)
         counts.append(reads.count)
     return counts[1] - counts[0]
 
@@ -153,22 +188,22 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     print(
-        "| model | precision | modules | step ms | sample: extra ms | tick µs | amortized, every 50 "
-        "| every 10 | extra host reads per fit |"
+        "| model | precision | modules | step ms | sample: extra ms | of which gradient ms | tick µs "
+        "| amortized, every 50 | every 10 | extra host reads per fit |"
     )
-    print("|" + "---|" * 9)
+    print("|" + "---|" * 10)
     with tempfile.TemporaryDirectory() as tmp:
         for cfg in (SMALL, DEEP):
             for half in (False, True) if args.half else (False,):
                 print(f"measuring {cfg.name} {'16-mixed' if half else '32-true'} ...", file=sys.stderr, flush=True)
-                step, extra, modules = sample_cost(cfg, half, reps)
+                step, extra, grad_ms, modules = sample_cost(cfg, half, reps)
                 tick_us = tick_cost(cfg, tmp)
                 reads = extra_reads(cfg, half, tmp)
                 tick = tick_us / 1e3
                 every = {n: 100 * (extra / n + tick) / step for n in (50, 10)}
                 print(
                     f"| {cfg.name} | {'16-mixed' if half else '32-true'} | {modules} | {step:.1f} | {extra:.2f} "
-                    f"({100 * extra / step:.1f}%) | {tick_us:.1f} | {every[50]:.2f}% | "
+                    f"({100 * extra / step:.1f}%) | {f'{grad_ms:.2f}' if half else '-'} | {tick_us:.1f} | {every[50]:.2f}% | "
                     f"{every[10]:.2f}% | {reads} |",
                     flush=True,
                 )

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._dynamo.eval_frame import OptimizedModule
 from torch.utils._pytree import tree_map
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "foreach_norms",
     "host_buffer_marked",
     "inner_schedulers",
+    "is_compiled",
     "local_shards",
     "reshard_fsdp2",
     "scaler_factors",
@@ -153,3 +155,11 @@ def first_element(t: Tensor) -> Tensor:
     for a non-contiguous tensor (a transposed weight and its gradient), and ``reshape`` may copy. ``t`` has at least
     one element."""
     return t[(0,) * t.dim()] if t.dim() else t
+
+
+def is_compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module`` runs under ``torch.compile``: a LightningModule that Lightning unwrapped from
+    ``torch.compile(model)`` (its ``_compiler_ctx``), or one holding a compiled submodule (``OptimizedModule``)."""
+    if getattr(module, "_compiler_ctx", None) is not None:
+        return True
+    return any(isinstance(m, OptimizedModule) for m in module.modules())

@@ -46,8 +46,19 @@ class PrecisionHeadroom(NanGuardCallback):
     ``32-true`` the abs-maxima are still kept (in the checkpoint): a float32 run resumed in float16 has its modules
     judged against float16 before its first step. Only module outputs are seen: a value that overflows inside one
     module's forward without leaving it as an output (a fused attention's logits) shows only in what it does to the
-    output. Gradients are left to the GradScaler (``16-mixed``); under ``16-true``, which has none, each module's
-    parameter gradients are sampled too (``"<module> (gradient)"``, reported only).
+    output. Under ``16-true``, which has no GradScaler, each module's parameter gradients are sampled too
+    (``"<module> (gradient)"``, reported only).
+
+    Under ``16-mixed`` the backward overflows too: autocast computes a weight's gradient in float16 at the loss scale,
+    and the GradScaler only learns of an overflow after it (a dropped step, then it halves). A sampled step also
+    reduces the largest parameter gradient times the scale that step ran with (on the device, into the same vector);
+    where that loss-scaled gradient has less than ``scale_margin_bits`` of float16 headroom, the GradScaler's scale is
+    lowered by a power of two before the next step, back to the margin (never raised: the GradScaler's growth does
+    that; never below ``LossScaleWatchdog``'s ``min_scale``, 1.0 without it). A power of two changes no value that
+    neither overflows nor underflows float16, so a healthy run's update is the same: it is counted and summed up at
+    the end of fit, not an incident, and the watchdog does not count it as an overflow. The scale is cut at a batch
+    start, so only under automatic optimization without gradient accumulation (under manual optimization the headroom
+    is reported only; under gradient accumulation the gradient is not sampled).
 
     Its arguments are declared once, in ``lightning_nanguard.config.PrecisionHeadroomConfig`` (the "Args" below).
 
@@ -56,6 +67,9 @@ class PrecisionHeadroom(NanGuardCallback):
         ``nanguard/headroom/<module>``     the headroom of the 8 modules with the least (bits)
         ``nanguard/promoted_modules``      modules the forecast runs in float32
         ``nanguard/incident/promote``      1.0 at a promotion (``nanguard/incident/demote`` at a demotion)
+        ``nanguard/headroom_scaled_grad``  ``16-mixed``: the loss-scaled gradient's headroom at the last sample, at the
+                                           scale that step ran with (bits)
+        ``nanguard/loss_scale_lowered``    ``16-mixed``: times the scale was lowered ahead of an overflow (cumulative)
 
     Under DeepSpeed, FSDP1 and ``ModelParallelStrategy`` (FSDP2) it is untested and measures nothing (a note says
     so): single device and DDP are supported.
@@ -80,6 +94,7 @@ class PrecisionHeadroom(NanGuardCallback):
         horizon_steps: int = 200,
         demote_after: int | None = 20,
         promote: bool = True,
+        scale_margin_bits: float | None = 4.0,
     ) -> None:
         self.config = c = PrecisionHeadroomConfig.from_arguments(type(self).__name__, locals())
         settings = HeadroomSettings(
@@ -88,6 +103,7 @@ class PrecisionHeadroom(NanGuardCallback):
             horizon_steps=c.horizon_steps,
             demote_after=c.demote_after,
             max_promotions=HeadroomSettings.max_promotions if c.promote else 0,
+            scale_margin_bits=c.scale_margin_bits,
         )
         self.watch = HeadroomWatch(settings, c.owner)
         self._sampling = False
@@ -147,7 +163,7 @@ class PrecisionHeadroom(NanGuardCallback):
     ) -> None:
         super().on_before_optimizer_step(trainer, pl_module, optimizer)
         if self._sampling:
-            self.watch.collect_grads()
+            self.watch.collect_grads(trainer, optimizer)
 
     @override
     def on_train_batch_end(

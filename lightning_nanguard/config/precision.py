@@ -60,7 +60,8 @@ class FP32EvaluationConfig(CallbackConfig):
 
 @dataclass(frozen=True)
 class PrecisionHeadroomConfig(CallbackConfig):
-    """PrecisionHeadroom's arguments: how often headroom is sampled, and when a module is promoted or demoted."""
+    """PrecisionHeadroom's arguments: how often headroom is sampled, when a module is promoted or demoted, and the
+    loss-scaled gradient's margin."""
 
     kind: ClassVar[str] = "PrecisionHeadroom"
 
@@ -82,4 +83,11 @@ class PrecisionHeadroomConfig(CallbackConfig):
         True,
         Flag(strict=True, message="must be True or False"),
         "`False` reports only (no module is moved to float32).",
+    )
+    scale_margin_bits: float | None = arg(
+        4.0,
+        Float(low=0.0, high=15.0, allow_none=True),
+        """Under `16-mixed`, the float16 headroom, in bits, the loss-scaled parameter gradients keep: below it the
+        GradScaler's scale is lowered by a power of two before the next step (never raised; never below
+        LossScaleWatchdog's `min_scale`). `None`: the scale is left to the GradScaler.""",
     )

@@ -11,8 +11,11 @@ One sample, over two steps, with no host read of device memory on the step path:
    on before that step's forward, and the next sample scheduled: ``every_n_steps`` away, sooner while a module is
    close to the limit and falling.
 
+Under ``16-mixed`` the sampled step's largest gradient times its loss scale rides on the same vector, and its read
+may lower the scale before the step (``engine.scaled_gradient``).
+
 Between samples a step costs one integer comparison at its batch start. Decisions come from the rank-reduced vector:
-every rank promotes the same module at the same step.
+every rank promotes the same module, and lowers the scale alike, at the same step.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_nanguard import _distributed
+from lightning_nanguard import _distributed, _lightning_compat
 from lightning_nanguard.contract import Action
 from lightning_nanguard.engine.reading import HostMirror
+from lightning_nanguard.engine.scaled_gradient import ENTRIES, ScaledGradient
 from lightning_nanguard.policies.headroom import HeadroomBook, HeadroomSettings, decide
 from lightning_nanguard.precision import FULL_PRECISION, Precision, classify_precision
 from lightning_nanguard.recovery.eval_precision import autocast_device
@@ -35,6 +39,8 @@ from lightning_nanguard.reporting.incidents import Incident
 from lightning_nanguard.signals.headroom import GradProbe, OutputProbe, dtype_max, watched_modules
 
 if TYPE_CHECKING:
+    from torch.optim import Optimizer
+
     from lightning_nanguard.engine.engine import Engine
 
 __all__ = ["HeadroomWatch"]
@@ -59,11 +65,14 @@ class HeadroomWatch:
         self.probe: OutputProbe | None = None
         self.grads: GradProbe | None = None  # under 16-true only: no GradScaler covers the gradients there
         self._grad_vec: torch.Tensor | None = None
+        self.scaled = ScaledGradient(settings.scale_margin_bits)  # under 16-mixed: the loss-scaled gradient
         self._names: list[str] = []  # the entries of the pending vector
         self._due = 0
+        self._armed_at = 0  # the step of the sample being taken
         self._mirror: HostMirror | None = None
         self._reduced: tuple[torch.Tensor, int] | None = None  # (per-module vector, step) awaiting the batch end
-        self._pending: tuple[int, int, dict[int, torch.dtype]] | None = None  # (step, n, dtypes) in the mirror
+        # (step, n, dtypes, whether the loss-scaled gradient's entries end it) in the mirror
+        self._pending: tuple[int, int, dict[int, torch.dtype], bool] | None = None
         self._dtypes: dict[int, torch.dtype] = {}
         self.idle = ""  # why nothing is measured in this fit (an untested strategy), "" when it is
 
@@ -87,9 +96,13 @@ class HeadroomWatch:
         self.precision = classify_precision(trainer)
         self._due = trainer.global_step
         self._reduced = self._pending = None
-        self.probe = None if self.idle else OutputProbe(watched_modules(pl_module))
+        if self.probe is not None:
+            self.probe.release()
+        compiled = _lightning_compat.is_compiled(pl_module)
+        self.probe = None if self.idle else OutputProbe(watched_modules(pl_module), resident=compiled)
         no_scaler = self.precision.true_half and self.precision.dtype is torch.float16
         self.grads = GradProbe(pl_module) if no_scaler and not self.idle else None
+        self.scaled.start(trainer, pl_module, self.precision, bool(self.idle))
         if self.idle:
             self.precision = FULL_PRECISION  # nothing reported either
             return
@@ -103,7 +116,7 @@ class HeadroomWatch:
 
     def stop(self) -> None:
         if self.probe is not None:
-            self.probe.disarm()
+            self.probe.release()
         self._reduced = None
 
     # ------------------------------------------------------------------ the step
@@ -122,6 +135,7 @@ class HeadroomWatch:
         if probe is None or trainer.global_step < self._due:
             return False
         probe.arm()
+        self._armed_at = trainer.global_step
         return True
 
     def collect(self, step: int) -> None:
@@ -139,10 +153,12 @@ class HeadroomWatch:
         full[torch.tensor(slots, device=values.device)] = values
         self._reduced = (full, step)
 
-    def collect_grads(self) -> None:
-        """``on_before_optimizer_step`` of the sampled step, where no GradScaler covers the gradients (16-true)."""
+    def collect_grads(self, trainer: pl.Trainer, optimizer: Optimizer) -> None:
+        """``on_before_optimizer_step`` of the sampled step: each module's gradients where no GradScaler covers them
+        (16-true), the loss-scaled gradient under 16-mixed; on the device, no host read."""
         if self.grads is not None:
             self._grad_vec = self.grads.reduce()
+        self.scaled.collect(trainer, optimizer)
 
     def end_sample(self, trainer: pl.Trainer) -> None:
         """The sampled step's batch end: one MAX all-reduce and a non-blocking copy to the host."""
@@ -150,19 +166,28 @@ class HeadroomWatch:
             self.probe.disarm()  # a step with no backward never reached ``collect``
         self._due = trainer.global_step + self.settings.every_n_steps  # until the next read says sooner
         grads, self._grad_vec = self._grad_vec, None
-        if self._reduced is None or self.probe is None:
+        scaled = self.scaled.take()
+        reduced, self._reduced = self._reduced, None
+        if self.probe is None:
             return
-        vec, step = self._reduced
-        self._reduced = None
+        if reduced is None:  # no module output seen (none ran in floating point): the gradient's entries alone
+            if scaled is None:
+                return
+            self._dtypes = {}
+            reduced = (torch.full((len(self.probe.names),), -1.0, device=scaled.device), self._armed_at)
+        vec, step = reduced
         self._names = list(self.probe.names)
         if grads is not None and self.grads is not None and grads.device == vec.device:
             vec = torch.cat([vec, grads])  # one vector, one all-reduce
             self._names += self.grads.names
+        tail = False  # the loss-scaled gradient's entries end the vector
+        if scaled is not None and scaled.device == vec.device:
+            vec, tail = torch.cat([vec, scaled]), True
         vec = _distributed.max_across_ranks(trainer, vec)
         if self._mirror is None or self._mirror.size < vec.numel():
             self._mirror = HostMirror(vec.numel(), vec.device)
         self._mirror.fill(vec)
-        self._pending = (step, vec.numel(), self._dtypes)
+        self._pending = (step, vec.numel(), self._dtypes, tail)
 
     def finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
         """Training ends: the last sample's values into the history (for the summary and a resume), no decision."""
@@ -173,9 +198,12 @@ class HeadroomWatch:
         assert self._pending is not None
         assert self._mirror is not None
         assert self.probe is not None
-        step, n, dtypes = self._pending
+        step, n, dtypes, tail = self._pending
         self._pending = None
         values = self._mirror.values(n)  # a copy queued a step ago: host memory, no device read
+        if tail:
+            values, (amax, ran_with) = values[:-ENTRIES], values[-ENTRIES:]
+            self.scaled.read(trainer, engine, amax, ran_with, act=act)
         names = self._names
         for i, amax in enumerate(values):
             if amax < 0:
@@ -273,6 +301,7 @@ class HeadroomWatch:
             "pinned": sorted(self.pinned),
             "demoted": sorted(self.demoted),
             "promotions": self.promotions,
+            "scale_lowerings": self.scaled.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -281,6 +310,7 @@ class HeadroomWatch:
         self.pinned = {str(p) for p in state.get("pinned", [])}
         self.demoted = {str(p) for p in state.get("demoted", [])}
         self.promotions = int(state.get("promotions", len(self.promoted)))
+        self.scaled.load_state_dict(dict(state.get("scale_lowerings", {})))
 
     # ------------------------------------------------------------------ reports
     def lowest(self, count: int) -> list[tuple[str, float]]:
@@ -292,10 +322,11 @@ class HeadroomWatch:
         return sorted(shown, key=lambda kv: kv[1])[:count]
 
     def metrics(self, trainer: pl.Trainer) -> dict[str, float]:
+        out = self.scaled.metrics()
         if not self.precision.half or not self.book.modules:
-            return {}
+            return out
         shown = self.lowest(SHOWN)
-        out = {keys.PROMOTED_MODULES: float(len(self.promoted))}
+        out[keys.PROMOTED_MODULES] = float(len(self.promoted))
         if shown:
             out[keys.HEADROOM_MIN] = shown[0][1]
         for name, bits in shown:
@@ -304,7 +335,7 @@ class HeadroomWatch:
 
     def summary_lines(self) -> list[str]:
         if not self.precision.half or not self.book.modules:
-            return []
+            return self.scaled.summary_lines()
         lowest = self.lowest(1)
         line = "closest to overflow: " + (
             f"{lowest[0][0]}, {lowest[0][1]:.1f} bits ({self.precision.dtype_name} headroom at the last sample)"
@@ -313,7 +344,7 @@ class HeadroomWatch:
         )
         if self.promoted:
             line += f"; run in float32 by the headroom forecast: {', '.join(self.promoted)}"
-        return [line]
+        return [line, *self.scaled.summary_lines()]
 
 
 def _recent_loss(engine: Engine, steps: int = LOSS_STEPS) -> float | None:

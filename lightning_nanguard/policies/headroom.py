@@ -16,6 +16,11 @@ a module the forecast promoted, ``watch_bits`` or more  demote it (unless it was
 of would-be headroom for ``demote_after`` samples       then it stays in float32)
 ======================================================  ==========================================================
 
+Under ``16-mixed`` the largest parameter gradient times the loss scale it ran with (the float16 value autocast's
+backward wrote, ``loss-scaled gradient``) is sampled too; ``scale_cut`` says by how many powers of two to lower the
+GradScaler's scale so that it has ``scale_margin_bits`` of headroom again (a power of two changes no value that
+neither overflows nor underflows float16: the update is the same, only the overflow does not come).
+
 A promoted module's output is float32; its headroom is still measured against the half-precision limit (what it
 would have if it ran in half precision again), which is what its demotion is judged on. A non-finite abs-max is not
 forecast (the overflow happened: the incident path handles it) and is not kept.
@@ -30,7 +35,17 @@ from dataclasses import dataclass, field
 
 from lightning_nanguard.signals.headroom import GRADIENT
 
-__all__ = ["DIVERGING_LOSS_RATIO", "Decision", "Forecast", "HeadroomBook", "HeadroomSettings", "decide", "forecast"]
+__all__ = [
+    "DIVERGING_LOSS_RATIO",
+    "Decision",
+    "Forecast",
+    "HeadroomBook",
+    "HeadroomSettings",
+    "ScaleLowerings",
+    "decide",
+    "forecast",
+    "scale_cut",
+]
 
 DIVERGING_LOSS_RATIO = 2.0
 
@@ -45,6 +60,7 @@ class HeadroomSettings:
     demote_after: int | None = 20
     history: int = 16
     max_promotions: int = 8
+    scale_margin_bits: float | None = 4.0
 
 
 @dataclass(frozen=True)
@@ -224,3 +240,56 @@ def _diverging(book: HeadroomBook) -> bool:
         return False
     low = min(losses[:-1])
     return low > 0 and losses[-1] > DIVERGING_LOSS_RATIO * low
+
+
+def scale_cut(amax: float, scale: float, *, limit: float, margin_bits: float | None, floor: float) -> int:
+    """The powers of two to lower the loss scale by (0: none) so that the loss-scaled gradient ``amax`` (the
+    largest gradient times ``scale``, the scale it ran with) has ``margin_bits`` of headroom below ``limit`` again,
+    without going below ``floor``. A non-finite ``amax`` is an overflow that happened (the GradScaler backs off
+    itself): nothing."""
+    if margin_bits is None or not math.isfinite(amax) or amax <= 0 or not math.isfinite(scale) or scale <= floor:
+        return 0
+    short = margin_bits - math.log2(limit / amax)
+    if short <= 0:
+        return 0
+    room = math.floor(math.log2(scale / floor) + 1e-9) if floor > 0 else 64
+    return max(0, min(math.ceil(short), room))
+
+
+@dataclass
+class ScaleLowerings:
+    """What the loss-scale cuts of a fit did, for its summary and metrics: how many, the powers of two in all, the
+    lowest headroom that called for one, and the scale before the first and after the last."""
+
+    count: int = 0
+    halvings: int = 0
+    lowest_bits: float = math.inf
+    first_from: float = 0.0
+    last_to: float = 0.0
+
+    def add(self, bits: float, halvings: int, before: float) -> None:
+        if not self.count:
+            self.first_from = before
+        self.count += 1
+        self.halvings += halvings
+        self.lowest_bits = min(self.lowest_bits, bits)
+        self.last_to = before / 2.0**halvings
+
+    def summary(self, margin_bits: float) -> str:
+        """One line: ``loss scale lowered 2x before an overflow (...)``; ``""`` when nothing was lowered."""
+        if not self.count:
+            return ""
+        times = "once" if self.count == 1 else f"{self.count} times"
+        span = f" ({self.first_from:g} -> {self.last_to:g} in this fit)" if self.first_from > 0 else ""
+        lowest = f" {self.lowest_bits:.1f} bits at the lowest" if math.isfinite(self.lowest_bits) else ""
+        return (
+            f"loss scale lowered {times}, {2**self.halvings:g}x in all{span}, before a float16 gradient overflow "
+            f"(loss-scaled gradient headroom{lowest} < margin {margin_bits:g})"
+        )
+
+    def state_dict(self) -> dict[str, object]:
+        return {"count": self.count, "halvings": self.halvings}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.count = int(state.get("count", 0))  # type: ignore[call-overload]
+        self.halvings = int(state.get("halvings", 0))  # type: ignore[call-overload]

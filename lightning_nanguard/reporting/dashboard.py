@@ -37,6 +37,9 @@ LAYOUT: dict[str, dict[str, list[object]]] = {
             keys.HEADROOM_MIN + "$", keys.HEADROOM + "/.*"
         ),
         "modules moved to float32 by the headroom forecast": _chart(keys.PROMOTED_MODULES + "$"),
+        "loss-scaled gradient headroom in bits, and the scale lowered ahead of an overflow": _chart(
+            keys.HEADROOM_SCALED_GRAD + "$", keys.LOSS_SCALE_LOWERED + "$"
+        ),
     },
     "nanguard: interventions": {
         "incidents (1.0 at each incident's step, by action)": _chart(keys.key("incident") + "/.*"),

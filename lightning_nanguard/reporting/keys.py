@@ -11,9 +11,11 @@ __all__ = [
     "GRAD_NORM_MAX",
     "HEADROOM",
     "HEADROOM_MIN",
+    "HEADROOM_SCALED_GRAD",
     "LAYER_GRAD_NORM",
     "LOSS",
     "LOSS_SCALE",
+    "LOSS_SCALE_LOWERED",
     "LR_SCALE",
     "NONFINITE_STEPS",
     "OVERFLOW_RATE",
@@ -57,3 +59,5 @@ EVAL_FP32_RERUNS = key("eval", "fp32_reruns")
 HEADROOM = key("headroom")  # + "/<module path>": bits left before the output overflows the training precision
 HEADROOM_MIN = key("headroom_min")
 PROMOTED_MODULES = key("promoted_modules")
+HEADROOM_SCALED_GRAD = key("headroom_scaled_grad")  # 16-mixed: the largest gradient x the loss scale, in bits
+LOSS_SCALE_LOWERED = key("loss_scale_lowered")  # 16-mixed: times PrecisionHeadroom lowered the scale

@@ -4,8 +4,9 @@
 module, the hooks keep a detached reference to each floating-point output (no device op), ``reduce`` turns them into
 one vector of per-module abs-maxima with one fused ``_foreach_norm(ord=inf)`` pass, one ``stack`` and (where a module
 ran more than once) one ``scatter_reduce``, and ``disarm`` removes the hooks. Nothing is registered between two
-samples, so an unsampled step pays nothing here. Headroom in bits is ``log2(dtype max / amax)``: float16 holds up
-to 65504, so an output of 4094 has 4 bits left, and each doubling of the output spends one.
+samples, so an unsampled step pays nothing here (on a compiled module the hooks stay, disarmed: ``resident``).
+Headroom in bits is ``log2(dtype max / amax)``: float16 holds up to 65504, so an output of 4094 has 4 bits left, and
+each doubling of the output spends one.
 """
 
 from __future__ import annotations
@@ -19,9 +20,19 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_nanguard._lightning_compat import foreach_norms
 
-__all__ = ["GRADIENT", "GradProbe", "OutputProbe", "dtype_max", "headroom_bits", "watched_modules"]
+__all__ = [
+    "GRADIENT",
+    "SCALED_GRADIENT",
+    "GradProbe",
+    "OutputProbe",
+    "dtype_max",
+    "headroom_bits",
+    "scaled_grad_amax",
+    "watched_modules",
+]
 
 GRADIENT = " (gradient)"  # the suffix of a module's gradient entry: "head (gradient)"
+SCALED_GRADIENT = "loss-scaled gradient"  # under 16-mixed: the largest parameter gradient times the loss scale
 
 # Modules that only hold others: their output is a child's (Sequential) or they have no forward of their own.
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential, nn.ParameterList, nn.ParameterDict)
@@ -58,38 +69,57 @@ def watched_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 class OutputProbe:
-    """The outputs of ``modules`` during one armed forward pass, reduced to one abs-max per module."""
+    """The outputs of ``modules`` during one armed forward pass, reduced to one abs-max per module.
 
-    def __init__(self, modules: Iterable[tuple[str, nn.Module]]) -> None:
+    Args:
+        modules: ``(path, module)`` pairs to watch.
+        resident: keep the hooks registered between samples, doing nothing while disarmed (for a compiled module:
+            torch.compile's graph traced without a hook does not guard on one being added later, so a hook
+            registered for one sample would never run; a resident hook's armed flag is guarded instead, and the
+            armed and disarmed graphs are both kept: one recompile, then none).
+    """
+
+    def __init__(self, modules: Iterable[tuple[str, nn.Module]], *, resident: bool = False) -> None:
         pairs = list(modules)
         self.names = [name for name, _ in pairs]
         self._modules = [m for _, m in pairs]
+        self.resident = resident
         self._handles: list[RemovableHandle] = []
+        self._on = False
         self._tensors: list[Tensor] = []
         self._slots: list[int] = []  # the module index of each kept tensor
         self.dtypes: dict[int, torch.dtype] = {}  # module index -> the narrowest output dtype seen this sample
 
     @property
     def armed(self) -> bool:
-        return bool(self._handles)
+        return self._on
 
     def arm(self) -> None:
-        """Register a forward hook on every module (until ``disarm``)."""
-        if self._handles:
+        """Register a forward hook on every module (until ``disarm``; a resident probe's stay registered)."""
+        if self._on:
             return
         self._tensors, self._slots, self.dtypes = [], [], {}
-        for i, module in enumerate(self._modules):
-            self._handles.append(module.register_forward_hook(self._hook(i)))
+        if not self._handles:
+            for i, module in enumerate(self._modules):
+                self._handles.append(module.register_forward_hook(self._hook(i)))
+        self._on = True
 
     def disarm(self) -> None:
+        self._on = False
+        if not self.resident:
+            self.release()
+
+    def release(self) -> None:
+        """Remove the hooks (a resident probe's too)."""
+        self._on = False
         for handle in self._handles:
             handle.remove()
         self._handles = []
 
     def _hook(self, slot: int):  # type: ignore[no-untyped-def]
         def hook(module: nn.Module, args: object, output: object) -> None:
-            if not module.training:
-                return  # an evaluation forward between two training steps is not the training precision's
+            if not self._on or not module.training:
+                return  # disarmed (resident), or an evaluation forward: not the training precision's
             if isinstance(output, Tensor):
                 self._keep(slot, output)
             elif isinstance(output, (tuple, list)):
@@ -159,3 +189,17 @@ class GradProbe:
         maxes = _abs_maxes(grads, device)
         index = torch.tensor([slot for _, slot in pairs], device=device)
         return torch.full((len(self.names),), -1.0, device=device).scatter_reduce(0, index, maxes, "amax")
+
+
+def scaled_grad_amax(grads: list[Tensor], scale: Tensor | None) -> Tensor | None:
+    """The largest |value| of ``grads`` times ``scale`` (``None``: they are not unscaled yet), as a 0-d float32
+    tensor on their device: the largest value the float16 backward wrote at that loss scale. ``None`` when there is
+    no floating-point gradient, or they are spread over devices."""
+    grads = [g for g in grads if g.is_floating_point() and not g.is_sparse and g.numel()]
+    if not grads:
+        return None
+    device = grads[0].device
+    if any(g.device != device for g in grads):
+        return None
+    amax = _abs_maxes(grads, device).max()
+    return amax if scale is None else amax * scale.to(device=device, dtype=torch.float32)

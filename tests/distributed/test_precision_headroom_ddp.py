@@ -72,3 +72,33 @@ def test_every_rank_promotes_the_same_module_at_the_same_step(tmp_path: Any) -> 
     assert promotions[0] == promotions[1]
     assert [where for _, where, _ in promotions[0]] == ["boost", "head"]  # the boosted logits first
     assert dumps[0]["nonfinite"] == dumps[1]["nonfinite"] == 0  # rank 1, the closer one, never overflowed
+
+
+@pytest.mark.distributed
+def test_every_rank_lowers_the_loss_scale_alike(tmp_path: Any) -> None:
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_nanguard import LossScaleWatchdog
+    from tests.distributed.test_loss_scale_ddp import ScaleDump
+    from tests.helpers import TinyModel
+
+    scaler = torch.amp.GradScaler("cpu")  # 65536: the loss-scaled gradient has under 4 bits of headroom there
+    trainer = make_trainer(
+        tmp_path,
+        "16-mixed",
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+        strategy="ddp_spawn",
+        devices=2,
+        max_steps=12,
+        callbacks=[LossScaleWatchdog(), PrecisionHeadroom(every_n_steps=4), ScaleDump(str(tmp_path))],
+    )
+    trainer.fit(TinyModel())
+    dumps = []
+    for r in (0, 1):
+        with open(f"{tmp_path}/rank{r}.json") as f:
+            dumps.append(json.load(f))
+    assert dumps[0]["scales"] == dumps[1]["scales"]
+    scales = [scale for _, scale in dumps[0]["scales"]]
+    assert scales[0] == 65536.0
+    assert scales[-1] < 65536.0  # lowered after the first sample's read, on both ranks
+    assert dumps[0]["incidents"] == dumps[1]["incidents"] == []  # no overflow, and the cut is not an incident

@@ -6,7 +6,14 @@ import math
 
 import pytest
 
-from lightning_nanguard.policies.headroom import HeadroomBook, HeadroomSettings, decide, forecast
+from lightning_nanguard.policies.headroom import (
+    HeadroomBook,
+    HeadroomSettings,
+    ScaleLowerings,
+    decide,
+    forecast,
+    scale_cut,
+)
 from lightning_nanguard.signals.headroom import headroom_bits
 
 HALF = 65504.0
@@ -98,3 +105,39 @@ def test_the_book_round_trips_and_rebases() -> None:
     assert copy.modules == book.modules
     copy.rebase(HALF)
     assert copy.latest()["a"] < 0  # past float16's range
+
+
+def _cut(amax: float, scale: float = 65536.0, margin: float | None = 4.0, floor: float = 1.0) -> int:
+    return scale_cut(amax, scale, limit=HALF, margin_bits=margin, floor=floor)
+
+
+def test_the_loss_scale_is_cut_by_the_powers_of_two_that_bring_back_the_margin() -> None:
+    assert _cut(HALF / 2**1.3) == 3  # 1.3 bits: 2.7 short of 4, three halvings (4.3 bits)
+    assert _cut(HALF / 2**2.0) == 2  # exactly 2 short: two
+    assert _cut(HALF / 2**4.0) == 0  # at the margin: nothing
+    assert _cut(HALF / 2**9.0) == 0
+    assert _cut(HALF / 2**1.3, margin=None) == 0  # off
+
+
+def test_the_cut_stops_at_the_floor_and_leaves_an_overflow_to_the_gradscaler() -> None:
+    assert _cut(HALF / 2**0.5, scale=4.0, floor=1.0) == 2  # 4 -> 1, not below
+    assert _cut(HALF / 2**0.5, scale=3.0, floor=1.0) == 1  # 3 -> 1.5 (a third halving would pass 1)
+    assert _cut(HALF, scale=1.0, floor=1.0) == 0  # at the floor already
+    assert _cut(math.inf) == 0  # overflowed: the GradScaler drops the step and halves itself
+    assert _cut(math.nan) == 0
+    assert _cut(0.0) == 0
+
+
+def test_the_lowerings_are_summed_up_in_one_line() -> None:
+    lowerings = ScaleLowerings()
+    assert lowerings.summary(4.0) == ""
+    lowerings.add(1.3, 3, 65536.0)
+    lowerings.add(3.2, 1, 16384.0)
+    assert lowerings.summary(4.0) == (
+        "loss scale lowered 2 times, 16x in all (65536 -> 8192 in this fit), before a float16 gradient overflow "
+        "(loss-scaled gradient headroom 1.3 bits at the lowest < margin 4)"
+    )
+    restored = ScaleLowerings()
+    restored.load_state_dict(lowerings.state_dict())
+    assert (restored.count, restored.halvings) == (2, 4)
+    assert restored.summary(4.0).startswith("loss scale lowered 2 times, 16x in all, before")
