@@ -12,7 +12,8 @@ recorded and the rest still runs):
 2. **Training steps** (Lightning fits, bf16-mixed unless the path says otherwise) on a GPT of ~125M and ~400M
    parameters: plain Lightning, ``GradNormMonitor``, the preset (``default_callbacks()``) with AutoRollback every 50
    and every 10 steps, the preset every 10 with the copy forced synchronous (the design before side-stream copies),
-   and Lightning's ``grad_norm`` recipe (logged from ``on_before_optimizer_step``); on three optimizer paths (fused
+   Lightning's ``grad_norm`` recipe (logged from ``on_before_optimizer_step``), and ``PrecisionHeadroom`` alone
+   sampling every step (``headroom1``, on the GradScaler path: one sample's cost); on three optimizer paths (fused
    AdamW, 16-mixed with the GradScaler, foreach AdamW). ms/step over ``--steps`` timed steps after ``--warmup``
    (the window holds a snapshot step of both cadences), median over ``--rounds`` interleaved rounds (every config
    once per round, the order rotated); the time from fit start to the first batch (the slots are allocated there);
@@ -60,11 +61,14 @@ PATHS = {  # optimizer path -> (precision, AdamW keyword arguments)
     "gradscaler": ("16-mixed", {"foreach": True}),
     "foreach": ("bf16-mixed", {"foreach": True}),
 }
-SUITES = ["plain", "gradnorm", "preset50", "preset10", "preset10_sync", "recipe"]
+SUITES = ["plain", "gradnorm", "preset50", "preset10", "preset10_sync", "recipe", "headroom1"]
+# PrecisionHeadroom alone, sampling every step (every 50 in the preset): one sample's cost per step, on the 16-mixed
+# GradScaler path only (its loss-scaled gradient and its loss-scale cut exist there).
+_ONLY_ON = {"preset10_sync": "fused", "headroom1": "gradscaler"}
 PLAN = {  # size -> [(path, suite)]: the 400M model on the fused path only, to keep the run within minutes
-    "gpt_125m": [(p, s) for p in PATHS for s in SUITES if s != "preset10_sync" or p == "fused"],
-    "gpt_400m": [("fused", s) for s in SUITES],
-    "smoke": [(p, s) for p in PATHS for s in SUITES if s != "preset10_sync" or p == "fused"],
+    "gpt_125m": [(p, s) for p in PATHS for s in SUITES if _ONLY_ON.get(s, p) == p],
+    "gpt_400m": [("fused", s) for s in SUITES if _ONLY_ON.get(s, "fused") == "fused"],
+    "smoke": [(p, s) for p in PATHS for s in SUITES if _ONLY_ON.get(s, p) == p],
 }
 CUDA = torch.cuda.is_available()
 
@@ -150,6 +154,8 @@ def _callbacks(suite: str) -> list[pl.Callback]:
         return [ng.GradNormMonitor()]
     if suite == "recipe":
         return [GradNormRecipe()]
+    if suite == "headroom1":
+        return [ng.PrecisionHeadroom(every_n_steps=1)]
     every = 50 if suite == "preset50" else 10
     extra: list[pl.Callback] = [SynchronousCopy()] if suite.endswith("_sync") else []
     return [*ng.default_callbacks(AutoRollback={"every_n_steps": every}), *extra]
