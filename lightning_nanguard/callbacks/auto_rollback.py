@@ -20,7 +20,7 @@ from lightning_nanguard.policies.causes import trusts_state
 from lightning_nanguard.policies.probe import ProbeVerdict
 from lightning_nanguard.policies.rollback import RollbackPolicy
 from lightning_nanguard.policies.snapshot_health import History, SnapshotBook
-from lightning_nanguard.policies.snapshot_rates import SnapshotRates
+from lightning_nanguard.policies.snapshot_rates import RestoredRates, SnapshotRates
 from lightning_nanguard.recovery.disk_restore import has_rollback_checkpoint
 from lightning_nanguard.recovery.probe import SnapshotProbe
 from lightning_nanguard.recovery.quarantine import Quarantine
@@ -39,9 +39,9 @@ class AutoRollback(NanGuardCallback):
 
     **Snapshots** are taken in ``on_train_batch_start`` (the state before that step's update; every rank on the same
     steps) every ``every_n_steps`` optimizer steps and before the first step at a learning rate that jumped (2x or
-    more over the step before, after 10 steps of training: the state that trained at the old rate, which a divergence at
-    the new one goes back to), into ``num_snapshots`` preallocated CPU buffers, only when the
-    parameters and buffers pass one fused finiteness check (reduced across ranks; a failed check is an incident) and
+    more over the step before, after 10 steps of training: the state that trained at the old rate, which a divergence
+    at the new one goes back to), into ``num_snapshots`` preallocated CPU buffers, only when the parameters and
+    buffers pass one fused finiteness check (reduced across ranks; a failed check is an incident) and
     no incident that distrusts the state happened in the last ``quiet_steps`` steps.
 
     **A rollback** restores the newest good snapshot in ``on_train_batch_end`` when the engine's remedy policy plans
@@ -183,15 +183,9 @@ class AutoRollback(NanGuardCallback):
     def probe_verdict(self) -> ProbeVerdict | None:
         return self.probe.verdict
 
-    def rate_at(self, step: int) -> float | None:
-        """The lowest learning rate the kept snapshots up to ``step`` were taken at (a backoff holds the rate below
-        it): the newest may have been taken as the climb began, before its probe had risen enough to say so."""
-        return self.rates.lowest_taken(step)
-
-    def proven_rate(self, step: int) -> float | None:
-        """The lowest learning rate the kept snapshots up to ``step`` had trained at for ``PROVEN_STEPS`` steps or
-        more before they were taken (``policies.snapshot_rates``; ``None``: none had)."""
-        return self.rates.proven(step)
+    def rates_at(self, step: int) -> RestoredRates:
+        """The rates the kept snapshots up to ``step`` were taken and trained at (``policies.snapshot_rates``)."""
+        return self.rates.at(step)
 
     def can_restore(self, trainer: pl.Trainer, step: int) -> bool:
         """A verified snapshot, or a verified checkpoint of a step at or before ``step``, exists (every rank agrees)."""

@@ -169,19 +169,9 @@ class OptimizerBackoff(NanGuardCallback):
         reading = engine.last_reading if engine is not None else None
         ran_at = reading.lr if reading is not None else None  # the rate the step that spiked ran with
         restorer = engine.registry.restorer if engine is not None and restored is not None else None
-        rate = proven = None
-        if restorer is not None and restored is not None:
-            rate, proven = restorer.rate_at(restored), restorer.proven_rate(restored)
+        rates = restorer.rates_at(restored) if restorer is not None and restored is not None else None
         done = self._scales.back_off(
-            trainer.optimizers,
-            schedulers,
-            step,
-            lr=lr,
-            eps=eps,
-            cause=cause,
-            ran_at=ran_at,
-            restored_rate=rate,
-            proven_rate=proven,
+            trainer.optimizers, schedulers, step, lr=lr, eps=eps, cause=cause, ran_at=ran_at, restored=rates
         )
         self._refresh_hooks()
         return done

@@ -18,6 +18,7 @@ from lightning_nanguard.contract import Divergence
 from lightning_nanguard.engine.reading import Reading
 from lightning_nanguard.policies.loss_scale import CollapseFacts
 from lightning_nanguard.policies.probe import ProbeVerdict
+from lightning_nanguard.policies.snapshot_rates import RestoredRates
 from lightning_nanguard.recovery.backoff_scales import BackoffResult
 
 __all__ = [
@@ -65,13 +66,8 @@ class Restorer(Protocol):
 
     def can_restore(self, trainer: pl.Trainer, step: int) -> bool: ...
 
-    def rate_at(self, step: int) -> float | None:
-        """The lowest learning rate the kept snapshots up to ``step`` were taken at (``None``: not known)."""
-        ...
-
-    def proven_rate(self, step: int) -> float | None:
-        """The lowest learning rate the kept snapshots up to ``step`` had trained at before they were taken, where
-        they had trained long enough to show it (``None``: not known)."""
+    def rates_at(self, step: int) -> RestoredRates:
+        """The rates the kept snapshots up to ``step`` were taken and trained at."""
         ...
 
     def budget_left(self, step: int) -> int: ...

@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 
 from lightning_nanguard.exceptions import NanGuardConfigError
+from lightning_nanguard.policies.snapshot_rates import RestoredRates
 
 __all__ = ["TRIGGERS", "BackoffPolicy", "ScaleChange", "check_triggers", "parse_triggers"]
 
@@ -64,7 +65,7 @@ class BackoffPolicy:
             scale by ``(1 / lr_factor) ** (1 / recover_steps)``, capped at 1.0.
         follow_schedule: a backoff sets a ``cap`` on the rate, held through the schedule: one ``lr_factor`` notch
             (per notch of the backoff) below the rate the step that diverged ran with, and not above the rate the
-            restored state had trained soundly at (``proven_rate``); where that is not known, not above the lowest
+            restored state had trained soundly at (``RestoredRates.trained``); where that is not known, not above the lowest
             rate the snapshots kept up to the restored one were taken at unless that is more than one further notch
             below. Where the schedule rises past the cap (the rest of a warmup, the next restart),
             the scale comes down so the rate stays at the cap: a multiplier on a rising schedule would take it past
@@ -100,8 +101,7 @@ class BackoffPolicy:
         step: int | None = None,
         lr: float | None = None,
         ran_at: float | None = None,
-        restored_rate: float | None = None,
-        proven_rate: float | None = None,
+        restored: RestoredRates | None = None,
     ) -> ScaleChange:
         """Lower the scale ``notches`` steps of ``lr_factor`` (not below the floor). ``before == after`` at the floor.
 
@@ -109,10 +109,8 @@ class BackoffPolicy:
         mid-divergence (each would have led back into it, and been met with a backoff of its own). ``step``: the
         post-step ``global_step`` now, to tell whether the level a recovery notch reached did not last. ``lr``: the
         learning rate now, before this backoff (the schedule times the old scale). ``follow_schedule`` only:
-        ``ran_at``, the rate the step that diverged ran with (``lr`` where not known); ``restored_rate``, the rate
-        the kept snapshots up to the one a rollback just restored were taken at, the lowest (``None``: no
-        rollback, or not known); ``proven_rate``, the lowest rate those snapshots' states had trained at for
-        ``policies.snapshot_rates.PROVEN_STEPS`` steps or more (``None``: none had, or no rollback).
+        ``ran_at``, the rate the step that diverged ran with (``lr`` where not known); ``restored``, the rates the
+        kept snapshots up to the one a rollback just restored were taken and trained at (``None``: no rollback).
         """
         before = self.scale
         if step is not None and self.last_recovery is not None and self.recover_after is not None:
@@ -126,14 +124,15 @@ class BackoffPolicy:
         if self.follow_schedule and lr is not None and before > 0 and math.isfinite(lr) and lr > 0:
             diverged_at = ran_at if ran_at is not None and _rate(ran_at) else lr
             cap = diverged_at * self.scale / before
-            if proven_rate is not None and _rate(proven_rate) and proven_rate < diverged_at:
+            trained, taken = (restored.trained, restored.taken) if restored is not None else (None, None)
+            if trained is not None and _rate(trained) and trained < diverged_at:
                 # The restored state trained soundly at this rate: back to it, not above it. (A state that trained at
                 # the very rate that diverged proves nothing: it was taken as the climb began.)
-                cap = min(cap, proven_rate)
-            elif restored_rate is not None and _rate(restored_rate):
+                cap = min(cap, trained)
+            elif taken is not None and _rate(taken):
                 # No rate it trained at is known (a snapshot from the start of the fit): not above the rate it was
                 # taken at, nor more than one notch below ``cap``.
-                cap = min(cap, max(restored_rate, cap * self.lr_factor))
+                cap = min(cap, max(taken, cap * self.lr_factor))
             self.cap, self.cut = cap, self.scale
             # The schedule rose since the step that diverged (a warmup): the rate is held at the cap from now on.
             self.scale = max(self.min_lr_scale, min(self.scale, self.cap / (lr / before)))

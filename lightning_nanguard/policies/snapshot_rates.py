@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-__all__ = ["PROVEN_STEPS", "RATE_JUMP", "SnapshotRates"]
+__all__ = ["PROVEN_STEPS", "RATE_JUMP", "RestoredRates", "SnapshotRates"]
 
 # A step whose rate is this many times the step before's is a jump (a warm restart, a stepped schedule, a rate set
 # by hand): a snapshot is taken before it, of the state that trained at the old rate.
@@ -27,6 +27,21 @@ RATE_JUMP = 2.0
 # Steps at a rate before a snapshot that make its state's soundness evidence for the rate: a rate past the stability
 # edge shows in the probe within a few steps of a jump, and the spike detector's own warmup is as long.
 PROVEN_STEPS = 10
+
+
+@dataclass(frozen=True)
+class RestoredRates:
+    """What the kept snapshots up to a restored one say about the rates its state can train at.
+
+    Attributes:
+        taken: the lowest rate they were taken at (``None``: none known).
+        trained: the lowest rate they had trained at over their last ``PROVEN_STEPS`` steps (``None``: none had that
+            many, held within ``RATE_JUMP``). The lowest, not the newest's: the newest may have been taken as a climb
+            began, before the probe had risen enough to say so.
+    """
+
+    taken: float | None = None
+    trained: float | None = None
 
 
 @dataclass
@@ -68,17 +83,11 @@ class SnapshotRates:
         """The state of the snapshot of ``step`` was restored: the steps since belong to an abandoned trajectory."""
         self.recent.clear()
 
-    def lowest_taken(self, up_to: int) -> float | None:
-        """The lowest rate the kept snapshots up to ``up_to`` were taken at (``None``: none known)."""
-        rates = [r for s, r in self.taken.items() if s <= up_to and r is not None]
-        return min(rates) if rates else None
-
-    def proven(self, up_to: int) -> float | None:
-        """The lowest rate the kept snapshots up to ``up_to`` had trained at over their last ``PROVEN_STEPS`` steps
-        (``None``: none had that many). The lowest, not the newest's: the newest may have been taken as a climb
-        began, before the probe had risen enough to say so."""
-        rates = [r for s, r in self.trained.items() if s <= up_to]
-        return min(rates) if rates else None
+    def at(self, up_to: int) -> RestoredRates:
+        """The rates of the kept snapshots up to ``up_to`` (the one a rollback restored)."""
+        taken = [r for s, r in self.taken.items() if s <= up_to and r is not None]
+        trained = [r for s, r in self.trained.items() if s <= up_to]
+        return RestoredRates(min(taken, default=None), min(trained, default=None))
 
     def _steady(self) -> float | None:
         """The lowest rate of the last ``PROVEN_STEPS`` steps, where there were that many and they held within a

@@ -12,6 +12,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_nanguard.policies.backoff import BackoffPolicy
+from lightning_nanguard.policies.snapshot_rates import RestoredRates
 from lightning_nanguard.recovery.backoff import (
     EPS_SCALE_KEY,
     eps_groups,
@@ -102,8 +103,7 @@ class BackoffScales:
         eps: bool,
         cause: str,
         ran_at: float | None = None,
-        restored_rate: float | None = None,
-        proven_rate: float | None = None,
+        restored: RestoredRates | None = None,
     ) -> BackoffResult:
         """Lower the learning rate (one notch, and one more per snapshot the rollback passed over) and/or raise eps,
         now; say what changed."""
@@ -113,15 +113,7 @@ class BackoffScales:
         lr_text = eps_text = ""
         if lr:
             notches = 1 + self.extra_notches
-            policy.back_off(
-                cause,
-                notches,
-                step=step,
-                lr=_lr_of(optimizers),
-                ran_at=ran_at,
-                restored_rate=restored_rate,
-                proven_rate=proven_rate,
-            )
+            policy.back_off(cause, notches, step=step, lr=_lr_of(optimizers), ran_at=ran_at, restored=restored)
             at_floor = policy.scale == before
             values.update(lr_scale_before=before, lr_scale_after=policy.scale)
             lr_text = (

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from lightning_nanguard.policies.backoff import BackoffPolicy, parse_triggers
 from lightning_nanguard.policies.preflight import GroupInfo, OptimizerInfo, min_safe_eps, preflight_findings
+from lightning_nanguard.policies.snapshot_rates import RestoredRates
 
 
 def test_parse_triggers() -> None:
@@ -189,22 +190,22 @@ def test_follow_schedule_holds_the_rate_at_the_cap_through_a_rising_schedule() -
 
 
 def test_the_cap_goes_back_to_the_rate_the_restored_state_trained_at() -> None:
-    # A constant rate of 0.075 jumped to 0.75; the restored state had trained at 0.075 (``proven_rate``): the rate
+    # A constant rate of 0.075 jumped to 0.75; the restored state had trained at 0.075 (``trained``): the rate
     # comes back to it, however far below one notch of the rate that diverged it is.
     p = BackoffPolicy(follow_schedule=True)
-    p.back_off("weights_diverging", lr=0.75, ran_at=0.75, restored_rate=0.075, proven_rate=0.075)
+    p.back_off("weights_diverging", lr=0.75, ran_at=0.75, restored=RestoredRates(taken=0.075, trained=0.075))
     assert p.cap == pytest.approx(0.075)
     assert p.scale == pytest.approx(0.1)
     # Without a proven rate (a snapshot from the start of the fit), the rate it was taken at bounds the cap only down
     # to one further notch: a warmup's first rate says nothing about a stable one.
     q = BackoffPolicy(follow_schedule=True)
-    q.back_off("weights_diverging", lr=0.75, ran_at=0.75, restored_rate=0.075)
+    q.back_off("weights_diverging", lr=0.75, ran_at=0.75, restored=RestoredRates(taken=0.075))
     assert q.cap == pytest.approx(0.1875)
     # A state proven at the very rate that diverged proves nothing (it was taken as the climb began): as if unknown.
     r = BackoffPolicy(follow_schedule=True)
-    r.back_off("weights_diverging", lr=0.3, ran_at=0.3, restored_rate=0.0075, proven_rate=0.3)
+    r.back_off("weights_diverging", lr=0.3, ran_at=0.3, restored=RestoredRates(taken=0.0075, trained=0.3))
     assert r.cap == pytest.approx(0.075)  # two notches: the taken rate's one-notch floor
     # A proven rate above one notch below does not raise the cap.
     s = BackoffPolicy(follow_schedule=True)
-    s.back_off("weights_diverging", lr=0.4, ran_at=0.4, proven_rate=0.3)
+    s.back_off("weights_diverging", lr=0.4, ran_at=0.4, restored=RestoredRates(trained=0.3))
     assert s.cap == pytest.approx(0.2)

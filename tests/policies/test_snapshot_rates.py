@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_nanguard.policies.snapshot_rates import PROVEN_STEPS, RATE_JUMP, SnapshotRates
+from lightning_nanguard.policies.snapshot_rates import PROVEN_STEPS, RATE_JUMP, RestoredRates, SnapshotRates
 
 
 def _run(rates: SnapshotRates, schedule: list[float], snapshots: set[int], kept: int = 2) -> list[int]:
@@ -25,16 +25,15 @@ def test_a_constant_rate_is_proven_and_a_jump_is_snapshotted_before_its_first_st
     assert rates.taken == {50: 0.075, 60: 0.75}  # the ring keeps two
     # The step-60 snapshot was taken at 0.75, a rate its state never trained at; it trained at 0.075.
     assert rates.trained == {50: 0.075, 60: 0.075}
-    assert rates.proven(60) == 0.075
-    assert rates.lowest_taken(60) == 0.075
+    assert rates.at(60) == RestoredRates(taken=0.075, trained=0.075)
 
 
 def test_the_start_of_a_fit_and_a_steep_warmup_prove_no_rate() -> None:
     rates = SnapshotRates()
     warmup = [0.3 * min(1.0, (s + 1) / 40) for s in range(45)]  # a linear warmup: its first step doubles the rate
     assert _run(rates, warmup, {0}) == [0]  # no jump: the first steps follow no training
-    assert rates.proven(0) is None
-    assert rates.lowest_taken(0) == pytest.approx(0.3 / 40)
+    assert rates.at(0).trained is None
+    assert rates.at(0).taken == pytest.approx(0.3 / 40)
     rates = SnapshotRates()
     _run(rates, warmup[:PROVEN_STEPS], {PROVEN_STEPS - 1})
     assert rates.trained == {}  # fewer than PROVEN_STEPS steps before it
@@ -72,5 +71,5 @@ def test_a_warm_restart_is_a_jump_though_its_cosine_tail_proves_no_rate() -> Non
     schedule = [0.05 * 0.5 * (1 + math.cos(math.pi * (s % 25) / 25)) for s in range(60)]
     rates = SnapshotRates()
     assert _run(rates, schedule, {0}) == [0, 25, 50]
-    assert rates.proven(50) is None  # the tail's rates did not hold within RATE_JUMP of each other
-    assert rates.lowest_taken(50) == pytest.approx(0.05)
+    assert rates.at(50).trained is None  # the tail's rates did not hold within RATE_JUMP of each other
+    assert rates.at(50).taken == pytest.approx(0.05)
