@@ -1,0 +1,96 @@
+"""What a divergence caught by the probe costs: the preset's final loss against the healthy run's, as ratios of means.
+
+    PYTHONPATH=$PWD python benchmarks/divergence_cost.py                           (about 30 s on 2 CPU cores)
+    PYTHONPATH=$PWD python benchmarks/divergence_cost.py --orders 20 --seeds 10    (about 1 min)
+
+One fit's final loss is no yardstick at the 1.05x level: the same run with another data order ends +-12% apart
+(docs/FORENSICS.md). So each figure is the preset's mean final loss over many runs against the healthy run's mean
+over the same ones: over ``--orders`` data orders for the regression runs of
+``tests/regressions/test_probe_catches_a_divergence.py`` (a warmup that overshoots to 4x the stable rate, a constant
+rate that jumps 10x), and over the seeds among ``--seeds`` whose unguarded run ends non-finite for the demo tasks
+``spike-then-diverge`` and ``lr-restart`` (at the other seeds the fault is survived, and there is nothing to catch).
+Each row also lists every run's incidents (trigger, step, the step restored). Prints one markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from tempfile import TemporaryDirectory
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lightning_nanguard import default_callbacks
+from lightning_nanguard.demo import run_task
+from lightning_nanguard.engine import get_engine
+from tests.regressions import test_probe_catches_a_divergence as regression
+
+REGRESSION: dict[str, Callable[[int], float]] = {
+    "warmup-overshoot": regression._overshoot,
+    "lr-jump-10x": regression._jump,
+}
+DEMO = ("spike-then-diverge", "lr-restart")
+
+
+def _restores(records: list[Any]) -> str:
+    """``"probe_rose@33->0"`` for each incident (its trigger, step and the step it restored)."""
+    parts = [f"{r.trigger}@{r.step}->{r.values.get('restored_from_step', '-')}" for r in records]
+    return " ".join(parts) or "none"
+
+
+def _regression(name: str, orders: int, steps: int, root: str) -> tuple[str, float, list[str]]:
+    regression.STEPS = steps
+    healthy_schedule, _ = regression.HEALTHY[name]
+    preset, healthy, caught = [], [], []
+    for order in [None, *range(orders - 1)]:
+        trainer, _, final = regression._fit(REGRESSION[name], default_callbacks(), f"{root}/p-{name}-{order}", order)
+        preset.append(final)
+        caught.append(_restores(get_engine(trainer).sink.records))
+        healthy.append(regression._fit(healthy_schedule, [], f"{root}/h-{name}-{order}", order)[2])
+    return f"{name} ({steps} steps, {orders} orders)", statistics.fmean(preset) / statistics.fmean(healthy), caught
+
+
+def _demo(name: str, seeds: int, root: str) -> tuple[str, float, float, list[str]]:
+    """Over the seeds whose unguarded run ends non-finite (at some seeds the fault is survived: nothing to catch)."""
+    diverging = [s for s in range(seeds) if not run_task(name, [], seed=s, root_dir=root, config=f"u{s}").finished]
+    runs = [run_task(name, default_callbacks(), seed=s, root_dir=root, config=f"p{s}") for s in diverging]
+    healthy = [run_task(name, [], seed=s, root_dir=root, healthy=True, config=f"h{s}") for s in diverging]
+    train = statistics.fmean(r.train_loss for r in runs) / statistics.fmean(h.train_loss for h in healthy)
+    val = statistics.fmean(r.val_loss for r in runs) / statistics.fmean(h.val_loss for h in healthy)
+    caught = [_restores(r.incidents) if r.finished else f"unfinished: {r.error[:60]}" for r in runs]
+    return f"demo {name} ({len(diverging)} of {seeds} seeds diverge unguarded)", train, val, caught
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--orders", type=int, default=5, help="data orders of each regression run")
+    parser.add_argument("--seeds", type=int, default=5, help="seeds of each demo task")
+    parser.add_argument("--steps", type=int, default=regression.STEPS, help="optimizer steps of the regression runs")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    rows = [
+        "| run | final loss vs healthy (ratio of means) | catches (trigger@step->restored step), each |",
+        "|---|---|---|",
+    ]
+    with TemporaryDirectory() as root:
+        for name in REGRESSION:
+            label, ratio, caught = _regression(name, args.orders, args.steps, root)
+            rows.append(f"| {label} | {ratio:.3f}x | {'; '.join(caught)} |")
+        for name in DEMO:
+            label, train, val, caught = _demo(name, args.seeds, root)
+            shown = "nan" if math.isnan(val) else f"{val:.3f}x"
+            rows.append(f"| {label} | train {train:.3f}x / val {shown} | {'; '.join(caught)} |")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
