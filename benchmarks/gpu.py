@@ -1,4 +1,4 @@
-"""nanguard on one CUDA GPU: ms/step and CUDA syncs/step, and the snapshot's cost per slot.
+"""nanguard on one CUDA GPU: ms/step and CUDA syncs/step, the snapshot's cost per slot, a probe scoring's cost.
 
     PYTHONPATH=$PWD python benchmarks/gpu.py --out DIR        (about 4 minutes on one H100)
     PYTHONPATH=$PWD python benchmarks/gpu.py --smoke --out DIR (the code paths on the CPU, a tiny GPT: no figures)
@@ -9,7 +9,10 @@ recorded and the rest still runs):
 1. **Snapshot cost per slot** (``SnapshotRing`` alone, a GPT's parameters and fused-AdamW state): the one-time
    allocation (page-locked, exact size), a synchronous copy, the side-stream copy (time to queue it, time until its
    event completes), a restore; and the bytes the caching host allocator would have pinned (rounded to powers of two).
-2. **Training steps** (Lightning fits, bf16-mixed unless the path says otherwise) on a GPT of ~125M and ~400M
+2. **The probe batch**: one scoring of AutoRollback's probe (``ProbeBatch.score``: the LightningModule's own
+   ``training_step`` under ``no_grad`` on its rows, in bf16-mixed) against one training step (forward, backward, fused
+   AdamW step), medians of interleaved reps, synchronized around each: the cost at each snapshot and each spike.
+3. **Training steps** (Lightning fits, bf16-mixed unless the path says otherwise) on a GPT of ~125M and ~400M
    parameters: plain Lightning, ``GradNormMonitor``, the preset (``default_callbacks()``) with AutoRollback every 50
    and every 10 steps, the preset every 10 with the copy forced synchronous (the design before side-stream copies),
    Lightning's ``grad_norm`` recipe (logged from ``on_before_optimizer_step``), and ``PrecisionHeadroom`` alone
@@ -18,7 +21,7 @@ recorded and the rest still runs):
    (the window holds a snapshot step of both cadences), median over ``--rounds`` interleaved rounds (every config
    once per round, the order rotated); the time from fit start to the first batch (the slots are allocated there);
    peak device memory.
-3. **CUDA syncs per step**, counted with ``torch.cuda.set_sync_debug_mode("warn")`` over a short fit of each config
+4. **CUDA syncs per step**, counted with ``torch.cuda.set_sync_debug_mode("warn")`` over a short fit of each config
    (not timed: the debug mode slows the step).
 
 A time budget (``--budget-s``) stops scheduling new fits when spent; the results say which are missing.
@@ -49,6 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _models import GPT, GPTConfig
 
 import lightning_nanguard as ng
+from lightning_nanguard.recovery.probe import PROBE_ROWS, ProbeBatch
 from lightning_nanguard.recovery.snapshot import SnapshotRing
 
 SIZES = {
@@ -239,6 +243,51 @@ def snapshot_costs(cfg: GPTConfig, reps: int) -> dict[str, Any]:
     return out  # the model, optimizer and ring are freed on return (the caller collects)
 
 
+def probe_costs(cfg: GPTConfig, reps: int) -> dict[str, Any]:
+    """One scoring of AutoRollback's probe batch (at each snapshot and each spike) against one training step, both in
+    bf16-mixed (the training precision the probe is scored in), synchronized around each: medians."""
+    device = "cuda" if CUDA else "cpu"
+    precision = "bf16-mixed" if CUDA else "32-true"
+    trainer = pl.Trainer(accelerator=device, devices=1, precision=precision, logger=False, enable_progress_bar=False)
+    model = GPT(cfg).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=CUDA)
+    x, y = (t.to(device) for t in next(iter(model.train_dataloader())))
+    context = trainer.precision_plugin.train_step_context
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with context():
+            loss = model.training_step((x, y), 0)  # self.log warns without a fit: silenced in main
+        loss.backward()
+        opt.step()
+
+    probe = ProbeBatch()
+    probe.capture((x, y), model, None)
+
+    def timed(fn: Callable[[], Any]) -> float:
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        return (time.perf_counter() - t0) * 1e3
+
+    step()  # lazy state (AdamW moments) and kernels before timing
+    probe.score(trainer, model)
+    steps, scorings = [], []
+    for _ in range(reps):  # interleaved
+        steps.append(timed(step))
+        scorings.append(timed(lambda: probe.score(trainer, model)))
+    med = statistics.median
+    return {
+        "precision": precision,
+        "batch": cfg.batch,
+        "rows": min(PROBE_ROWS, cfg.batch),
+        "step_ms": med(steps),
+        "probe_ms": med(scorings),
+        "ratio": med(scorings) / med(steps),
+    }
+
+
 # ---------------------------------------------------------------------------------------------------------------- 2
 def step_times(args: argparse.Namespace, results: dict[str, Any], save: Callable[[], None], deadline: float) -> None:
     for size in args.sizes:
@@ -346,6 +395,23 @@ def markdown(results: dict[str, Any]) -> str:
                 f"{s['copy_gb_per_s'] or 0:.1f} | {s['restore_ms']:.1f} |"
             )
         lines.append("")
+    probes = results.get("probe", {})
+    if probes:
+        lines += [
+            "## The probe batch: one scoring (at each snapshot and each spike) against one training step",
+            "",
+            "| model | precision | batch | probe rows | training step ms | probe scoring ms | scoring / step |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for size, p in probes.items():
+            if "error" in p:
+                lines.append(f"| {size} | failed: {p['error'][:80]} |")
+                continue
+            lines.append(
+                f"| {size} | {p['precision']} | {p['batch']} | {p['rows']} | {p['step_ms']:.1f} | "
+                f"{p['probe_ms']:.2f} | {p['ratio']:.3f}x |"
+            )
+        lines.append("")
     for size, rows in results.get("steps", {}).items():
         lines += [
             f"## {size}: ms/step (median of rounds) and CUDA syncs per healthy step",
@@ -390,6 +456,7 @@ def main() -> None:
         "lightning": pl.__version__,
         "args": vars(args),
         "snapshot": {},
+        "probe": {},
         "steps": {},
         "syncs": {},
     }
@@ -411,6 +478,17 @@ def main() -> None:
             log(f"snapshot {size}: {results['snapshot'][size]}")
         except Exception as exc:
             results["snapshot"][size] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            traceback.print_exc()
+        save()
+    for size in args.sizes:
+        try:
+            results["probe"][size] = probe_costs(SIZES[size], max(5, args.reps))
+            gc.collect()
+            if CUDA:
+                torch.cuda.empty_cache()
+            log(f"probe {size}: {results['probe'][size]}")
+        except Exception as exc:
+            results["probe"][size] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
             traceback.print_exc()
         save()
     for part in (sync_counts, step_times):  # the counts are short: they are not the ones a spent budget cuts
