@@ -151,6 +151,15 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _timed(fn: Callable[[], Any]) -> float:
+    """ms of ``fn()``, the device synchronized before and after."""
+    _sync()
+    t0 = time.perf_counter()
+    fn()
+    _sync()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def _callbacks(suite: str) -> list[pl.Callback]:
     if suite == "plain":
         return []
@@ -206,15 +215,8 @@ def snapshot_costs(cfg: GPTConfig, reps: int) -> dict[str, Any]:
     rounded = sum(2 ** math.ceil(math.log2(max(1, t.numel() * t.element_size()))) for t in tensors)
     out: dict[str, Any] = {"params": params, "state_bytes": exact, "caching_allocator_pinned_bytes": rounded}
 
-    def timed(fn: Callable[[], Any]) -> float:
-        _sync()
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        return (time.perf_counter() - t0) * 1e3
-
     ring = SnapshotRing(2, pin_memory=True)
-    out["prepare_ms"] = timed(lambda: ring.prepare(OneProcess(), model, [opt]))  # type: ignore[arg-type]
+    out["prepare_ms"] = _timed(lambda: ring.prepare(OneProcess(), model, [opt]))  # type: ignore[arg-type]
     out["slot_bytes"] = ring.slots[0].nbytes()
     out["pinned"] = bool(ring.slots[0].flat is not None and ring.slots[0].flat.is_pinned())
     queue, done, sync_copy, restore = [], [], [], []
@@ -225,11 +227,11 @@ def snapshot_costs(cfg: GPTConfig, reps: int) -> dict[str, Any]:
         queue.append((time.perf_counter() - t0) * 1e3)
         snap.wait()
         done.append((time.perf_counter() - t0) * 1e3)
-        restore.append(timed(lambda s=snap: ring.restore(s, model, [opt])))  # type: ignore[misc]
+        restore.append(_timed(lambda s=snap: ring.restore(s, model, [opt])))  # type: ignore[misc]
     side = ring._side
     ring._side = None  # synchronous copies into the same page-locked slots
     for r in range(reps):
-        sync_copy.append(timed(lambda r=r: ring.take(model, [opt], step=2 * r + 1, log_step=0)))  # type: ignore[misc]
+        sync_copy.append(_timed(lambda r=r: ring.take(model, [opt], step=2 * r + 1, log_step=0)))  # type: ignore[misc]
     ring._side = side
     ring.clear()
     med = statistics.median
@@ -264,19 +266,12 @@ def probe_costs(cfg: GPTConfig, reps: int) -> dict[str, Any]:
     probe = ProbeBatch()
     probe.capture((x, y), model, None)
 
-    def timed(fn: Callable[[], Any]) -> float:
-        _sync()
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        return (time.perf_counter() - t0) * 1e3
-
     step()  # lazy state (AdamW moments) and kernels before timing
     probe.score(trainer, model)
     steps, scorings = [], []
     for _ in range(reps):  # interleaved
-        steps.append(timed(step))
-        scorings.append(timed(lambda: probe.score(trainer, model)))
+        steps.append(_timed(step))
+        scorings.append(_timed(lambda: probe.score(trainer, model)))
     med = statistics.median
     return {
         "precision": precision,
@@ -368,6 +363,16 @@ def sync_counts(args: argparse.Namespace, results: dict[str, Any], save: Callabl
 
 
 # ---------------------------------------------------------------------------------------------------------------- report
+def _table(title: str, header: str, by_size: dict[str, Any], cells: Callable[[dict[str, Any]], str]) -> list[str]:
+    """A section of one row per model size (``cells``: its columns after the first), or nothing when none ran."""
+    if not by_size:
+        return []
+    lines = [f"## {title}", "", header, "|" + "---|" * (header.count("|") - 1)]
+    for size, row in by_size.items():
+        lines.append(f"| {size} | failed: {row['error'][:80]} |" if "error" in row else f"| {size} | {cells(row)} |")
+    return [*lines, ""]
+
+
 def markdown(results: dict[str, Any]) -> str:
     lines = [
         f"# nanguard on {results['device']}",
@@ -375,43 +380,27 @@ def markdown(results: dict[str, Any]) -> str:
         f"torch {results['torch']}, lightning {results['lightning']}",
         "",
     ]
-    snaps = results.get("snapshot", {})
-    if snaps:
-        lines += [
-            "## Snapshot cost per slot (parameters + fused AdamW state)",
-            "",
-            "| model | params | slot GB | pinned by caching allocator GB | allocate (once) ms | sync copy ms | "
-            "side-stream: queue ms | side-stream: complete ms | GB/s | restore ms |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for size, s in snaps.items():
-            if "error" in s:
-                lines.append(f"| {size} | failed: {s['error'][:80]} |")
-                continue
-            lines.append(
-                f"| {size} | {s['params'] / 1e6:.0f}M | {s['slot_bytes'] / 1e9:.2f} | "
-                f"{s['caching_allocator_pinned_bytes'] / 1e9:.2f} | {s['prepare_ms']:.0f} | {s['take_sync_ms']:.1f} | "
-                f"{s['take_async_queue_ms']:.2f} | {s['take_async_complete_ms']:.1f} | "
-                f"{s['copy_gb_per_s'] or 0:.1f} | {s['restore_ms']:.1f} |"
-            )
-        lines.append("")
-    probes = results.get("probe", {})
-    if probes:
-        lines += [
-            "## The probe batch: one scoring (at each snapshot and each spike) against one training step",
-            "",
-            "| model | precision | batch | probe rows | training step ms | probe scoring ms | scoring / step |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for size, p in probes.items():
-            if "error" in p:
-                lines.append(f"| {size} | failed: {p['error'][:80]} |")
-                continue
-            lines.append(
-                f"| {size} | {p['precision']} | {p['batch']} | {p['rows']} | {p['step_ms']:.1f} | "
-                f"{p['probe_ms']:.2f} | {p['ratio']:.3f}x |"
-            )
-        lines.append("")
+    lines += _table(
+        "Snapshot cost per slot (parameters + fused AdamW state)",
+        "| model | params | slot GB | pinned by caching allocator GB | allocate (once) ms | sync copy ms | "
+        "side-stream: queue ms | side-stream: complete ms | GB/s | restore ms |",
+        results.get("snapshot", {}),
+        lambda s: (
+            f"{s['params'] / 1e6:.0f}M | {s['slot_bytes'] / 1e9:.2f} | "
+            f"{s['caching_allocator_pinned_bytes'] / 1e9:.2f} | {s['prepare_ms']:.0f} | {s['take_sync_ms']:.1f} | "
+            f"{s['take_async_queue_ms']:.2f} | {s['take_async_complete_ms']:.1f} | "
+            f"{s['copy_gb_per_s'] or 0:.1f} | {s['restore_ms']:.1f}"
+        ),
+    )
+    lines += _table(
+        "The probe batch: one scoring (at each snapshot and each spike) against one training step",
+        "| model | precision | batch | probe rows | training step ms | probe scoring ms | scoring / step |",
+        results.get("probe", {}),
+        lambda p: (
+            f"{p['precision']} | {p['batch']} | {p['rows']} | {p['step_ms']:.1f} | {p['probe_ms']:.2f} | "
+            f"{p['ratio']:.3f}x"
+        ),
+    )
     for size, rows in results.get("steps", {}).items():
         lines += [
             f"## {size}: ms/step (median of rounds) and CUDA syncs per healthy step",
@@ -431,6 +420,27 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {key} | {shown} | {ratio} | {len(row.get('ms', []))} | {setup} | {peak} | {syncs} |")
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def per_size(
+    results: dict[str, Any],
+    key: str,
+    sizes: list[str],
+    measure: Callable[[GPTConfig], dict[str, Any]],
+    save: Callable[[], None],
+) -> None:
+    """``results[key][size] = measure(config)`` for each size (a failure recorded as its error), saved after each."""
+    for size in sizes:
+        try:
+            results[key][size] = measure(SIZES[size])
+            gc.collect()
+            if CUDA:
+                torch.cuda.empty_cache()
+            log(f"{key} {size}: {results[key][size]}")
+        except Exception as exc:
+            results[key][size] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+            traceback.print_exc()
+        save()
 
 
 def main() -> None:
@@ -469,28 +479,8 @@ def main() -> None:
             f.write(markdown(results))
 
     log(f"device {results['device']}; sizes {args.sizes}; budget {args.budget_s:.0f} s")
-    for size in args.sizes:
-        try:
-            results["snapshot"][size] = snapshot_costs(SIZES[size], args.reps)
-            gc.collect()
-            if CUDA:
-                torch.cuda.empty_cache()
-            log(f"snapshot {size}: {results['snapshot'][size]}")
-        except Exception as exc:
-            results["snapshot"][size] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-            traceback.print_exc()
-        save()
-    for size in args.sizes:
-        try:
-            results["probe"][size] = probe_costs(SIZES[size], max(5, args.reps))
-            gc.collect()
-            if CUDA:
-                torch.cuda.empty_cache()
-            log(f"probe {size}: {results['probe'][size]}")
-        except Exception as exc:
-            results["probe"][size] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
-            traceback.print_exc()
-        save()
+    per_size(results, "snapshot", args.sizes, lambda cfg: snapshot_costs(cfg, args.reps), save)
+    per_size(results, "probe", args.sizes, lambda cfg: probe_costs(cfg, max(5, args.reps)), save)
     for part in (sync_counts, step_times):  # the counts are short: they are not the ones a spent budget cuts
         try:
             part(args, results, save, deadline)
