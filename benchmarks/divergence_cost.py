@@ -15,6 +15,7 @@ Each row also lists every run's incidents (trigger, step, the step restored). Pr
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import statistics
 import sys
@@ -59,12 +60,19 @@ def _regression(name: str, orders: int, steps: int, root: str) -> tuple[str, flo
 def _demo(name: str, seeds: int, root: str) -> tuple[str, float, float, list[str]]:
     """Over the seeds whose unguarded run ends non-finite (at some seeds the fault is survived: nothing to catch)."""
     diverging = [s for s in range(seeds) if not run_task(name, [], seed=s, root_dir=root, config=f"u{s}").finished]
+    label = f"demo {name} ({len(diverging)} of {seeds} seeds diverge unguarded)"
+    if not diverging:
+        return label, math.nan, math.nan, []
     runs = [run_task(name, default_callbacks(), seed=s, root_dir=root, config=f"p{s}") for s in diverging]
     healthy = [run_task(name, [], seed=s, root_dir=root, healthy=True, config=f"h{s}") for s in diverging]
     train = statistics.fmean(r.train_loss for r in runs) / statistics.fmean(h.train_loss for h in healthy)
     val = statistics.fmean(r.val_loss for r in runs) / statistics.fmean(h.val_loss for h in healthy)
     caught = [_restores(r.incidents) if r.finished else f"unfinished: {r.error[:60]}" for r in runs]
-    return f"demo {name} ({len(diverging)} of {seeds} seeds diverge unguarded)", train, val, caught
+    return label, train, val, caught
+
+
+def _x(ratio: float) -> str:
+    return "-" if math.isnan(ratio) else f"{ratio:.3f}x"
 
 
 def main() -> None:
@@ -74,8 +82,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=regression.STEPS, help="optimizer steps of the regression runs")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    import logging
-
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     rows = [
         "| run | final loss vs healthy (ratio of means) | catches (trigger@step->restored step), each |",
@@ -87,8 +93,7 @@ def main() -> None:
             rows.append(f"| {label} | {ratio:.3f}x | {'; '.join(caught)} |")
         for name in DEMO:
             label, train, val, caught = _demo(name, args.seeds, root)
-            shown = "nan" if math.isnan(val) else f"{val:.3f}x"
-            rows.append(f"| {label} | train {train:.3f}x / val {shown} | {'; '.join(caught)} |")
+            rows.append(f"| {label} | train {_x(train)} / val {_x(val)} | {'; '.join(caught)} |")
     print("\n".join(rows))
 
 
