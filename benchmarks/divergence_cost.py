@@ -45,11 +45,21 @@ def _restores(records: list[Any]) -> str:
     return " ".join(parts) or "none"
 
 
+def data_orders(count: int) -> list[int | None]:
+    """The first ``count`` data orders of a regression run (``None``: the order the module's initialization leaves)."""
+    return [None, *range(count - 1)]
+
+
+def diverging_seeds(name: str, seeds: int, root: str) -> list[int]:
+    """The seeds among ``range(seeds)`` whose unguarded run of demo task ``name`` ends non-finite."""
+    return [s for s in range(seeds) if not run_task(name, [], seed=s, root_dir=root, config=f"u{s}").finished]
+
+
 def _regression(name: str, orders: int, steps: int, root: str) -> tuple[str, float, list[str]]:
     regression.STEPS = steps
     healthy_schedule, _ = regression.HEALTHY[name]
     preset, healthy, caught = [], [], []
-    for order in [None, *range(orders - 1)]:
+    for order in data_orders(orders):
         trainer, _, final = regression._fit(REGRESSION[name], default_callbacks(), f"{root}/p-{name}-{order}", order)
         preset.append(final)
         caught.append(_restores(get_engine(trainer).sink.records))
@@ -59,7 +69,7 @@ def _regression(name: str, orders: int, steps: int, root: str) -> tuple[str, flo
 
 def _demo(name: str, seeds: int, root: str) -> tuple[str, float, float, list[str]]:
     """Over the seeds whose unguarded run ends non-finite (at some seeds the fault is survived: nothing to catch)."""
-    diverging = [s for s in range(seeds) if not run_task(name, [], seed=s, root_dir=root, config=f"u{s}").finished]
+    diverging = diverging_seeds(name, seeds, root)
     label = f"demo {name} ({len(diverging)} of {seeds} seeds diverge unguarded)"
     if not diverging:
         return label, math.nan, math.nan, []

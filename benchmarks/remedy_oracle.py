@@ -36,6 +36,8 @@ from lightning.pytorch.callbacks import Callback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from divergence_cost import data_orders, diverging_seeds
+
 from lightning_nanguard.demo import run_task
 from lightning_nanguard.demo.tasks import spike_then_diverge as demo_task
 from tests.regressions import test_probe_catches_a_divergence as regression
@@ -90,8 +92,8 @@ class _Runs:
 
     def __init__(self, root: str, seeds: int, orders: int) -> None:
         self.root = root
-        self.seeds = [s for s in range(seeds) if not run_task(demo_task.TASK.name, [], seed=s, root_dir=root).finished]
-        self.orders: list[int | None] = [None, *range(orders - 1)]
+        self.seeds = diverging_seeds(demo_task.TASK.name, seeds, root)
+        self.orders = data_orders(orders)
         healthy = [self._demo([], s, healthy=True) for s in self.seeds]
         self.demo_healthy = tuple(statistics.fmean(h[i] for h in healthy) for i in (0, 1))
         self.regression_healthy = statistics.fmean(self._regression(regression._warmup, [], o) for o in self.orders)
@@ -126,7 +128,7 @@ def _restore(runs: _Runs, at: int) -> list[str]:
     caps = (0.75 * PEAK, PEAK, 1.2 * PEAK)
     head = " | ".join(f"cap {c:.3g}: demo train / val / regression" for c in caps)
     rows = [f"| restored to (at step {at}) | {head} |", "|---" * (len(caps) + 1) + "|"]
-    for source in (0, 5, 10, 15, 20, 25, 30, at):
+    for source in (*(s for s in (0, 5, 10, 15, 20, 25, 30) if s < at), at):
         cells = [
             f"{runs.demo(lambda s=source, c=cap: _Forced(s, at, c))} / "
             f"{runs.regression(lambda s=source, c=cap: _Forced(s, at, c))}"
