@@ -1,8 +1,9 @@
 """``nanguard replay BUNDLE``: re-run an incident's training step offline and name the origin of its first NaN.
 
 The replay itself is ``forensics.offline.replay_bundle``: the bundle is read as data (``forensics.bundle_read``), the
-LightningModule made from the class the bundle names (imported only after this command says which, and only if it is
-a ``LightningModule`` subclass), from ``--module pkg.mod:Class`` / ``--module path/to/script.py:Class``, or from
+LightningModule made from the class the bundle names (imported by its dotted name from the installed environment,
+never from the bundle's directory, only after this command says which, and only if it is a ``LightningModule``
+subclass), from ``--module pkg.mod:Class`` / ``--module path/to/script.py:Class``, or from
 ``--factory pkg.mod:make_model`` (called with the recorded ``hparams``), and the step re-run with the origin traced in
 the recorded precision, in float32 and in any precision asked for with ``--precision``. The cause is decided from
 what the replay found by the rules the incident used (``policies.diagnosis.offline_diagnosis``), and shown beside the cause the
@@ -139,9 +140,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         description="Re-run the training step an incident bundle recorded (<log_dir>/nanguard/bundles/step-N), in its "
         "precision and in float32, with the origin of the first non-finite value traced: the op, the file:line "
         "that called it, the statistics that explain it, whether float32 fixes it, and the verdict. A bundle is "
-        "data: nothing it names runs, except the LightningModule class its manifest names, imported by its "
-        "recorded path from the current directory or PYTHONPATH after this command prints which, and only if it "
-        "is a LightningModule subclass (choose the class or a factory yourself with --module or --factory). Exit 0 "
+        "data: nothing it names runs, except the LightningModule class its manifest names, imported by its dotted "
+        "name from the installed environment (never from the bundle's directory; for a project not installed, "
+        "PYTHONPATH=. nanguard replay ... from its root) after this command prints which, and only if it is a "
+        "LightningModule subclass (choose the class or a factory yourself with --module or --factory). Exit 0 "
         "when it ran, 2 on a usage error or a bundle that cannot be read or replayed.",
     )
     p.add_argument("bundle", metavar="BUNDLE", help="a bundle directory (or its manifest.json)")

@@ -3,7 +3,8 @@
 ``read_bundle`` checks every file and key a replay reads before anything uses them: ``manifest.json`` (JSON, each key
 of its type), ``step.pt`` and ``op.pt`` (``torch.load(weights_only=True)``, then ``bundle_codec.decode``: the plain
 types only), the random states (the shape ``capture_rng`` gives), the origin op (an aten op's name). A missing,
-cut-short or crafted file is a ``BundleError`` saying which and why. ``batch.pkl`` (a batch of arbitrary objects) is
+cut-short or crafted file is a ``BundleError`` saying which and why; so is a manifest ``module`` that is not a dotted
+module name (a path, a ``.py`` file), refused before anything is imported. ``batch.pkl`` (a batch of arbitrary objects) is
 read only with ``allow_pickle``: the one trust opt-in, as unpickling can run any code.
 """
 
@@ -23,10 +24,14 @@ from lightning_nanguard.exceptions import BundleError
 from lightning_nanguard.forensics.bundle_codec import Undecodable, check_rng, decode
 from lightning_nanguard.policies.origin import Origin
 
-__all__ = ["BUNDLES_DIR", "FORMAT", "Bundle", "read_bundle"]
+__all__ = ["BUNDLES_DIR", "DOTTED_NAME", "FORMAT", "QUALNAME", "Bundle", "read_bundle"]
 
 BUNDLES_DIR = os.path.join("nanguard", "bundles")
 FORMAT = 1
+# What a manifest may name: a module by its dotted import name (never a path or a file: no "/", "\\", ".py" at the
+# end, which a dotted name could spell), a class by its qualname.
+DOTTED_NAME = re.compile(r"(?![\s\S]*\.pyw?c?$)[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+QUALNAME = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_]*|<locals>)(?:\.(?:[A-Za-z_][A-Za-z0-9_]*|<locals>))*")
 _ATEN_OP = re.compile(r"aten\.(?!__)[A-Za-z0-9_]+\.(?!__)[A-Za-z0-9_]+")
 
 
@@ -147,6 +152,17 @@ def _read_manifest(path: str) -> dict[str, Any]:
         value = manifest[key]
         if (value is None and not nullable) or (value is not None and not isinstance(value, kind)):
             raise BundleError(f"damaged bundle {directory}: manifest.json's {key!r} is {value!r:.60}")
+    if not DOTTED_NAME.fullmatch(manifest["module"]):
+        raise BundleError(
+            f"crafted or damaged bundle {directory}: manifest.json's 'module' is {manifest['module']!r:.80}, not a "
+            "dotted module name (a bundle names its class by import name, never by a file: nothing was imported). "
+            "To replay with a class from a file, name it yourself: nanguard replay BUNDLE --module path/to/file.py:Class"
+        )
+    if not QUALNAME.fullmatch(manifest["qualname"]):
+        raise BundleError(
+            f"crafted or damaged bundle {directory}: manifest.json's 'qualname' is {manifest['qualname']!r:.80}, not "
+            "a qualified name (nothing was imported)"
+        )
     if manifest["state"] not in ("full", "origin_module", "none"):
         raise BundleError(f"damaged bundle {directory}: manifest.json's state is {manifest['state']!r:.60}")
     try:

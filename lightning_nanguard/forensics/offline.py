@@ -6,8 +6,9 @@ The step is re-run on a fresh LightningModule made for each precision from one o
   instance itself is never changed;
 * ``model=`` a factory (``nanguard replay --factory pkg.mod:make_model``): called with the bundle's recorded
   ``hparams`` as keyword arguments, it returns the module (for a module that takes a network as an argument);
-* ``model=None``: the class the manifest names, imported only after ``announce`` said which (``module_class``),
-  refused unless it is a ``LightningModule`` subclass, and built with the recorded ``hparams``.
+* ``model=None``: the class the manifest names, imported by its dotted name from the installed environment (never
+  from the bundle's directory) only after ``announce`` said which (``loading.module_class``), refused unless it is
+  a ``LightningModule`` subclass, and built with the recorded ``hparams``.
 
 Then, as Lightning does before a fit, ``configure_model()`` (a model built there is rebuilt), the bundle's
 parameters and buffers loaded (every one the module has, and no other), the random states restored and the step run
@@ -20,9 +21,6 @@ the step runs is a ``BundleError`` saying what to do.
 from __future__ import annotations
 
 import copy
-import importlib
-import importlib.util
-import inspect
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -38,6 +36,7 @@ from lightning_nanguard.contract import Diagnosis, Signal
 from lightning_nanguard.exceptions import BundleError
 from lightning_nanguard.forensics.bundle_codec import restore_rng, to_device
 from lightning_nanguard.forensics.bundle_read import Bundle, read_bundle
+from lightning_nanguard.forensics.loading import load_object, module_class
 from lightning_nanguard.forensics.replay import trace_pass
 from lightning_nanguard.forensics.step_view import OfflineTrainer
 from lightning_nanguard.policies.diagnosis import offline_diagnosis
@@ -164,7 +163,7 @@ def _maker(bundle: Bundle, model: ModelSource, announce: Callable[[str], None]) 
     if isinstance(model, pl.LightningModule):
         instance = model
         return lambda: copy.deepcopy(instance)
-    make: Callable[..., Any] = model if model is not None else module_class(m, announce)
+    make: Callable[..., Any] = model if model is not None else module_class(m, announce, bundle.path)
     name = getattr(make, "__qualname__", type(make).__qualname__)
 
     def build() -> pl.LightningModule:
@@ -185,73 +184,6 @@ def _maker(bundle: Bundle, model: ModelSource, announce: Callable[[str], None]) 
         return made
 
     return build
-
-
-def module_class(manifest: dict[str, Any], announce: Callable[[str], None]) -> type[pl.LightningModule]:
-    """The LightningModule class the manifest names: ``announce`` is told which before anything is imported, and
-    anything but a ``LightningModule`` subclass is refused before it is called."""
-    module, qualname = manifest["module"], manifest["qualname"]
-    if module == "__main__" or "<locals>" in qualname:
-        script = manifest.get("script")
-        where = f"the script {script}" if script else "a script's __main__ (or a notebook), or inside a function"
-        how = (
-            f"--module {script}:{qualname}"
-            if script and "<locals>" not in qualname
-            else "--module path/to/script.py:Class or --factory pkg.mod:make_model"
-        )
-        raise BundleError(
-            f"{qualname} was defined in {where}: it cannot be imported by name. Name it yourself: nanguard replay "
-            f'BUNDLE {how} (a file is loaded without running its `if __name__ == "__main__":` block), or from '
-            "Python: lightning_nanguard.replay_bundle(bundle, model=your_module)"
-        )
-    announce(
-        f"the bundle names the LightningModule {module}:{qualname}: importing it (this runs that module's code; "
-        "choose another with --module pkg.mod:Class or --factory pkg.mod:fn)"
-    )
-    return load_object(f"{module}:{qualname}", want_class=True)
-
-
-def load_object(spec: str, *, want_class: bool) -> Any:
-    """``pkg.mod:Name`` or ``path/to/file.py:Name`` (a file is loaded as a module of its own, so its ``if __name__
-    == "__main__":`` block does not run): a ``LightningModule`` subclass (``want_class``) or a callable."""
-    where, _, qualname = spec.rpartition(":")
-    if not where or not qualname:
-        raise BundleError(f"{spec!r}: expected pkg.module:Name or path/to/file.py:Name")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        found: Any = _load_file(where) if where.endswith(".py") else importlib.import_module(where)
-        for part in qualname.split("."):
-            found = getattr(found, part)
-    except (ImportError, AttributeError, OSError) as err:
-        raise BundleError(
-            f"cannot import {where}:{qualname} ({err}): run nanguard replay from the project's root, or put the "
-            "directory that holds the package on PYTHONPATH"
-        ) from err
-    if want_class and not (inspect.isclass(found) and issubclass(found, pl.LightningModule)):
-        raise BundleError(f"{where}:{qualname} is a {type(found).__qualname__}, not a LightningModule subclass")
-    if not want_class and not callable(found):
-        raise BundleError(f"{where}:{qualname} is a {type(found).__qualname__}, not a callable")
-    return found
-
-
-def _load_file(path: str) -> Any:
-    if not os.path.isfile(path):
-        raise ImportError(f"no file {path}")
-    name = "nanguard_replay_" + "".join(c if c.isalnum() else "_" for c in os.path.abspath(path))
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses and pickling look their module up there
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    return module
 
 
 def _prepared(bundle: Bundle, make: Callable[[], pl.LightningModule]) -> pl.LightningModule:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -265,4 +266,61 @@ def test_a_module_option_naming_no_lightning_module_is_refused_before_it_is_call
     path, marker = _copy(good, tmp_path), str(tmp_path / "RAN")
     _manifest(path, _set("hparams", {"path": marker}))
     _refused(path, capsys, "not a LightningModule subclass", "--module", "tests.forensics.payload:Touch")
+    assert not os.path.exists(marker)
+
+
+# Code shipped inside the bundle: the manifest names a file, or a module name that matches a shipped file; the user
+# runs ``nanguard replay .`` from inside the bundle, with the bundle's directory on sys.path (``python -m``,
+# ``PYTHONPATH=.``). Nothing shipped runs.
+def _ship(path: str, marker: str, name: str) -> None:
+    file = Path(path, name)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(f"open({marker!r}, 'w').write('shipped code ran')\nclass Innocent: pass\n")
+
+
+@pytest.mark.parametrize("module", ["payload.py", "./payload.py", "sub/payload.py", "sub\\payload", "payload.pyc"])
+def test_a_manifest_naming_a_file_is_refused_before_anything_is_imported(
+    good: str, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, module: str
+) -> None:
+    path, marker = _copy(good, tmp_path), str(tmp_path / "RAN")
+    for name in ("payload.py", "sub/payload.py", "payload/__init__.py"):
+        _ship(path, marker, name)
+    _manifest(path, lambda d: d.update(module=module, qualname="Innocent"))
+    monkeypatch.chdir(path)
+    monkeypatch.syspath_prepend(path)
+    err = _refused(".", capsys, "not a dotted module name")
+    assert "importing" not in err  # refused when read, before any import was announced
+    assert not os.path.exists(marker)
+
+
+@pytest.mark.parametrize("module", ["shipped_models", "shipped_pkg.models", "shipped_ns.models"])
+def test_a_module_name_matching_a_file_shipped_in_the_bundle_is_not_imported_from_it(
+    good: str, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch, module: str
+) -> None:
+    """A plain dotted name resolved from the bundle's own directory (the current one, on sys.path here as ``python
+    -m`` or ``PYTHONPATH=.`` put it) would run what the bundle ships: the import refuses any module found there."""
+    path, marker = _copy(good, tmp_path), str(tmp_path / "RAN")
+    for name in ("shipped_models.py", "shipped_pkg/__init__.py", "shipped_pkg/models.py", "shipped_ns/models.py"):
+        _ship(path, marker, name)
+    _manifest(path, lambda d: d.update(module=module, qualname="Innocent"))
+    monkeypatch.chdir(path)
+    monkeypatch.syspath_prepend(path)
+    _refused(".", capsys, "from inside the bundle")
+    assert not os.path.exists(marker)
+    assert module.split(".")[0] not in sys.modules
+
+
+def test_a_manifest_class_is_imported_without_adding_the_current_directory(
+    good: str, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The class a bundle names comes from the environment as it is: a module of the current directory that is not on
+    sys.path is not found (``PYTHONPATH=.`` or ``--module`` names it), and sys.path is left as it was."""
+    path, marker = _copy(good, tmp_path), str(tmp_path / "RAN")
+    _ship(path, marker, "shipped_models.py")
+    _manifest(path, lambda d: d.update(module="shipped_models", qualname="Innocent"))
+    monkeypatch.chdir(path)
+    before = list(sys.path)
+    err = _refused(".", capsys, "No module named 'shipped_models'")
+    assert "PYTHONPATH=. nanguard replay" in err
+    assert sys.path == before
     assert not os.path.exists(marker)
