@@ -14,6 +14,8 @@ from lightning_nanguard.callbacks._state import warn_unloaded_quarantine
 from lightning_nanguard.config import GradNormMonitorConfig, arguments_from
 from lightning_nanguard.engine import Engine, get_engine
 from lightning_nanguard.engine.grad_metrics import grad_metrics, layers_due
+from lightning_nanguard.engine.withdrawal import Blames
+from lightning_nanguard.exceptions import CheckpointVerificationError
 from lightning_nanguard.recovery.quarantine import Quarantine
 
 __all__ = ["GradNormMonitor"]
@@ -86,6 +88,8 @@ class GradNormMonitor(NanGuardCallback):
         self._quarantine = Quarantine(self.config.quarantine_file) if quarantine else None
         self._restored_skips = 0
         self._spike_state: dict[str, Any] = {}
+        self._blames_state: dict[str, Any] = {}  # the chains of data hypotheses, between fits (``engine.withdrawal``)
+        self._pending_blames: dict[str, Any] | None = None  # loaded before a fit's setup: applied there
         self._engine: Engine | None = None
 
     @property
@@ -125,6 +129,9 @@ class GradNormMonitor(NanGuardCallback):
         # A new fit starts from nothing (a callback reused for another Trainer); a resume's ``load_state_dict``
         # comes after ``setup`` and restores the counts and the spike statistics.
         self._engine, self._restored_skips, self._spike_state = engine, 0, {}
+        pending, self._pending_blames, self._blames_state = self._pending_blames, None, {}
+        if pending is not None and self._quarantine is not None:  # loaded before this fit's setup
+            engine.incidents.blames.load_state_dict(pending)
         if _deepspeed.is_deepspeed(trainer):  # DeepSpeed's engine owns the step: its outcome is read after it
             probing = self.config.on_spike == "probe" and self.config.spike_zscore is not None
             if probing:  # the preset's setting: spikes go unprobed there rather than the preset being refused
@@ -153,6 +160,8 @@ class GradNormMonitor(NanGuardCallback):
         engine = self._engine
         if engine is not None and engine.spikes is not None:
             self._spike_state = {"grad": engine.spikes[0].state(), "loss": engine.spikes[1].state()}
+        if engine is not None and self._quarantine is not None:
+            self._blames_state = engine.incidents.blames.state_dict()
         self._engine = None
 
     # ------------------------------------------------------------------ state
@@ -166,7 +175,14 @@ class GradNormMonitor(NanGuardCallback):
             "skipped_steps": self.skipped_steps,
             **({"spike": spike_state} if spike_state else {}),
             **({"quarantine": self._quarantine.state_dict()} if self._quarantine is not None else {}),
+            **({"blames": self._blames()} if self._quarantine is not None else {}),
         }
+
+    def _blames(self) -> dict[str, Any]:
+        """The chains of data hypotheses that justify the quarantine: this fit's, else the last one's."""
+        if self._engine is not None:
+            return self._engine.incidents.blames.state_dict()
+        return dict(self._blames_state) or Blames().state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -181,6 +197,23 @@ class GradNormMonitor(NanGuardCallback):
             self._quarantine.load_state_dict(saved)
         else:
             warn_unloaded_quarantine(type(self).__name__, saved)
+        blames = state_dict.get("blames")
+        if self._quarantine is not None and blames is not None:
+            self._load_blames(blames)
+
+    def _load_blames(self, saved: object) -> None:
+        engine = self._engine
+        try:
+            if engine is not None:  # a resume: after ``setup``, into this fit's record
+                engine.incidents.blames.load_state_dict(saved)
+            else:
+                Blames().load_state_dict(saved)  # validated now, applied at the next fit's setup
+                self._pending_blames = self._blames_state = dict(saved) if isinstance(saved, dict) else {}
+        except ValueError as err:
+            raise CheckpointVerificationError(
+                f"{type(self).__name__}: the checkpoint's blames (the data hypotheses behind its quarantine) are "
+                f"malformed ({err}); resume from another checkpoint, or with {type(self).__name__}(quarantine=False)."
+            ) from None
 
     # ------------------------------------------------------------------ metrics (one batched logger call)
     def _metrics(self, trainer: pl.Trainer) -> dict[str, float]:

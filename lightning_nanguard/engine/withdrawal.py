@@ -14,6 +14,11 @@ The chain is then withdrawn: its records are released (the quarantine file is re
 and the cause is decided again from the other evidence (a formula keeps its cause, untriggered; a data cause is
 decided without the rows). The incident says so (its ``withdrawn`` evidence and note), and so does the end-of-fit
 summary. Rank-consistent: every value here comes from the diagnosis and the quarantine, identical on every rank.
+
+The chains travel in the checkpoint with the quarantine they justify (``Blames.state_dict``, saved by
+GradNormMonitor, the quarantine's owner, under ``"blames"``; ``STATE_VERSION``): a resumed run withdraws a blame made
+before the resume as the uninterrupted run does. ``load_state_dict`` validates every field and raises ``ValueError``
+saying which is malformed.
 """
 
 from __future__ import annotations
@@ -21,16 +26,18 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_nanguard.contract import Action, Diagnosis, Evidence, EvidenceKind
 from lightning_nanguard.engine.counterfactual import MEASURED, redecide
 from lightning_nanguard.policies.findings import Findings
 from lightning_nanguard.recovery.quarantine import Quarantine
 
-__all__ = ["MIN_RECORDS", "WINDOW", "Blames", "Chain", "hypothesis", "place"]
+__all__ = ["MIN_RECORDS", "STATE_VERSION", "WINDOW", "Blames", "Chain", "hypothesis", "place"]
 
 WINDOW = 200  # steps: the same fault from fresh records this soon after a quarantine withdraws its blame
 MIN_RECORDS = 4  # the quarantined share is judged past this many records (0.5% of a tiny dataset is under one)
+STATE_VERSION = 1  # the format of ``Blames.state_dict``
 
 
 def _measured(d: Diagnosis) -> bool:
@@ -63,6 +70,47 @@ class Chain:
     withdrawn: int | None = None  # the step it was withdrawn at
     release_due: bool = False
 
+    def to_state(self, key: tuple[str, str]) -> dict[str, Any]:
+        """Primitives only (a checkpoint loads with ``weights_only=True``)."""
+        return {
+            "cause": key[0],
+            "place": key[1],
+            "steps": list(self.steps),
+            "samples": [[k, i] for k, i in self.samples],
+            "prints": list(self.prints),
+            "withdrawn": self.withdrawn,
+            "release_due": self.release_due,
+        }
+
+    @staticmethod
+    def from_state(state: object) -> tuple[tuple[str, str], Chain]:
+        """The chain ``to_state`` wrote, or ``ValueError`` naming the malformed field."""
+        if not isinstance(state, dict):
+            raise ValueError(f"a chain is a {type(state).__name__}, not a dict")
+        cause, where = state.get("cause"), state.get("place")
+        steps, samples, prints = state.get("steps"), state.get("samples"), state.get("prints")
+        withdrawn, due = state.get("withdrawn"), state.get("release_due", False)
+        if not (isinstance(cause, str) and isinstance(where, str)):
+            raise ValueError("a chain's cause and place are not strings")
+        if not (isinstance(steps, list) and all(_int(x) for x in steps)):
+            raise ValueError(f"the chain of {cause}: 'steps' is not a list of integers")
+        if not (isinstance(samples, list) and all(_sample(x) for x in samples)):
+            raise ValueError(f"the chain of {cause}: 'samples' is not a list of [loader, index] pairs")
+        if not (isinstance(prints, list) and all(isinstance(x, str) for x in prints)):
+            raise ValueError(f"the chain of {cause}: 'prints' is not a list of strings")
+        if not (withdrawn is None or _int(withdrawn)) or not isinstance(due, bool):
+            raise ValueError(f"the chain of {cause}: 'withdrawn' or 'release_due' has the wrong type")
+        chain = Chain(list(steps), [(str(k), int(i)) for k, i in samples], list(prints), withdrawn, due)
+        return (cause, where), chain
+
+
+def _int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _sample(x: object) -> bool:
+    return isinstance(x, list | tuple) and len(x) == 2 and isinstance(x[0], str) and _int(x[1])
+
 
 class Blames:
     """The fit's data hypotheses (``FitLedger.blames``)."""
@@ -70,6 +118,26 @@ class Blames:
     def __init__(self) -> None:
         self.chains: dict[tuple[str, str], Chain] = {}
         self.lines: list[str] = []  # for the end-of-fit summary
+
+    def state_dict(self) -> dict[str, Any]:
+        """The chains and the summary's lines, in primitives (``STATE_VERSION``)."""
+        chains = [chain.to_state(key) for key, chain in self.chains.items()]
+        return {"version": STATE_VERSION, "chains": chains, "lines": list(self.lines)}
+
+    def load_state_dict(self, state: object) -> None:
+        """Replace the chains with those ``state_dict`` wrote; ``ValueError`` naming what is malformed (nothing is
+        changed then)."""
+        if not isinstance(state, dict):
+            raise ValueError(f"the blames are a {type(state).__name__}, not a dict")
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"the blames' format {state.get('version')!r:.40} is not {STATE_VERSION}")
+        chains, lines = state.get("chains"), state.get("lines", [])
+        if not isinstance(chains, list):
+            raise ValueError("the blames' 'chains' is not a list")
+        if not (isinstance(lines, list) and all(isinstance(x, str) for x in lines)):
+            raise ValueError("the blames' 'lines' is not a list of strings")
+        self.chains = dict(Chain.from_state(c) for c in chains)
+        self.lines = list(lines)
 
     def judge(self, findings: Findings, d: Diagnosis, step: int) -> Diagnosis:
         """``d``, withdrawn where its chain's quarantine did not stop the fault (before any new quarantine). The
