@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
 from lightning_nanguard import _lightning_compat, _notices
 from lightning_nanguard.config import GradNormMonitorConfig
@@ -224,9 +224,16 @@ class Engine(StepFlow):
         ``on_train_end`` and ``on_fit_end`` and the LightningModule's (a weight-averaging callback copies its average
         into the model there, wherever it stands in the callback list), then the summary. Nothing in a fit runs
         later but the other callbacks' and the LightningModule's ``teardown``. ``leave`` raises a pending stop error.
+        A fit whose training loop Lightning skipped (``max_steps=0``, ``limit_train_batches=0``, a resume at its end:
+        no ``on_train_end``) gets its end-of-fit check here, and its summary ("no training step ran").
         """
-        if self.fit_ended or not self.train_ended:
+        if self.fit_ended:
             return
+        if not self.train_ended:
+            fitting = trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING
+            if not fitting:  # an evaluation's teardown (FP32Evaluation's), or a fit interrupted before training
+                return
+            self.train_end(trainer, pl_module)
         self.fit_ended = True
         if self.ledger.pending_error is None:  # a fit that stops with an error returns no model to check
             final_check(

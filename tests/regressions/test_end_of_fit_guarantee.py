@@ -9,6 +9,7 @@ live weights. The end-of-fit check runs again in the first nanguard callback's `
 
 from __future__ import annotations
 
+import logging
 import pathlib
 from typing import Any
 
@@ -146,3 +147,25 @@ def test_the_stop_error_comes_after_every_member_tore_down(tmp_path: pathlib.Pat
     assert rollback.ring.nbytes() == 0
     trainer = fit(tmp_path / "again", TinyModel(lr=0.01), [rollback, GradNormMonitor()], max_steps=4)
     assert get_engine(trainer).ledger.final_state == "finite (checked at the end of fit)"
+
+
+@pytest.mark.parametrize("skipped", [{"max_steps": 0}, {"limit_train_batches": 0}])
+def test_a_fit_that_runs_no_training_step_gets_its_check_and_summary(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture, skipped: dict[str, int]
+) -> None:
+    """Lightning skips the training loop (no ``on_train_start``/``on_train_end``): a cross-validation helper's
+    baseline fit with ``max_steps=0`` still gets the end-of-fit check and the summary
+    (``../shared/repros/round5/zero_step_fit_prints_no_summary.py``)."""
+    with caplog.at_level(logging.INFO):
+        trainer = fit(tmp_path, TinyModel(lr=0.01), default_callbacks(), **skipped)
+    (summary,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("nanguard summary")]
+    assert "no incidents; no training step ran." in summary
+    assert get_engine(trainer).ledger.final_state == "finite (checked at the end of fit)"
+
+
+def test_a_fit_that_runs_no_training_step_never_returns_nan_weights(tmp_path: pathlib.Path) -> None:
+    model = TinyModel(lr=0.01)
+    with torch.no_grad():
+        model.head.weight.view(-1)[0] = float("nan")  # loaded from a damaged file, say
+    with pytest.raises(NonFiniteTrainingError, match=r"head\.weight"):
+        fit(tmp_path, model, [GradNormMonitor()], max_steps=0)
