@@ -9,11 +9,11 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_nanguard.exceptions import NanGuardConfigError
+from lightning_nanguard.exceptions import NanGuardConfigError, brief
 
 
 def _fail(owner: str, name: str, value: Any, rule: str) -> NanGuardConfigError:
-    return NanGuardConfigError(f"{owner}({name}={value!r}): {rule}.")
+    return NanGuardConfigError(f"{owner}({name}={brief(value)}): {rule}.")
 
 
 def check_choice(owner: str, name: str, value: Any, choices: Collection[Any]) -> None:
@@ -209,5 +209,5 @@ def check_conflicts(kind: str, owner: str, values: Mapping[str, Any]) -> None:
     naming ``owner``, the arguments involved with their values, and the rule."""
     for conflict in CONFLICTS[kind]:
         if conflict.clash(*(values[name] for name in conflict.args)):
-            shown = ", ".join(f"{name}={values[name]!r}" for name in conflict.args)
+            shown = ", ".join(f"{name}={brief(values[name])}" for name in conflict.args)
             raise NanGuardConfigError(f"{owner}({shown}): {conflict.rule}.")

@@ -10,9 +10,14 @@ The hierarchy, so that a caller can catch as broadly or narrowly as it needs::
     └── BundleError                         an incident bundle that cannot be read or replayed (what to do is said)
     NanGuardConfigError (ValueError)        a constructor argument broke its rule (raised at construction)
     NanGuardWarning (UserWarning)           the category of every warning nanguard gives (filter it by category)
+
+``brief(value)`` is how a message shows a value it did not choose (an argument, a file's contents): its ``repr``,
+shortened, so that a 7 kB ``hparams`` or a deeply nested list is one readable line, never the whole of it.
 """
 
 from __future__ import annotations
+
+import reprlib
 
 __all__ = [
     "BundleError",
@@ -24,7 +29,26 @@ __all__ = [
     "RankDivergenceError",
     "RecoveryBudgetExhausted",
     "UnsupportedSetupError",
+    "brief",
 ]
+
+BRIEF_CHARS = 160  # the most characters of a value an error message shows
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 3, 60, 60, 40
+_REPR.maxdict = _REPR.maxlist = _REPR.maxtuple = _REPR.maxset = _REPR.maxfrozenset = _REPR.maxdeque = 6
+
+
+def brief(value: object, limit: int = BRIEF_CHARS) -> str:
+    """``repr(value)`` shortened for a message: nested containers cut at 3 levels and 6 items, strings at 60
+    characters, the whole at ``limit`` characters (saying how long it was). Never raises."""
+    try:
+        text = _REPR.repr(value)
+    except Exception:  # a value whose repr fails is still named
+        text = f"<{type(value).__qualname__}>"
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit - 1]}… ({len(text)} characters)"
 
 
 class NanGuardError(RuntimeError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
@@ -16,7 +17,7 @@ from lightning_nanguard.callbacks import (
     OptimizerBackoff,
     PrecisionHeadroom,
 )
-from lightning_nanguard.exceptions import NanGuardConfigError
+from lightning_nanguard.exceptions import NanGuardConfigError, brief
 
 __all__ = ["CALLBACKS", "PRESET", "default_callbacks"]
 
@@ -66,8 +67,16 @@ def default_callbacks(**overrides: dict[str, Any] | bool) -> list[Callback]:
             raise NanGuardConfigError(f"default_callbacks({name}=...): unknown callback; one of {sorted(names)}.")
         if not isinstance(value, (bool, dict)):
             raise NanGuardConfigError(
-                f"default_callbacks({name}={value!r}): must be False (leave it out), True, or a dict of arguments."
+                f"default_callbacks({name}={brief(value)}): must be False (leave it out), True, or a dict of arguments."
             )
+        if isinstance(value, dict):
+            accepted = _arguments(names[name])
+            unknown = [key for key in value if key not in accepted]
+            if unknown:
+                raise NanGuardConfigError(
+                    f"default_callbacks({name}={brief(value)}): {name} takes no argument {brief(unknown[0])}; "
+                    f"the dict's keys must be among its arguments: {', '.join(accepted)}."
+                )
     callbacks: list[Callback] = []
     for cls, kwargs in PRESET.items():
         choice = overrides.get(cls.__name__, True)
@@ -80,6 +89,12 @@ def default_callbacks(**overrides: dict[str, Any] | bool) -> list[Callback]:
     values = {name: _installed_value(built, name) for name in involved}
     check_conflicts("default_callbacks", "default_callbacks", values)
     return callbacks
+
+
+def _arguments(cls: type) -> list[str]:
+    """The keyword arguments ``cls`` takes (its constructor's named parameters)."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in inspect.signature(cls).parameters.values() if p.kind in kinds]
 
 
 def _installed_value(built: dict[str, Callback], name: str) -> Any:

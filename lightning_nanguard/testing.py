@@ -23,7 +23,7 @@ from typing_extensions import override
 
 from lightning_nanguard._lightning_compat import first_element, host_buffer_marked
 from lightning_nanguard._validation import check_choice, check_int
-from lightning_nanguard.exceptions import NanGuardConfigError
+from lightning_nanguard.exceptions import NanGuardConfigError, brief
 
 __all__ = ["FaultInjector", "HostReadCounter"]
 
@@ -74,16 +74,16 @@ class FaultInjector(Callback):
         rank_list = None if ranks is None else _int_list(owner, "ranks", ranks)
         if param_name is not None and (not isinstance(param_name, str) or not param_name):
             raise NanGuardConfigError(
-                f"{owner}(param_name={param_name!r}): must be a parameter name from named_parameters() or None."
+                f"{owner}(param_name={brief(param_name)}): must be a parameter name from named_parameters() or None."
             )
         if isinstance(value, str):
             if value not in _VALUES:
-                raise NanGuardConfigError(f"{owner}(value={value!r}): must be 'nan', 'inf', '-inf' or a number.")
+                raise NanGuardConfigError(f"{owner}(value={brief(value)}): must be 'nan', 'inf', '-inf' or a number.")
             number = _VALUES[value]
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             number = float(value)
         else:
-            raise NanGuardConfigError(f"{owner}(value={value!r}): must be 'nan', 'inf', '-inf' or a number.")
+            raise NanGuardConfigError(f"{owner}(value={brief(value)}): must be 'nan', 'inf', '-inf' or a number.")
         self.target: Target = target
         self.steps = frozenset(int(s) for s in step_list)
         self.value = number
@@ -215,7 +215,7 @@ def _int_list(owner: str, name: str, value: Any) -> list[Any]:
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         items: list[Any] = [value]
     elif isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise NanGuardConfigError(f"{owner}({name}={value!r}): must be an int >= 0 or a list of them.")
+        raise NanGuardConfigError(f"{owner}({name}={brief(value)}): must be an int >= 0 or a list of them.")
     else:
         items = list(value)
     for item in items:

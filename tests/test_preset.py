@@ -52,6 +52,33 @@ def test_overrides_and_ablation_by_name() -> None:
         ng.default_callbacks(AutoRollback=3)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("cls", PRESET, ids=lambda c: c.__name__)
+def test_an_unknown_argument_in_an_override_is_a_config_error_naming_it(cls: type[Callback]) -> None:
+    """Not a bare ``TypeError`` from the constructor: the callback, the argument and the rule, as for a bad value."""
+    with pytest.raises(ng.NanGuardConfigError) as caught:
+        ng.default_callbacks(**{cls.__name__: {"nope": 1}})
+    message = str(caught.value)
+    assert message.startswith(
+        f"default_callbacks({cls.__name__}={{'nope': 1}}): {cls.__name__} takes no argument 'nope'"
+    )
+    assert "must be among its arguments" in message
+
+
+def test_a_huge_nested_value_is_shortened_in_the_error() -> None:
+    """A 7 kB nested value (a config pasted whole) is named in one short line, not printed whole."""
+    huge = {"hparams": {f"layer_{i}": {"sizes": list(range(40)), "name": "x" * 100} for i in range(30)}}
+    assert len(repr(huge)) > 7000
+    for build in (
+        lambda: ng.default_callbacks(AutoRollback={"every_n_steps": huge}),
+        lambda: ng.default_callbacks(AutoRollback={"unknown": 1, **{str(i): huge for i in range(3)}}),
+        lambda: ng.AutoRollback(every_n_steps=huge),  # type: ignore[arg-type]
+        lambda: ng.GradNormMonitor(on_nonfinite=huge),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(ng.NanGuardConfigError) as caught:
+            build()
+        assert len(str(caught.value)) < 800, str(caught.value)[:300]
+
+
 class OverflowingLayer(nn.Module):
     """Scales its input up before a projection: beyond float16's range for large inputs, finite in float32."""
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 from lightning_nanguard._validation import check_choice, check_conflicts, check_float, check_int, check_path
-from lightning_nanguard.exceptions import NanGuardConfigError
+from lightning_nanguard.exceptions import NanGuardConfigError, brief
 
 __all__ = ["CallbackConfig", "Choice", "Custom", "Flag", "Float", "Int", "PathArg", "Rule", "arg", "argument_rows"]
 
@@ -56,7 +56,7 @@ class Flag(Rule):
 
     def check(self, owner: str, name: str, value: Any) -> None:
         if self.strict and not isinstance(value, bool):
-            raise NanGuardConfigError(f"{owner}({name}={value!r}): {self.message}.")
+            raise NanGuardConfigError(f"{owner}({name}={brief(value)}): {self.message}.")
         check_choice(owner, name, value, (True, False))
 
     def describe(self) -> str:

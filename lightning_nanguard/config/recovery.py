@@ -10,7 +10,7 @@ import torch
 
 from lightning_nanguard._validation import check_float
 from lightning_nanguard.config._declare import CallbackConfig, Choice, Custom, Flag, Float, Int, PathArg, arg
-from lightning_nanguard.exceptions import NanGuardConfigError
+from lightning_nanguard.exceptions import NanGuardConfigError, brief
 from lightning_nanguard.policies.backoff import TRIGGERS, check_triggers, parse_triggers
 
 __all__ = ["AutoRollbackConfig", "LossScaleWatchdogConfig", "OptimizerBackoffConfig"]
@@ -157,7 +157,7 @@ def _check_min_scale(owner: str, name: str, value: Any) -> None:
     check_float(owner, name, value, low=0.0, low_inclusive=False, high=3.0e38)
     if float(torch.tensor(float(value), dtype=torch.float32)) <= 0.0:
         raise NanGuardConfigError(
-            f"{owner}({name}={value!r}): is 0.0 in float32 (the GradScaler's dtype), so no floor would "
+            f"{owner}({name}={brief(value)}): is 0.0 in float32 (the GradScaler's dtype), so no floor would "
             "hold: must be at least 1.4e-45."
         )
 

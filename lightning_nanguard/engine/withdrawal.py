@@ -30,6 +30,7 @@ from typing import Any
 
 from lightning_nanguard.contract import Action, Diagnosis, Evidence, EvidenceKind
 from lightning_nanguard.engine.counterfactual import MEASURED, redecide
+from lightning_nanguard.exceptions import brief
 from lightning_nanguard.policies.findings import Findings
 from lightning_nanguard.recovery.quarantine import Quarantine
 
@@ -130,7 +131,7 @@ class Blames:
         if not isinstance(state, dict):
             raise ValueError(f"the blames are a {type(state).__name__}, not a dict")
         if state.get("version") != STATE_VERSION:
-            raise ValueError(f"the blames' format {state.get('version')!r:.40} is not {STATE_VERSION}")
+            raise ValueError(f"the blames' format {brief(state.get('version'))} is not {STATE_VERSION}")
         chains, lines = state.get("chains"), state.get("lines", [])
         if not isinstance(chains, list):
             raise ValueError("the blames' 'chains' is not a list")

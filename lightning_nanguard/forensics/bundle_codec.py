@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_nanguard.exceptions import brief
+
 __all__ = [
     "Undecodable",
     "Unencodable",
@@ -98,12 +100,12 @@ def _tagged(obj: dict[Any, Any]) -> Any:
         found = getattr(torch, value, None)
         if isinstance(found, _ENUMS[tag]):
             return found
-        raise Undecodable(f"holds {value!r:.60}, which is no torch {tag}")
+        raise Undecodable(f"holds {brief(value)}, which is no torch {tag}")
     if tag == "device" and set(obj) == {_TAG, "value"} and isinstance(value, str):
         try:
             return torch.device(value)
         except RuntimeError as err:
-            raise Undecodable(f"holds {value!r:.60}, which is no torch device") from err
+            raise Undecodable(f"holds {brief(value)}, which is no torch device") from err
     if tag == "namedtuple" and set(obj) == {_TAG, "type", "fields"}:
         kind, fields = obj["type"], obj["fields"]
         if not isinstance(kind, str) or not isinstance(fields, dict) or not all(isinstance(k, str) for k in fields):

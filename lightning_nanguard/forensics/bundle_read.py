@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_nanguard.exceptions import BundleError
+from lightning_nanguard.exceptions import BundleError, brief
 from lightning_nanguard.forensics.bundle_codec import Undecodable, check_rng, decode
 from lightning_nanguard.policies.origin import Origin
 
@@ -151,20 +151,20 @@ def _read_manifest(path: str) -> dict[str, Any]:
             continue
         value = manifest[key]
         if (value is None and not nullable) or (value is not None and not isinstance(value, kind)):
-            raise BundleError(f"damaged bundle {directory}: manifest.json's {key!r} is {value!r:.60}")
+            raise BundleError(f"damaged bundle {directory}: manifest.json's {key!r} is {brief(value)}")
     if not DOTTED_NAME.fullmatch(manifest["module"]):
         raise BundleError(
-            f"crafted or damaged bundle {directory}: manifest.json's 'module' is {manifest['module']!r:.80}, not a "
+            f"crafted or damaged bundle {directory}: manifest.json's 'module' is {brief(manifest['module'])}, not a "
             "dotted module name (a bundle names its class by import name, never by a file: nothing was imported). "
             "To replay with a class from a file, name it yourself: nanguard replay BUNDLE --module path/to/file.py:Class"
         )
     if not QUALNAME.fullmatch(manifest["qualname"]):
         raise BundleError(
-            f"crafted or damaged bundle {directory}: manifest.json's 'qualname' is {manifest['qualname']!r:.80}, not "
+            f"crafted or damaged bundle {directory}: manifest.json's 'qualname' is {brief(manifest['qualname'])}, not "
             "a qualified name (nothing was imported)"
         )
     if manifest["state"] not in ("full", "origin_module", "none"):
-        raise BundleError(f"damaged bundle {directory}: manifest.json's state is {manifest['state']!r:.60}")
+        raise BundleError(f"damaged bundle {directory}: manifest.json's state is {brief(manifest['state'])}")
     try:
         if manifest.get("origin"):
             Origin.from_dict(manifest["origin"])

@@ -24,7 +24,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from lightning_nanguard.exceptions import BundleError
+from lightning_nanguard.exceptions import BundleError, brief
 from lightning_nanguard.forensics.bundle_read import DOTTED_NAME, QUALNAME
 
 __all__ = ["load_object", "module_class"]
@@ -57,9 +57,9 @@ def module_class(
             "Python: lightning_nanguard.replay_bundle(bundle, model=your_module)"
         )
     if not (isinstance(module, str) and DOTTED_NAME.fullmatch(module)):
-        raise BundleError(f"the bundle's module {module!r:.80} is not a dotted module name: nothing imported")
+        raise BundleError(f"the bundle's module {brief(module)} is not a dotted module name: nothing imported")
     if not (isinstance(qualname, str) and QUALNAME.fullmatch(qualname)):
-        raise BundleError(f"the bundle's qualname {qualname!r:.80} is not a qualified name: nothing imported")
+        raise BundleError(f"the bundle's qualname {brief(qualname)} is not a qualified name: nothing imported")
     announce(
         f"the bundle names the LightningModule {module}:{qualname}: importing it from the installed environment "
         "(this runs that module's code; choose another with --module pkg.mod:Class or --factory pkg.mod:fn)"

@@ -33,7 +33,7 @@ from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, P
 
 from lightning_nanguard import _lightning_compat
 from lightning_nanguard.contract import Diagnosis, Signal
-from lightning_nanguard.exceptions import BundleError
+from lightning_nanguard.exceptions import BundleError, brief
 from lightning_nanguard.forensics.bundle_codec import restore_rng, to_device
 from lightning_nanguard.forensics.bundle_read import Bundle, read_bundle
 from lightning_nanguard.forensics.loading import load_object, module_class
@@ -173,14 +173,14 @@ def _maker(bundle: Bundle, model: ModelSource, announce: Callable[[str], None]) 
             skipped = m.get("hparams_skipped") or []
             extra = f"; the bundle could not record {skipped} (not JSON)" if skipped else ""
             raise BundleError(
-                f"cannot build {name}(**{hparams}): {type(err).__name__}: {err}{extra}. The bundle holds the "
+                f"cannot build {name}(**{brief(hparams)}): {type(err).__name__}: {str(err)[:300]}{extra}. The bundle holds the "
                 "arguments Lightning knows (self.save_hyperparameters() in __init__ records them): for a module "
                 "that needs more (a network passed in), name a factory that builds it (nanguard replay --factory "
                 "pkg.mod:make_model, called with those arguments), or pass your own instance from Python "
                 "(lightning_nanguard.replay_bundle(bundle, model=...))"
             ) from err
         if not isinstance(made, pl.LightningModule):
-            raise BundleError(f"{name}(**{hparams}) returned a {type(made).__qualname__}, not a LightningModule")
+            raise BundleError(f"{name}(**{brief(hparams)}) returned a {type(made).__qualname__}, not a LightningModule")
         return made
 
     return build

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from lightning_nanguard.exceptions import NanGuardConfigError
+from lightning_nanguard.exceptions import NanGuardConfigError, brief
 from lightning_nanguard.policies.snapshot_rates import RestoredRates
 
 __all__ = ["TRIGGERS", "BackoffPolicy", "ScaleChange", "check_triggers", "parse_triggers"]
@@ -32,11 +32,13 @@ def parse_triggers(on: str) -> frozenset[str]:
 def check_triggers(owner: str, triggers: object) -> frozenset[str]:
     """``parse_triggers`` for a constructor argument: ``NanGuardConfigError`` naming the argument and the rule."""
     if not isinstance(triggers, str):
-        raise NanGuardConfigError(f"{owner}(triggers={triggers!r}): must be a comma-separated string of trigger names.")
+        raise NanGuardConfigError(
+            f"{owner}(triggers={brief(triggers)}): must be a comma-separated string of trigger names."
+        )
     try:
         return parse_triggers(triggers)
     except ValueError as err:
-        raise NanGuardConfigError(f"{owner}(triggers={triggers!r}): {err}.") from None
+        raise NanGuardConfigError(f"{owner}(triggers={brief(triggers)}): {err}.") from None
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import string
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_nanguard.exceptions import NanGuardConfigError
+from lightning_nanguard.exceptions import NanGuardConfigError, brief
 
 __all__ = ["EVERY_LOADER", "QuarantineRecord", "dump", "parse", "read_file", "write_file"]
 
@@ -94,12 +94,12 @@ def parse(data: Any, *, strict: bool = True) -> QuarantineRecord:
         raise _Malformed(f'"fingerprints" is {_kind(prints)}, not a list of strings')
     for value in prints:
         if not (isinstance(value, str) and len(value) == 16 and all(c in string.hexdigits for c in value)):
-            raise _Malformed(f'"fingerprints" holds {value!r}, not a batch fingerprint (16 hexadecimal digits)')
+            raise _Malformed(f'"fingerprints" holds {brief(value)}, not a batch fingerprint (16 hexadecimal digits)')
         record.fingerprints.add(value.lower())
     for name in _COUNTERS:
         value = data.get(name, 0)
         if not _is_index(value):
-            raise _Malformed(f'"{name}" is {value!r}, not an integer >= 0')
+            raise _Malformed(f'"{name}" is {brief(value)}, not an integer >= 0')
         setattr(record, name, int(value))
     return record
 
@@ -149,7 +149,7 @@ def _indices(value: Any, where: str) -> set[int]:
         raise _Malformed(f"{where} is {_kind(value)}, not a list of sample indices")
     bad = [v for v in value if not _is_index(v)]
     if bad:
-        raise _Malformed(f"{where} holds {bad[:3]!r}, not sample indices (integers >= 0)")
+        raise _Malformed(f"{where} holds {brief(bad[:3])}, not sample indices (integers >= 0)")
     return {int(v) for v in value}
 
 

@@ -324,3 +324,13 @@ def test_a_manifest_class_is_imported_without_adding_the_current_directory(
     assert "PYTHONPATH=. nanguard replay" in err
     assert sys.path == before
     assert not os.path.exists(marker)
+
+
+def test_deeply_nested_hparams_are_shortened_in_the_error(good: str, tmp_path: Path, capsys: Any) -> None:
+    """A bundle whose 7 kB nested ``hparams`` the class cannot take names them in a short line, not all of them."""
+    path = _copy(good, tmp_path)
+    huge = {f"block_{i}": {"sizes": list(range(40)), "name": "x" * 100, "deep": [[[[i]]]]} for i in range(30)}
+    assert len(json.dumps(huge)) > 7000
+    _manifest(path, _set("hparams", huge))
+    err = _refused(path, capsys, "cannot build NormNoEps(**{")
+    assert max(len(line) for line in err.splitlines()) < 1500
