@@ -250,12 +250,21 @@ def verify_checkpoint(path: str, *, require_sidecar: bool = True, module: nn.Mod
     """Check a checkpoint file: sidecar checksum (zip CRC-32s without one), loadable with ``weights_only=True``, finite
     weights and optimizer state (intended infinities aside: ``module`` as for ``verify_and_load``). A directory is
     checked as a distributed checkpoint: its manifest, every listed file's size and sha256, no unlisted shard
-    (``require_sidecar`` does not apply: a directory without a manifest fails)."""
+    (``require_sidecar`` does not apply: a directory without a manifest fails).
+
+    A file that fails only for want of a sidecar has its contents checked all the same, and the reason says both
+    facts ("no checksum sidecar ...; its contents: non-finite values in state_dict.w"): an ordinary Lightning
+    checkpoint with NaN weights is never reported as merely unsigned."""
     path = os.fspath(path)
     if os.path.isdir(path):
         reason = verify_directory(path)
         return VerifyResult(path, reason is None, reason or "", step=manifest_step(path))
-    return verify_and_load(path, require_sidecar=require_sidecar, module=module)[0]
+    result = verify_and_load(path, require_sidecar=require_sidecar, module=module)[0]
+    if result.ok or not require_sidecar or not os.path.isfile(path) or read_sidecar(path) is not None:
+        return result
+    contents = verify_and_load(path, require_sidecar=False, module=module)[0]
+    found = contents.reason if not contents.ok else "they verify (zip CRC-32s, a weights-only load, finite)"
+    return VerifyResult(path, False, f"{result.reason}; its contents: {found}", contents.note, contents.step)
 
 
 def checkpoint_files(dirpath: str) -> list[str]:

@@ -10,6 +10,7 @@ import torch
 
 from lightning_nanguard import cli
 from lightning_nanguard.checkpointing.verify import SIDECAR_SUFFIX, verify_checkpoint, write_sidecar
+from tests.helpers import TinyModel, make_trainer
 
 
 def _data_offset(path: str, member: Any) -> int:
@@ -127,3 +128,28 @@ def test_version_and_exit_codes_in_help(capsys: pytest.CaptureFixture[str]) -> N
         text = capsys.readouterr().out
         assert "exit codes:" in text
         assert "  1  nanguard verify: at least one checkpoint failed verification" in text
+
+
+@pytest.mark.parametrize("weights", ["nan", "finite"])
+def test_a_lightning_checkpoint_without_a_sidecar_has_its_contents_checked_too(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], weights: str
+) -> None:
+    """An ordinary Lightning checkpoint (no CheckpointGuard, so no sidecar) whose weights are all NaN: verify says
+    both facts, not only "no checksum sidecar" (the NaN weights used to show only with --no-require-sidecar)."""
+    model = TinyModel()
+    trainer = make_trainer(tmp_path, max_steps=1)
+    trainer.fit(model)
+    if weights == "nan":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float("nan"))
+    path = str(tmp_path / "plain.ckpt")
+    trainer.save_checkpoint(path)
+    assert cli.main(["verify", path]) == 1
+    out = capsys.readouterr().out.strip()
+    assert out.startswith(f"FAIL {path}: no checksum sidecar plain.ckpt{SIDECAR_SUFFIX}")
+    if weights == "nan":
+        assert "; its contents: non-finite values in state_dict." in out
+    else:
+        assert out.endswith("; its contents: they verify (zip CRC-32s, a weights-only load, finite)")
+    assert cli.main(["verify", "--no-require-sidecar", path]) == (1 if weights == "nan" else 0)
