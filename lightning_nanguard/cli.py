@@ -90,7 +90,7 @@ def _report(args: argparse.Namespace) -> int:
     else:
         print(f"no incidents: nanguard recorded none in {path}")
         if summary is not None:
-            with open(summary, encoding="utf-8") as f:
+            with open(summary, encoding="utf-8", errors="replace") as f:
                 print(f.read().rstrip("\n"))
     if args.plot:
         from lightning_nanguard.reporting.plot import write_plot
@@ -109,7 +109,7 @@ def _unrecovered(records: list[Incident], summary: str | None) -> bool:
     if any("stop" in (r.actions or [r.action]) for r in records):
         return True
     if summary is not None:
-        with open(summary, encoding="utf-8") as f:
+        with open(summary, encoding="utf-8", errors="replace") as f:
             return "NON-FINITE" in f.read()
     return False
 

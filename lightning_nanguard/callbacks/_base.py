@@ -17,7 +17,7 @@ from typing_extensions import override
 
 from lightning_nanguard import _lightning_compat
 from lightning_nanguard.callbacks._common import check_strategy_supported
-from lightning_nanguard.callbacks._state import adopt_saved_state, saved_state_key
+from lightning_nanguard.callbacks._state import CheckedState, adopt_saved_state, saved_state_key
 from lightning_nanguard.config import Configured
 from lightning_nanguard.engine import Engine, get_engine
 
@@ -44,7 +44,7 @@ _PER_BATCH_HOOKS = (
 )
 
 
-class NanGuardCallback(Configured, Callback):
+class NanGuardCallback(CheckedState, Configured, Callback):
     """Base of the nanguard callbacks. Subclasses override ``_install`` (and their own non-engine hooks)."""
 
     _drives = False

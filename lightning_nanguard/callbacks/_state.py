@@ -11,17 +11,60 @@ the same facts whatever the thresholds or the logging), so the key is the class 
 A checkpoint written before that keyed the state on some arguments (``GradNormMonitor{'on_nonfinite': 'skip',
 'layer_depth': 1}``): ``adopt_saved_state`` reads it from there. State that cannot be loaded is reported (a
 ``NanGuardWarning`` naming the callback and what is lost), never dropped in silence.
+
+State that is malformed (a checkpoint damaged or edited: a wrong type, a missing field, a nesting made to crash a
+reader) is a ``CheckpointVerificationError`` naming the callback and the problem, never a traceback from deep inside
+its ``load_state_dict``: every nanguard callback's ``load_state_dict`` is wrapped by ``CheckedState``.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
 from lightning_nanguard import _notices
+from lightning_nanguard.exceptions import CheckpointVerificationError, NanGuardError
 
-__all__ = ["adopt_saved_state", "saved_state_key", "warn_unloaded_quarantine"]
+__all__ = ["CheckedState", "adopt_saved_state", "saved_state_key", "warn_unloaded_quarantine"]
+
+# What a ``load_state_dict`` raises on a state of the wrong shape (its own validation raises ValueError, a
+# NanGuardConfigError included).
+_MALFORMED = (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError)
+
+
+class CheckedState:
+    """Mixin of every nanguard callback: the ``load_state_dict`` a subclass defines is wrapped so that a state that
+    is not a dict, or that its loading finds malformed, is a ``CheckpointVerificationError`` naming the callback."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("load_state_dict")
+        if own is not None and not getattr(own, "_checked", False):
+            cls.load_state_dict = _checked(cls.__qualname__, own)  # type: ignore[attr-defined]
+
+
+def _checked(name: str, load: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+    @functools.wraps(load)
+    def load_state_dict(self: Any, state_dict: Any) -> None:
+        problem = "" if isinstance(state_dict, dict) else f"a {type(state_dict).__name__}, not a dict"
+        if not problem:
+            try:
+                load(self, state_dict)
+                return
+            except NanGuardError:
+                raise
+            except _MALFORMED as err:
+                problem = f"{type(err).__name__}: {str(err)[:300]}"
+        raise CheckpointVerificationError(
+            f"{name}: the checkpoint's saved state of {name} is malformed ({problem}); resume from another "
+            f"checkpoint (nanguard verify lists them), or without {name} (its counts and records then start afresh)."
+        )
+
+    load_state_dict._checked = True  # type: ignore[attr-defined]
+    return load_state_dict
 
 
 def saved_state_key(callback: Callback) -> str:

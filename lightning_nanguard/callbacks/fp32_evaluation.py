@@ -15,7 +15,7 @@ from lightning_nanguard.callbacks._common import (
     fp32_evaluation_sharded_refusal,
     rerun_incident,
 )
-from lightning_nanguard.callbacks._state import adopt_saved_state, saved_state_key
+from lightning_nanguard.callbacks._state import CheckedState, adopt_saved_state, saved_state_key
 from lightning_nanguard.config import Configured, FP32EvaluationConfig, arguments_from
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.exceptions import UnsupportedSetupError
@@ -32,7 +32,7 @@ __all__ = ["FP32Evaluation"]
 
 
 @arguments_from(FP32EvaluationConfig)
-class FP32Evaluation(Configured, Callback):
+class FP32Evaluation(CheckedState, Configured, Callback):
     """Run validation and test in float32 (always, or only for the batches that come out non-finite in half precision).
 
     Lightning evaluates under the training precision. A model that forces float32 only where training needs it

@@ -25,6 +25,7 @@ import re
 from typing import Any
 
 from lightning_nanguard._files import hash_file, write_text_atomic
+from lightning_nanguard.exceptions import brief
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -119,8 +120,8 @@ def read_manifest(dirpath: str) -> tuple[dict[str, Any] | None, str]:
     try:
         with open(path, encoding="utf-8") as f:
             manifest = json.load(f)
-    except (OSError, ValueError) as err:
-        return None, f"{MANIFEST_NAME} cannot be read ({type(err).__name__}: {err})"
+    except (OSError, ValueError, RecursionError) as err:
+        return None, f"{MANIFEST_NAME} cannot be read ({type(err).__name__}: {str(err)[:200]})"
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         return None, f"{MANIFEST_NAME} is not a nanguard manifest (format is not {MANIFEST_FORMAT!r})"
     files = manifest.get("files")
@@ -128,12 +129,19 @@ def read_manifest(dirpath: str) -> tuple[dict[str, Any] | None, str]:
         return None, f"{MANIFEST_NAME} lists no files"
     for name, entry in files.items():
         if (
-            not isinstance(entry, dict)
+            not _inside_name(name)
+            or not isinstance(entry, dict)
             or not isinstance(entry.get("size"), int)
             or not isinstance(entry.get("sha256"), str)
         ):
-            return None, f"{MANIFEST_NAME} has a malformed entry for {name!r}"
+            return None, f"{MANIFEST_NAME} has a malformed entry for {brief(name)}"
     return manifest, ""
+
+
+def _inside_name(name: str) -> bool:
+    """A listed file's name is relative and stays inside the directory (no "..", no absolute path)."""
+    parts = name.split("/")
+    return bool(name) and not name.startswith(("/", "\\")) and ".." not in parts and ":" not in parts[0]
 
 
 def verify_directory(dirpath: str) -> str | None:

@@ -82,17 +82,21 @@ def existing_sidecar(path: str) -> str | None:
 
 
 def read_sidecar(path: str) -> Sidecar | None:
-    """``path``'s sidecar, read, or ``None`` when it has none. An unreadable record reads as no record."""
+    """``path``'s sidecar, read, or ``None`` when it has none. Whatever its bytes: an unreadable record reads as no
+    record, and a first field that is no sha256 (64 hexadecimal digits) as a digest that matches nothing."""
     found = existing_sidecar(path)
     if found is None:
         return None
-    with open(found, encoding="utf-8") as f:
-        lines = f.read().splitlines()
+    try:
+        with open(found, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []  # no digest: "checksum sidecar ... holds no sha256"
     fields = lines[0].split() if lines else []
     meta: dict[str, Any] = {}
     for line in lines[1:]:
         if line.startswith(_META_PREFIX):
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(ValueError, RecursionError):
                 loaded = json.loads(line[len(_META_PREFIX) :])
                 meta = loaded if isinstance(loaded, dict) else {}
     digest = fields[0].lower() if fields else ""

@@ -186,7 +186,7 @@ def _check_sidecar(path: str, *, require_sidecar: bool) -> tuple[str | None, str
             return reason, ""
         return check_zip_crc(path), ""  # no sha256 to compare with: the CRC-32s torch's zip format stores
     if not sidecar.digest:
-        return f"checksum sidecar {os.path.basename(sidecar.path)} is empty", ""
+        return f"checksum sidecar {os.path.basename(sidecar.path)} is empty or unreadable (it holds no sha256)", ""
     name = os.path.basename(sidecar.path)
     if sidecar.stale and os.path.basename(path) != LAST_GOOD_NAME:
         note = (
@@ -232,13 +232,16 @@ def verify_and_load(
     except Exception as err:  # any unreadable file is a failed verification, whatever torch raises
         return VerifyResult(path, False, stale + _load_failure(err)), None
     step = checkpoint_step(checkpoint)
-    bad = nonfinite_tensors(checkpoint)
-    note = ""
-    if bad:  # the incident path (or a mask): which infinities are intended
-        sidecar = read_sidecar(path)
-        intended = intended_infinities_of(checkpoint, sidecar.meta if sidecar else None, module)
-        bad = nonfinite_tensors(checkpoint, intended.names)
-        note = intended.note
+    try:
+        bad = nonfinite_tensors(checkpoint)
+        note = ""
+        if bad:  # the incident path (or a mask): which infinities are intended
+            sidecar = read_sidecar(path)
+            intended = intended_infinities_of(checkpoint, sidecar.meta if sidecar else None, module)
+            bad = nonfinite_tensors(checkpoint, intended.names)
+            note = intended.note
+    except RecursionError:  # loadable, but nested deeper than any checkpoint: made to crash a reader
+        return VerifyResult(path, False, f"{stale}its contents nest too deep to be a checkpoint", step=step), None
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
         return VerifyResult(path, False, f"{stale}non-finite values in {', '.join(bad[:3])}{more}", step=step), None

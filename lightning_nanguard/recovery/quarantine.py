@@ -36,7 +36,7 @@ import lightning.pytorch as pl
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from lightning_nanguard import _distributed, _lightning_compat
-from lightning_nanguard.exceptions import NanGuardConfigError
+from lightning_nanguard.exceptions import CheckpointVerificationError
 from lightning_nanguard.recovery import quarantine_file, quarantine_sampler
 from lightning_nanguard.recovery.quarantine_file import EVERY_LOADER, QuarantineRecord
 from lightning_nanguard.recovery.quarantine_rows import TrainLoader, samples_of_rows
@@ -269,10 +269,10 @@ class Quarantine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         try:
             loaded = quarantine_file.parse(state, strict=False)
-        except ValueError as err:
-            raise NanGuardConfigError(
-                f"GradNormMonitor: the checkpoint's quarantine state is malformed ({err}); resume from another "
-                "checkpoint, or with GradNormMonitor(quarantine=False)."
+        except (ValueError, TypeError, RecursionError) as err:
+            raise CheckpointVerificationError(
+                f"GradNormMonitor: the checkpoint's quarantine state is malformed ({str(err)[:300]}); resume from "
+                "another checkpoint, or with GradNormMonitor(quarantine=False)."
             ) from None
         self._merge(loaded)
 

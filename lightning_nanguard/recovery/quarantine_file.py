@@ -113,8 +113,8 @@ def read_file(path: str) -> QuarantineRecord:
         raise _config_error(path, f"it cannot be read ({err})") from None
     try:
         data = json.loads(text, parse_constant=_no_constant)
-    except (json.JSONDecodeError, _Malformed) as err:
-        raise _config_error(path, f"it is not valid JSON ({err})") from None
+    except (json.JSONDecodeError, _Malformed, RecursionError) as err:
+        raise _config_error(path, f"it is not valid JSON ({str(err)[:200]})") from None
     try:
         return parse(data)
     except _Malformed as err:

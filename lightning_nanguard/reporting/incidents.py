@@ -197,11 +197,13 @@ class IncidentLog:
                 if not isinstance(data, dict):
                     raise TypeError(f"a JSON {type(data).__name__}, not an object")
                 if "repeat_of" in data:
+                    _check_types(data, _REPEAT_FIELDS, required=("repeat_of", "step"))
                     if not _fold_repeat(records, data):
                         notes.append(f"{path}:{n}: a repeat of an incident not in the log: skipped")
                     continue
+                _check_types(data, _FIELDS, required=_REQUIRED)
                 records.append(Incident.from_dict(data))
-            except (ValueError, TypeError, KeyError) as err:
+            except (ValueError, TypeError, KeyError, RecursionError) as err:
                 if k == len(lines) - 1 and not line.endswith("\n"):
                     notes.append(
                         f"{path}:{n}: the last line is cut short (the run was killed while writing it): skipped"
@@ -235,6 +237,40 @@ def _repeat_line(record: Incident) -> dict[str, object]:
         "cause": "" if record.cause is None else str(record.cause),
         "where": record.where,
     }
+
+
+# The JSON types of a record's fields (``Incident.to_dict``), checked when a log is read back: a line that is no
+# record a run wrote is left out with a note, never shown half-read.
+_INT, _STR = (int,), (str,)
+_FIELDS: dict[str, tuple[type, ...]] = {
+    **dict.fromkeys(("step", "epoch", "batch_idx", "budget_left", "repeats", "last_step"), _INT),
+    **dict.fromkeys(("trigger", "action", "source", "message", "where", "bundle"), _STR),
+    "cause": (str, type(None)),
+    "ranks": (list,),
+    "actions": (list,),
+    "values": (dict,),
+    "diagnosis": (dict,),
+}
+_REQUIRED = ("step", "epoch", "batch_idx", "ranks", "trigger", "action", "source")
+_REPEAT_FIELDS: dict[str, tuple[type, ...]] = {
+    **dict.fromkeys(("repeat_of", "step", "repeats"), _INT),
+    **dict.fromkeys(("trigger", "where"), _STR),
+    "cause": (str, type(None)),
+}
+
+
+def _check_types(data: Mapping[str, Any], fields: Mapping[str, tuple[type, ...]], required: tuple[str, ...]) -> None:
+    """``TypeError`` naming the first field that is missing or of another JSON type than a run writes."""
+    for name in required:
+        if name not in data:
+            raise KeyError(f"no {name!r}")
+    for name, kinds in fields.items():
+        value = data.get(name)
+        if name in data and (not isinstance(value, kinds) or (isinstance(value, bool) and kinds == _INT)):
+            raise TypeError(f"{name!r} is a JSON {type(value).__name__}")
+    for name, kind in (("ranks", int), ("actions", str)):
+        if not all(isinstance(v, kind) and not isinstance(v, bool) for v in data.get(name, [])):
+            raise TypeError(f"{name!r} holds a value that is not a JSON {kind.__name__}")
 
 
 def _fold_repeat(records: list[Incident], data: Mapping[str, Any]) -> bool:
