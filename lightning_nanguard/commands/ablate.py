@@ -138,7 +138,7 @@ def _skipped(scalars: dict[str, float], incidents: list[Any], run_dir: str) -> i
         try:
             with open(path, encoding="utf-8") as f:
                 dropped += int(json.load(f).get("dropped_batches", 0))
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError, AttributeError, TypeError, RecursionError):  # a damaged list counts nothing
             continue
     return dropped
 

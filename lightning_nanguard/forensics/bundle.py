@@ -37,9 +37,10 @@ import torch
 from torch import Tensor
 
 from lightning_nanguard import _lightning_compat
+from lightning_nanguard._files import hash_file
 from lightning_nanguard.exceptions import BundleError
 from lightning_nanguard.forensics.bundle_codec import Unencodable, capture_rng, encode, nbytes
-from lightning_nanguard.forensics.bundle_read import BUNDLES_DIR, FORMAT, Bundle, read_bundle
+from lightning_nanguard.forensics.bundle_read import BUNDLES_DIR, DATA_FILES, FORMAT, Bundle, read_bundle
 from lightning_nanguard.forensics.replay import TracedPass
 from lightning_nanguard.policies.causes import explain
 
@@ -232,6 +233,7 @@ def write_bundle(
                 raw.write(pickled_batch)
         if call is not None:
             torch.save(encode(call), os.path.join(tmp, "op.pt"))
+        manifest["files"] = {n: hash_file(os.path.join(tmp, n))[1] for n in sorted(os.listdir(tmp)) if n in DATA_FILES}
         with open(os.path.join(tmp, "manifest.json"), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1)
         if os.path.exists(final):

@@ -1,11 +1,12 @@
 """Reading an incident bundle (``forensics.bundle`` writes it) as data: nothing it names is imported or called.
 
 ``read_bundle`` checks every file and key a replay reads before anything uses them: ``manifest.json`` (JSON, each key
-of its type), ``step.pt`` and ``op.pt`` (``torch.load(weights_only=True)``, then ``bundle_codec.decode``: the plain
-types only), the random states (the shape ``capture_rng`` gives), the origin op (an aten op's name). A missing,
-cut-short or crafted file is a ``BundleError`` saying which and why; so is a manifest ``module`` that is not a dotted
-module name (a path, a ``.py`` file), refused before anything is imported. ``batch.pkl`` (a batch of arbitrary objects) is
-read only with ``allow_pickle``: the one trust opt-in, as unpickling can run any code.
+of its type; the sha256 it records of each data file, ``files``, matches before the file is loaded), ``step.pt`` and
+``op.pt`` (``torch.load(weights_only=True)``, then ``bundle_codec.decode``: the plain types only), the random states
+(the shape ``capture_rng`` gives), the origin op (an aten op's name). A missing, cut-short or crafted file is a
+``BundleError`` saying which and why; so is a manifest ``module`` that is not a dotted module name (a path, a ``.py``
+file), refused before anything is imported. ``batch.pkl`` (a batch of arbitrary objects) is read only with
+``allow_pickle``: the one trust opt-in, as unpickling can run any code.
 """
 
 from __future__ import annotations
@@ -20,14 +21,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_nanguard._files import hash_file
 from lightning_nanguard.exceptions import BundleError, brief
 from lightning_nanguard.forensics.bundle_codec import Undecodable, check_rng, decode
 from lightning_nanguard.policies.origin import Origin
 
-__all__ = ["BUNDLES_DIR", "DOTTED_NAME", "FORMAT", "QUALNAME", "Bundle", "read_bundle"]
+__all__ = ["BUNDLES_DIR", "DATA_FILES", "DOTTED_NAME", "FORMAT", "QUALNAME", "Bundle", "read_bundle"]
 
 BUNDLES_DIR = os.path.join("nanguard", "bundles")
 FORMAT = 1
+DATA_FILES = ("batch.pkl", "op.pt", "step.pt")  # the manifest's "files" records each one's sha256
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 # What a manifest may name: a module by its dotted import name (never a path or a file: no "/", "\\", ".py" at the
 # end, which a dotted name could spell), a class by its qualname.
 DOTTED_NAME = re.compile(r"(?![\s\S]*\.pyw?c?$)[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -63,6 +67,7 @@ def read_bundle(path: str, *, allow_pickle: bool = False) -> Bundle:
             f"no bundle at {path}: expected a directory with manifest.json (under <log_dir>/{BUNDLES_DIR})"
         )
     manifest = _read_manifest(manifest_path)
+    _check_digests(directory, manifest.get("files") or {})
     data = _load(directory, "step.pt")
     if not isinstance(data, dict):
         raise BundleError(f"damaged bundle {directory}: step.pt holds a {type(data).__qualname__}, not a dict")
@@ -92,6 +97,28 @@ def read_bundle(path: str, *, allow_pickle: bool = False) -> Bundle:
     if os.path.isfile(os.path.join(directory, "op.pt")) or manifest.get("op"):
         call = _read_call(directory, _load(directory, "op.pt"))
     return Bundle(directory, manifest, batch, data["rng"], dict(state), call)
+
+
+def _check_digests(directory: str, files: dict[str, Any]) -> None:
+    """Each data file the manifest lists has the sha256 it records (a bundle written before the manifest listed them
+    has no "files": its files are read as they are)."""
+    for name, digest in files.items():
+        if name not in DATA_FILES or not (isinstance(digest, str) and _SHA256.fullmatch(digest)):
+            raise BundleError(
+                f"damaged bundle {directory}: manifest.json's 'files' lists {brief(name)}: {brief(digest)}"
+            )
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise BundleError(f"damaged bundle {directory}: {name} is missing")
+        try:
+            matches = hash_file(path)[1] == digest
+        except OSError as err:
+            raise BundleError(f"damaged bundle {directory}: {name} is unreadable ({_first_line(err)})") from err
+        if not matches:
+            raise BundleError(
+                f"damaged bundle {directory}: {name} does not match its sha256 in manifest.json (changed or damaged "
+                "after it was written)"
+            )
 
 
 def _first_line(err: BaseException) -> str:
@@ -130,6 +157,7 @@ _OPTIONAL: dict[str, tuple[type | tuple[type, ...], bool]] = {
     "op": (str, True),
     "script": (str, True),
     "state_module": (str, True),
+    "files": (dict, False),
 }
 
 

@@ -38,9 +38,13 @@ def good(tmp_path_factory: pytest.TempPathFactory) -> str:
     return callback.written.path
 
 
-def _copy(good: str, tmp_path: Path) -> str:
+def _copy(good: str, tmp_path: Path, *, digests: bool = False) -> str:
+    """A copy of the good bundle; without its files' sha256 in the manifest unless ``digests`` (the checks below
+    are of the files' contents, which a crafter who rewrites a file also re-hashes; the sums are tested apart)."""
     path = str(tmp_path / "bundle")
     shutil.copytree(good, path)
+    if not digests:
+        _manifest(path, lambda d: d.pop("files"))
     return path
 
 
@@ -334,3 +338,25 @@ def test_deeply_nested_hparams_are_shortened_in_the_error(good: str, tmp_path: P
     _manifest(path, _set("hparams", huge))
     err = _refused(path, capsys, "cannot build NormNoEps(**{")
     assert max(len(line) for line in err.splitlines()) < 1500
+
+
+@pytest.mark.parametrize("name", ["step.pt", "op.pt"])
+def test_a_data_file_changed_after_it_was_written_fails_its_sha256(
+    good: str, tmp_path: Path, capsys: Any, name: str
+) -> None:
+    path = _copy(good, tmp_path, digests=True)
+    with open(os.path.join(good, "manifest.json"), encoding="utf-8") as f:
+        assert sorted(json.load(f)["files"]) == ["op.pt", "step.pt"]
+    data = bytearray(Path(path, name).read_bytes())
+    data[len(data) // 2] ^= 0x01  # one flipped bit: torch's loader would not notice it in a tensor's bytes
+    Path(path, name).write_bytes(bytes(data))
+    _refused(path, capsys, f"{name} does not match its sha256 in manifest.json")
+
+
+@pytest.mark.parametrize("files", [{"../secret": "0" * 64}, {"step.pt": "not a digest"}, {"manifest.json": "0" * 64}])
+def test_a_files_entry_that_is_no_data_file_digest_is_refused(
+    good: str, tmp_path: Path, capsys: Any, files: dict[str, str]
+) -> None:
+    path = _copy(good, tmp_path, digests=True)
+    _manifest(path, lambda d: d.__setitem__("files", files))
+    _refused(path, capsys, "manifest.json's 'files' lists")
