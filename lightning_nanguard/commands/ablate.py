@@ -109,7 +109,7 @@ def _final_weights(run_dir: str, train_loss: float) -> tuple[bool, str]:
     """Whether a run that exited 0 ended with finite weights, and a note where that was not read from the weights:
     nanguard's end-of-fit check (its summary), else the newest checkpoint, else the last logged training loss."""
     for path in _found(run_dir, "summary.txt"):
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8", errors="replace") as f:
             line = next((x for x in f if x.startswith("final parameters and buffers:")), "")
         state = line.split(":", 1)[1].strip() if line else ""
         if state:

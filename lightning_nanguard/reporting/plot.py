@@ -7,6 +7,7 @@ the line's tooltip. ``.png`` needs matplotlib (``pip install "lightning-nanguard
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import math
 import os
@@ -37,24 +38,32 @@ Series = dict[str, list[tuple[int, float]]]
 
 
 def read_series(run_dir: str) -> Series:
-    """The panels' scalars of a run directory: TensorBoard event files, else Lightning's CSV ``metrics.csv``."""
+    """The panels' scalars of a run directory: TensorBoard event files, else Lightning's CSV ``metrics.csv`` (a row
+    that does not parse is left out). ``RuntimeError`` saying which file when the event files cannot be read."""
     wanted = {tag for _, tag in PANELS}
     if glob.glob(os.path.join(run_dir, "events.out.tfevents.*")):
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-        acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
-        acc.Reload()
-        return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"] if t in wanted}
+        try:
+            acc = EventAccumulator(run_dir, size_guidance={"scalars": 0})
+            acc.Reload()
+            return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"] if t in wanted}
+        except Exception as err:  # a damaged event file: whatever tensorboard's reader raises
+            raise RuntimeError(f"the TensorBoard event files in {run_dir} cannot be read ({str(err)[:200]})") from err
     csv_path = os.path.join(run_dir, "metrics.csv")
     out: Series = {}
     if os.path.isfile(csv_path):
         import csv
 
-        with open(csv_path, newline="", encoding="utf-8") as f:
-            for row in csv.DictReader(f):
-                for tag in wanted:
-                    if row.get(tag) not in (None, ""):
-                        out.setdefault(tag, []).append((int(row["step"]), float(row[tag])))
+        with open(csv_path, newline="", encoding="utf-8", errors="replace") as f:
+            try:
+                for row in csv.DictReader(line.replace("\0", "") for line in f):
+                    for tag in wanted:
+                        if row.get(tag) not in (None, ""):
+                            with contextlib.suppress(ValueError, TypeError, KeyError):
+                                out.setdefault(tag, []).append((int(row["step"]), float(row[tag])))
+            except csv.Error as err:
+                raise RuntimeError(f"{csv_path} cannot be read as CSV ({err})") from err
     return out
 
 

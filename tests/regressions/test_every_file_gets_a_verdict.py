@@ -41,12 +41,14 @@ from lightning_nanguard.checkpointing.verify import (
     verify_checkpoint,
 )
 from lightning_nanguard.cli import main
+from lightning_nanguard.commands.ablate import _final_weights
 from lightning_nanguard.exceptions import BundleError
 from lightning_nanguard.forensics.bundle_read import Bundle, read_bundle
 from lightning_nanguard.preset import CALLBACKS
 from lightning_nanguard.recovery.quarantine import Quarantine
 from lightning_nanguard.recovery.quarantine_file import QuarantineRecord, read_file
 from lightning_nanguard.reporting.incidents import IncidentLog
+from lightning_nanguard.reporting.plot import read_series
 from lightning_nanguard.reporting.summary import format_summary
 from tests.fuzz import FUZZ, damaged_bytes, deep_checkpoint, deep_list, json_values, verdict, wrong_types
 from tests.helpers import make_trainer
@@ -387,3 +389,19 @@ def test_a_resume_from_a_checkpoint_with_malformed_callback_state_stops_with_a_v
     trainer = make_trainer(tmp_path, max_steps=6, callbacks=default_callbacks(CheckpointGuard=False))
     with pytest.raises(CheckpointVerificationError, match=r"(GradNormMonitor|AutoRollback): the checkpoint's saved"):
         trainer.fit(Tiny(), DataLoader(TensorDataset(x, torch.zeros(32)), batch_size=8), ckpt_path=path)
+
+
+@pytest.mark.parametrize("name", ["metrics.csv", "events.out.tfevents.1.host"])
+def test_damaged_metrics_get_a_verdict_in_the_plot_and_the_ablation(tmp_path: Path, name: str) -> None:
+    """``nanguard report --plot`` reads the logger's metrics; ``nanguard ablate`` a run's summary.txt."""
+    valid = b"step,train_loss,nanguard/grad_norm\n0,0.5,1.0\n1,0.4,0.9\n"
+    for i, content in enumerate([*damaged_bytes(valid).values(), b"step,train_loss\nx,y\n,\n1\n", b"a\0b,c\n1,2\n"]):
+        run_dir = tmp_path / str(i)
+        run_dir.mkdir()
+        _write(run_dir / name, content)
+        _write(run_dir / "summary.txt", content)
+        found = verdict(lambda run_dir=run_dir: read_series(str(run_dir)), RuntimeError)
+        assert isinstance(found, (dict, str))
+        finite, note = _final_weights(str(run_dir), 0.1)
+        assert isinstance(finite, bool)
+        assert isinstance(note, str)
