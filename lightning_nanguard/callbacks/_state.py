@@ -42,7 +42,7 @@ class CheckedState:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         own = cls.__dict__.get("load_state_dict")
-        if own is not None and not getattr(own, "_checked", False):
+        if own is not None and not getattr(own, "nanguard_checked", False):
             cls.load_state_dict = _checked(cls.__qualname__, own)  # type: ignore[attr-defined]
 
 
@@ -63,7 +63,7 @@ def _checked(name: str, load: Callable[[Any, Any], None]) -> Callable[[Any, Any]
             f"checkpoint (nanguard verify lists them), or without {name} (its counts and records then start afresh)."
         )
 
-    load_state_dict._checked = True  # type: ignore[attr-defined]
+    load_state_dict.nanguard_checked = True  # type: ignore[attr-defined]
     return load_state_dict
 
 
