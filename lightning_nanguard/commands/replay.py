@@ -141,8 +141,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "precision and in float32, with the origin of the first non-finite value traced: the op, the file:line "
         "that called it, the statistics that explain it, whether float32 fixes it, and the verdict. A bundle is "
         "data: nothing it names runs, except the LightningModule class its manifest names, imported by its dotted "
-        "name from the installed environment (never from the bundle's directory; for a project not installed, "
-        "PYTHONPATH=. nanguard replay ... from its root) after this command prints which, and only if it is a "
+        "name from the environment or the current directory (never from the bundle's directory: run it from the "
+        "project's root) after this command prints which, and only if it is a "
         "LightningModule subclass (choose the class or a factory yourself with --module or --factory). Exit 0 "
         "when it ran, 2 on a usage error or a bundle that cannot be read or replayed.",
     )

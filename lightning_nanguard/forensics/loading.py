@@ -1,9 +1,10 @@
 """The only code a replay imports: the LightningModule class a bundle names, or the class or factory the user names.
 
 A bundle's names are data. The class its manifest names (``module_class``) is imported by its dotted name from the
-environment as it is (``sys.path`` untouched: nothing is added, neither the current directory nor the bundle's), and
-no module found inside the bundle's own directory is ever loaded (``_NothingFrom``: a bundle cannot ship the code it
-names, whatever the current directory or ``PYTHONPATH``). A file path (``path/to/file.py:Class``) is accepted only
+environment, with the current directory on ``sys.path`` for the import as ``python -m`` puts it (the user's project
+root, where they stand; ``sys.path`` is put back afterwards), and no module found inside the bundle's own directory
+is ever loaded (``_NothingFrom``: a bundle cannot ship the code it names, whatever the current directory or
+``PYTHONPATH``). A file path (``path/to/file.py:Class``) is accepted only
 from the user (``nanguard replay --module`` / ``--factory``, ``load_object``), who may also name a module of the
 current directory. ``bundle_read`` refuses a manifest whose ``module`` is not a dotted name before anything runs.
 """
@@ -31,17 +32,17 @@ __all__ = ["load_object", "module_class"]
 
 
 _HOW = (
-    "install the project (pip install -e .), or run from its root with PYTHONPATH=. nanguard replay ..., or name "
-    "the class yourself with --module pkg.mod:Class or --module path/to/file.py:Class"
+    "install the project (pip install -e .), or run nanguard replay from the directory that holds the package (its "
+    "root), or name the class yourself with --module pkg.mod:Class or --module path/to/file.py:Class"
 )
 
 
 def module_class(
     manifest: dict[str, Any], announce: Callable[[str], None], bundle_dir: str | None = None
 ) -> type[pl.LightningModule]:
-    """The LightningModule class the manifest names, imported by its dotted name from the installed environment:
-    ``announce`` is told which before anything is imported, nothing under ``bundle_dir`` is loaded, and anything but
-    a ``LightningModule`` subclass is refused before it is called."""
+    """The LightningModule class the manifest names, imported by its dotted name from the environment and the current
+    directory: ``announce`` is told which before anything is imported, nothing under ``bundle_dir`` is loaded, and
+    anything but a ``LightningModule`` subclass is refused before it is called."""
     module, qualname = manifest["module"], manifest["qualname"]
     if module == "__main__" or "<locals>" in qualname:
         script = manifest.get("script")
@@ -61,11 +62,11 @@ def module_class(
     if not (isinstance(qualname, str) and QUALNAME.fullmatch(qualname)):
         raise BundleError(f"the bundle's qualname {brief(qualname)} is not a qualified name: nothing imported")
     announce(
-        f"the bundle names the LightningModule {module}:{qualname}: importing it from the installed environment "
+        f"the bundle names the LightningModule {module}:{qualname}: importing it from the environment "
         "(this runs that module's code; choose another with --module pkg.mod:Class or --factory pkg.mod:fn)"
     )
     try:
-        with _nothing_from(bundle_dir):
+        with _nothing_from(bundle_dir), _current_directory_on_path():
             found: Any = _attribute(importlib.import_module(module), qualname)
     except (ImportError, AttributeError) as err:
         raise BundleError(f"cannot import {module}:{qualname} ({err}): {_HOW}") from err
@@ -155,6 +156,19 @@ class _NothingFrom(importlib.abc.MetaPathFinder):
         if any(_inside(p, self.root) for p in [spec.origin, *(spec.submodule_search_locations or ())]):
             raise ImportError(f"{fullname} would be loaded from inside the bundle ({self.root}): refused")
         return spec
+
+
+@contextmanager
+def _current_directory_on_path() -> Iterator[None]:
+    """The current directory first on ``sys.path`` for one import (as ``python -m`` has it), then ``sys.path`` as it
+    was: a project run from its root replays without being installed."""
+    before = list(sys.path)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        yield
+    finally:
+        sys.path[:] = before
 
 
 @contextmanager

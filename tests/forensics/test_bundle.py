@@ -166,7 +166,7 @@ def test_replay_says_how_to_make_the_module_importable_and_buildable(tmp_path: P
     code, _, err = _replay(written.path, capsys=capsys)
     assert code == 2
     assert "cannot import no_such_package.models:NormNoEps" in err
-    assert "PYTHONPATH" in err
+    assert "from the directory that holds the package" in err
 
     _edit_manifest(written.path, module="tests.forensics.origin_models", hparams={"width": 3})
     code, _, err = _replay(written.path, capsys=capsys)

@@ -314,20 +314,26 @@ def test_a_module_name_matching_a_file_shipped_in_the_bundle_is_not_imported_fro
     assert module.split(".")[0] not in sys.modules
 
 
-def test_a_manifest_class_is_imported_without_adding_the_current_directory(
+def test_a_manifest_class_is_found_in_the_current_directory_outside_the_bundle_and_sys_path_is_put_back(
     good: str, tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The class a bundle names comes from the environment as it is: a module of the current directory that is not on
-    sys.path is not found (``PYTHONPATH=.`` or ``--module`` names it), and sys.path is left as it was."""
+    """A project run from its root replays without being installed (the current directory is on sys.path for the
+    import, as ``python -m`` has it), sys.path is put back afterwards, and the same module shipped inside the bundle,
+    run from there, is refused (the test above)."""
     path, marker = _copy(good, tmp_path), str(tmp_path / "RAN")
-    _ship(path, marker, "shipped_models.py")
-    _manifest(path, lambda d: d.update(module="shipped_models", qualname="Innocent"))
-    monkeypatch.chdir(path)
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "user_models.py").write_text(
+        f"with open({marker!r}, 'w') as f:\n    f.write('user code imported')\nclass Innocent: pass\n"
+    )
+    _manifest(path, lambda d: d.update(module="user_models", qualname="Innocent"))
+    monkeypatch.chdir(project)
+    monkeypatch.delitem(sys.modules, "user_models", raising=False)
     before = list(sys.path)
-    err = _refused(".", capsys, "No module named 'shipped_models'")
-    assert "PYTHONPATH=. nanguard replay" in err
+    _refused(path, capsys, "user_models:Innocent is a type, not a LightningModule subclass")
+    assert os.path.exists(marker)  # found where the user stands, outside the bundle
     assert sys.path == before
-    assert not os.path.exists(marker)
+    sys.modules.pop("user_models", None)
 
 
 def test_deeply_nested_hparams_are_shortened_in_the_error(good: str, tmp_path: Path, capsys: Any) -> None:
