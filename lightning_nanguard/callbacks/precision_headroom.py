@@ -146,7 +146,7 @@ class PrecisionHeadroom(NanGuardCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        if self.watch.tick(trainer, pl_module, self._engine_now) and not self._sampling:
+        if self.watch.tick(trainer, pl_module, self._engine_now, batch) and not self._sampling:
             self._sampling = True
             if not self._drives:
                 show_hooks(self, _SAMPLE_HOOKS, shown=True)

@@ -33,10 +33,12 @@ from lightning_nanguard.engine.scaled_gradient import ENTRIES, ScaledGradient
 from lightning_nanguard.policies.headroom import HeadroomBook, HeadroomSettings, decide
 from lightning_nanguard.precision import FULL_PRECISION, Precision, classify_precision
 from lightning_nanguard.recovery.eval_precision import autocast_device
+from lightning_nanguard.recovery.first_step_trial import trial_forward
 from lightning_nanguard.recovery.promote import demote, is_promoted, promote_submodule
 from lightning_nanguard.reporting import keys
 from lightning_nanguard.reporting.incidents import Incident
 from lightning_nanguard.signals.headroom import GradProbe, OutputProbe, dtype_max, watched_modules
+from lightning_nanguard.signals.op_headroom import OPS, OpProbe, module_of
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -63,6 +65,11 @@ class HeadroomWatch:
         self.promotions = 0
         self.precision: Precision = FULL_PRECISION
         self.probe: OutputProbe | None = None
+        self.ops: OpProbe | None = None  # every half-precision op, by module: the first step's trial, and samples
+        self.ops_on_samples = False  # False on a compiled module: its samples see the module outputs only
+        self.worst_ops: dict[str, str] = {}  # module -> the op with the least headroom at its last op sample
+        self._trial_due = False
+        self._op_vec: tuple[torch.Tensor, list[str]] | None = None  # the sampled step's op vector and op names
         self.grads: GradProbe | None = None  # under 16-true only: no GradScaler covers the gradients there
         self._grad_vec: torch.Tensor | None = None
         self.scaled = ScaledGradient(settings.scale_margin_bits)  # under 16-mixed: the loss-scaled gradient
@@ -71,8 +78,9 @@ class HeadroomWatch:
         self._armed_at = 0  # the step of the sample being taken
         self._mirror: HostMirror | None = None
         self._reduced: tuple[torch.Tensor, int] | None = None  # (per-module vector, step) awaiting the batch end
-        # (step, n, dtypes, whether the loss-scaled gradient's entries end it) in the mirror
-        self._pending: tuple[int, int, dict[int, torch.dtype], bool] | None = None
+        # (step, n, dtypes, whether the loss-scaled gradient's entries end it, the op names when the op entries
+        # follow the outputs) in the mirror
+        self._pending: tuple[int, int, dict[int, torch.dtype], bool, list[str] | None] | None = None
         self._dtypes: dict[int, torch.dtype] = {}
         self.idle = ""  # why nothing is measured in this fit (an untested strategy), "" when it is
 
@@ -100,6 +108,12 @@ class HeadroomWatch:
             self.probe.release()
         compiled = _lightning_compat.is_compiled(pl_module)
         self.probe = None if self.idle else OutputProbe(watched_modules(pl_module), resident=compiled)
+        if self.ops is not None:
+            self.ops.disarm()
+        half = self.precision.half and not self.idle
+        self.ops = OpProbe(watched_modules(pl_module)) if half else None
+        self.ops_on_samples = self.ops is not None and not compiled
+        self._trial_due = self.ops is not None and self.can_promote
         no_scaler = self.precision.true_half and self.precision.dtype is torch.float16
         self.grads = GradProbe(pl_module) if no_scaler and not self.idle else None
         self.scaled.start(trainer, pl_module, self.precision, bool(self.idle))
@@ -117,10 +131,12 @@ class HeadroomWatch:
     def stop(self) -> None:
         if self.probe is not None:
             self.probe.release()
-        self._reduced = None
+        if self.ops is not None:
+            self.ops.disarm()
+        self._reduced = self._op_vec = None
 
     # ------------------------------------------------------------------ the step
-    def tick(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> bool:
+    def tick(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine, batch: Any = None) -> bool:
         """Batch start: read the last sample (if any), then arm the probe when a sample is due. True when armed.
 
         A sample is read one step after it was taken on a CPU (the copy was synchronous) and two steps after on an
@@ -131,15 +147,49 @@ class HeadroomWatch:
             self._mirror is None or not self._mirror.cuda or trainer.global_step >= pending[0] + 2
         ):
             self._read(trainer, pl_module, engine)
+        if self._trial_due:
+            self._trial_due = False
+            self._try_first_step(trainer, pl_module, engine, batch)
         probe = self.probe
         if probe is None or trainer.global_step < self._due:
             return False
         probe.arm()
+        if self.ops is not None and self.ops_on_samples:
+            self.ops.arm()
         self._armed_at = trainer.global_step
         return True
 
+    def _try_first_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine, batch: Any) -> None:
+        """The fit's first half-precision step, tried before its forward (``recovery.first_step_trial``): its ops'
+        headroom into the book and decided on now, so a module that cannot run in float16 is promoted before the
+        step overflows. One host read, once per fit."""
+        assert self.ops is not None
+        vec = trial_forward(trainer, pl_module, batch, self.ops)
+        mirror = HostMirror(vec.numel(), vec.device)
+        mirror.fill(vec)
+        self._add_ops(trainer.global_step, mirror.values(vec.numel()), list(self.ops.last_ops))
+        self._decide(trainer, pl_module, engine)
+
+    def _add_ops(self, step: int, values: list[float], op_names: list[str]) -> None:
+        """The op entries of a reading (``OpProbe.reduce``: per module its worst op's fraction of the limit, then
+        that op's index) into the book, as that fraction of the training precision's limit."""
+        assert self.ops is not None
+        names = self.ops.names
+        for i, name in enumerate(names):
+            amax, worst = values[i], int(values[len(names) + i])
+            if amax < 0:
+                continue
+            self.book.add(step, name + OPS, amax * self.half_limit, self.half_limit)
+            if 0 <= worst < len(op_names):
+                self.worst_ops[name] = op_names[worst]
+
     def collect(self, step: int) -> None:
         """``on_before_backward`` of the sampled step: the forward is done; one fused reduction, no host read."""
+        ops = self.ops
+        if ops is not None and ops.armed:
+            ops.disarm()
+            reduced_ops = ops.reduce()
+            self._op_vec = None if reduced_ops is None else (reduced_ops, list(ops.last_ops))
         probe = self.probe
         if probe is None or not probe.armed:
             return
@@ -164,6 +214,10 @@ class HeadroomWatch:
         """The sampled step's batch end: one MAX all-reduce and a non-blocking copy to the host."""
         if self.probe is not None:
             self.probe.disarm()  # a step with no backward never reached ``collect``
+        if self.ops is not None and self.ops.armed:
+            self.ops.disarm()
+            self.ops.reduce()  # dropped: a step with no backward
+        op_vec, self._op_vec = self._op_vec, None
         self._due = trainer.global_step + self.settings.every_n_steps  # until the next read says sooner
         grads, self._grad_vec = self._grad_vec, None
         scaled = self.scaled.take()
@@ -177,6 +231,10 @@ class HeadroomWatch:
             reduced = (torch.full((len(self.probe.names),), -1.0, device=scaled.device), self._armed_at)
         vec, step = reduced
         self._names = list(self.probe.names)
+        op_names: list[str] | None = None
+        if self.ops is not None and self.ops_on_samples:  # every rank's vector has the op entries, measured or not
+            ops_vec, op_names = op_vec if op_vec is not None else (torch.full((2 * len(self.ops.names),), -1.0), [])
+            vec = torch.cat([vec, ops_vec.to(vec.device)])  # the op entries follow the outputs
         if grads is not None and self.grads is not None and grads.device == vec.device:
             vec = torch.cat([vec, grads])  # one vector, one all-reduce
             self._names += self.grads.names
@@ -187,7 +245,7 @@ class HeadroomWatch:
         if self._mirror is None or self._mirror.size < vec.numel():
             self._mirror = HostMirror(vec.numel(), vec.device)
         self._mirror.fill(vec)
-        self._pending = (step, vec.numel(), self._dtypes, tail)
+        self._pending = (step, vec.numel(), self._dtypes, tail, op_names)
 
     def finish(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
         """Training ends: the last sample's values into the history (for the summary and a resume), no decision."""
@@ -198,12 +256,16 @@ class HeadroomWatch:
         assert self._pending is not None
         assert self._mirror is not None
         assert self.probe is not None
-        step, n, dtypes, tail = self._pending
+        step, n, dtypes, tail, op_names = self._pending
         self._pending = None
         values = self._mirror.values(n)  # a copy queued a step ago: host memory, no device read
         if tail:
             values, (amax, ran_with) = values[:-ENTRIES], values[-ENTRIES:]
             self.scaled.read(trainer, engine, amax, ran_with, act=act)
+        if op_names is not None:
+            outputs = len(self.probe.names)
+            self._add_ops(step, values[outputs : 3 * outputs], op_names)
+            values = values[:outputs] + values[3 * outputs :]
         names = self._names
         for i, amax in enumerate(values):
             if amax < 0:
@@ -243,13 +305,18 @@ class HeadroomWatch:
             self.pinned.add(name)  # it relapsed after a demotion: it stays in float32 now
         if name not in self.promoted:
             self.promoted.append(name)
-        history = [[s, round(b, 3)] for s, b in self.book.bits(name)]
+        ops = self.book.bits(name + OPS)
+        by_op = bool(ops) and ops[-1][1] == fc.bits  # the forecast that fired is the op entry's
+        op = self.worst_ops.get(name, "") if by_op else ""
+        history = [[s, round(b, 3)] for s, b in (ops if by_op else self.book.bits(name))]
+        where = f" in {op}" if op else ""
         text = (
-            f"{name} is about to overflow float16: {why}. Before it does, {message}. Headroom history (step, bits): "
-            f"{history[-6:]}"
+            f"{name} is about to overflow float16{where}: {why}. Before it does, {message}. Headroom history (step, "
+            f"bits): {history[-6:]}"
         )
         values = {
             "module": name,
+            "op": op,
             "bits": fc.bits,
             "slope_bits_per_step": fc.slope,
             "steps_to_overflow": fc.steps_to_zero,
@@ -265,6 +332,7 @@ class HeadroomWatch:
             return  # an overflow promoted it too (FP32Evaluation(promote_after=...)): it stays in float32
         if not demote(pl_module.get_submodule(name)):
             return
+        self.book.forget(name)
         self.promoted.remove(name)
         self.demoted.add(name)
         bits = self.book.bits(name, self.half_limit)
@@ -316,9 +384,12 @@ class HeadroomWatch:
     def lowest(self, count: int) -> list[tuple[str, float]]:
         """The ``count`` modules running in the training precision with the least headroom at their last sample,
         lowest first (a module the forecast promoted, and its submodules, run in float32: not listed)."""
-        latest = self.book.latest()
+        worst: dict[str, float] = {}
+        for entry, bits in self.book.latest().items():  # a module's output and its ops: the lower
+            name = module_of(entry)
+            worst[name] = min(bits, worst.get(name, math.inf))
         promoted = set(self.promoted)
-        shown = [(n, b) for n, b in latest.items() if not any(n == p or n.startswith(p + ".") for p in promoted)]
+        shown = [(n, b) for n, b in worst.items() if not any(n == p or n.startswith(p + ".") for p in promoted)]
         return sorted(shown, key=lambda kv: kv[1])[:count]
 
     def metrics(self, trainer: pl.Trainer) -> dict[str, float]:

@@ -1,8 +1,9 @@
 """The headroom forecast: which module to run in float32 before it overflows, and which may go back.
 
 Pure: sampled abs-maxima in, decisions out (no Trainer, no tensor). ``HeadroomBook`` keeps a short history of each
-module's output abs-max (``amax``) and the limit it is measured against (the training precision's largest value);
-``decide`` reads it:
+module's output abs-max (``amax``), and of the worst half-precision op inside its forward (entry ``"<module> (ops)"``,
+``signals.op_headroom``), with the limit each is measured against (the training precision's largest value); ``decide``
+reads it, an op entry acting on its module:
 
 ======================================================  ==========================================================
 what the history shows                                  decision
@@ -34,6 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from lightning_nanguard.signals.headroom import GRADIENT
+from lightning_nanguard.signals.op_headroom import OPS, module_of
 
 __all__ = [
     "DIVERGING_LOSS_RATIO",
@@ -110,6 +112,11 @@ class HeadroomBook:
         """Each module's headroom at its last sample."""
         return {name: self.bits(name, limit)[-1][1] for name, entries in self.modules.items() if entries}
 
+    def forget(self, module: str) -> None:
+        """Drop the op entries of ``module`` and its submodules (demoted: their float32 history says nothing)."""
+        for name in [n for n in self.modules if n.endswith(OPS) and _inside(module_of(n), {module})]:
+            del self.modules[name]
+
     def rebase(self, limit: float) -> None:
         """Measure every sample against at most ``limit`` from now on (a float32 run resumed in float16: its
         history says how close the float16 limit is before the first half-precision step)."""
@@ -178,8 +185,12 @@ def decide(
     urgent: list[tuple[float, str, Forecast, str]] = []
     trending: list[tuple[float, str, Forecast, str]] = []
     ready_to_demote: list[str] = []
-    for name in book.modules:
-        inside = _inside(name, promoted)
+    newest = max((entries[-1][0] for entries in book.modules.values() if entries), default=0)
+    for name, entries in book.modules.items():
+        module = module_of(name)  # an op entry ("attn (ops)") acts on its module
+        if module != name and (_inside(module, promoted) or not entries or entries[-1][0] < newest):
+            continue  # an op entry no longer sampled: a promoted module's ops, or a compiled module's after its trial
+        inside = _inside(module, promoted)
         samples = book.bits(name, half_limit if inside else None)
         if not samples:
             continue
@@ -187,14 +198,16 @@ def decide(
         next_in = min(next_in, _next_sample(f, len(samples), s))
         if inside or name.endswith(GRADIENT):  # a gradient's headroom is reported, never acted on
             continue
+        where = " (an op inside its forward)" if module != name else ""
         if f.bits < s.margin_bits:
-            urgent.append((f.bits, name, f, f"{f.bits:.2f} bits of headroom, below the margin of {s.margin_bits:g}"))
+            why = f"{f.bits:.2f} bits of headroom{where}, below the margin of {s.margin_bits:g}"
+            urgent.append((f.bits, module, f, why))
         elif f.bits < s.watch_bits and f.falling and f.steps_to_zero <= s.horizon_steps:
             why = (
-                f"{f.bits:.2f} bits of headroom, falling {-f.slope:.3g} bits per step over the last "
+                f"{f.bits:.2f} bits of headroom{where}, falling {-f.slope:.3g} bits per step over the last "
                 f"{s.trend_samples} samples: it reaches 0 in about {f.steps_to_zero:.0f} steps"
             )
-            trending.append((f.bits, name, f, why))
+            trending.append((f.bits, module, f, why))
     for name in promoted:
         if name in pinned or s.demote_after is None:
             continue

@@ -212,7 +212,9 @@ def test_unsampled_steps_have_no_hooks_and_no_host_reads(tmp_path: Any) -> None:
     assert sampled[0] == 0
     assert 1 < len(sampled) < len(guarded.hooked_steps) // 2
     assert all(h == 0 for h in plain.hooked_steps)
-    assert guarded_reads == plain_reads  # not one more host read, sampled steps included
+    # Not one more host read, sampled steps included, but the model's own: the first step's trial runs its
+    # training_step once, whose ``float(loss)`` reads (the trial's result is copied into a host buffer).
+    assert guarded_reads == plain_reads + 1
 
 
 class Residual(_Drifting):

@@ -4,7 +4,8 @@ A graph torch.compile traced without a forward hook does not guard on one being 
 one sample only would run at the first compile and never again. On a compiled module the probe's hooks therefore
 stay registered and gate on an armed flag, which the graphs guard: one recompile (armed and disarmed), then every
 sample holds the same values as in eager mode, and the run's parameters are those of the same compiled run without
-the callback.
+the callback. The per-op headroom of a compiled module is taken by the first step's trial only, an eager forward
+(``torch.compiler.set_stance("force_eager")``): a dispatch mode sees no aten op inside a compiled graph.
 """
 
 from __future__ import annotations
@@ -54,8 +55,13 @@ def test_samples_of_a_compiled_module_hold_the_eager_values_and_change_nothing(t
     guarded, stats = _fit(tmp_path / "guarded", [callback], compiled=True)
 
     book, reference = callback.watch.book, eager.watch.book
-    assert set(book.modules) == {"body.0", "body.1", "head"}
-    for name, samples in reference.modules.items():  # every sample, at the same steps, with the eager values
+    outputs = {"body.0", "body.1", "head"}
+    assert set(book.modules) == outputs | {f"{name} (ops)" for name in outputs}
+    for name in outputs:  # the ops of a compiled module are seen by the first step's eager trial only
+        assert [s for s, _, _ in book.modules[f"{name} (ops)"]] == [0]
+        assert book.modules[f"{name} (ops)"][0][1] == pytest.approx(reference.modules[f"{name} (ops)"][0][1])
+    for name in outputs:  # every sample, at the same steps, with the eager values
+        samples = reference.modules[name]
         assert [s for s, _, _ in book.modules[name]] == [s for s, _, _ in samples]
         assert [a for _, a, _ in book.modules[name]] == pytest.approx([a for _, a, _ in samples], rel=1e-3)
     assert len(reference.modules["head"]) >= 4
