@@ -99,13 +99,13 @@ class OpProbe:
             self._handles.append(module.register_forward_pre_hook(self._enter(i)))
             self._handles.append(module.register_forward_hook(self._leave(i), always_call=True))
         self._mode = _Mode(self)
-        self._mode.__enter__()
+        self._mode.__enter__()  # type: ignore[no-untyped-call]
 
     def disarm(self) -> None:
         """Leave the dispatch mode and remove the hooks (the kept values stay for ``reduce``)."""
         mode, self._mode = self._mode, None
         if mode is not None:
-            mode.__exit__(None, None, None)
+            mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         for handle in self._handles:
             handle.remove()
         self._handles, self._stack = [], []
@@ -146,7 +146,7 @@ class OpProbe:
         r.hazard.append(_hazard(kind, ins[0], r.limits[-1]) if kind is not None and ins else None)
 
     def _input_amax(self, t: Tensor) -> Tensor:
-        made = self._made.get(t)
+        made = self._made.get(t)  # type: ignore[no-untyped-call]
         if made is not None:
             return made  # type: ignore[no-any-return]
         if not t.numel():
@@ -201,9 +201,9 @@ def _hazard(kind: str, x: Tensor, limit: float) -> Tensor:
     return xf.amax() / math.log(limit)
 
 
-class _Mode(TorchDispatchMode):  # type: ignore[misc]
+class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def __init__(self, probe: OpProbe) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.probe = probe
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
