@@ -24,6 +24,7 @@ __all__ = [
     "optimizer_handles_unscaling",
     "or_into_found_inf",
     "or_nonfinite_into_found_inf",
+    "scale_started",
     "scale_tensor",
     "set_found_inf",
     "set_found_inf_where_nonfinite",
@@ -61,6 +62,11 @@ def scale_tensor(scaler: Any) -> Tensor | None:
     if scaler is not None and scaler.is_enabled():
         return torch.tensor(float(scaler.get_scale()))
     return None
+
+
+def scale_started(scaler: Any) -> bool:
+    """The scaler has made its scale tensor (at its first ``scale``); before that it starts from its initial one."""
+    return isinstance(getattr(scaler, "_scale", None), torch.Tensor)
 
 
 def clamp_scale(scaler: Any, low: float, high: float | None) -> None:

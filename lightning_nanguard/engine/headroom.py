@@ -162,12 +162,21 @@ class HeadroomWatch:
     def _try_first_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine, batch: Any) -> None:
         """The fit's first half-precision step, tried before its forward (``recovery.first_step_trial``): its ops'
         headroom into the book and decided on now, so a module that cannot run in float16 is promoted before the
-        step overflows. One host read, once per fit."""
+        step overflows; where the scale can be cut, its gradient at the GradScaler's scale lowers the scale before
+        the first backward (never raised). One host read, once per fit."""
         assert self.ops is not None
-        vec = trial_forward(trainer, pl_module, batch, self.ops)
+        scale = (
+            _lightning_compat.scale_tensor(_lightning_compat.active_scaler(trainer)) if self.scaled.can_cut else None
+        )
+        vec = trial_forward(trainer, pl_module, batch, self.ops, gradient=scale is not None)
+        if scale is not None:
+            vec = torch.cat([vec, scale.to(device=vec.device, dtype=torch.float32).reshape(1)])
         mirror = HostMirror(vec.numel(), vec.device)
         mirror.fill(vec)
-        self._add_ops(trainer.global_step, mirror.values(vec.numel()), list(self.ops.last_ops))
+        values = mirror.values(vec.numel())
+        self._add_ops(trainer.global_step, values, list(self.ops.last_ops))
+        if scale is not None and values[-2] > 0:  # the scale starts where the gradient's headroom says
+            self.scaled.read(trainer, engine, values[-2] * values[-1], values[-1], act=True)
         self._decide(trainer, pl_module, engine)
 
     def _add_ops(self, step: int, values: list[float], op_names: list[str]) -> None:
