@@ -70,3 +70,15 @@ def test_a_thousand_class_head_drops_no_update_in_its_first_steps(tmp_path: Any)
     lowerings = next(c for c in callbacks if isinstance(c, PrecisionHeadroom)).watch.scaled.lowerings
     assert lowerings.first_from == 65536.0  # lowered from the configured scale before the first backward
     assert float(trainer.precision_plugin.scaler.get_scale()) < 65536.0  # type: ignore[attr-defined]
+
+
+def test_the_fp16_explosion_demo_has_no_nonfinite_step_with_the_preset(tmp_path: Any) -> None:
+    from lightning_nanguard.demo import run_task
+    from lightning_nanguard.demo.presets import preset
+
+    unguarded = run_task("fp16-explosion", [], seed=0, root_dir=str(tmp_path), config="unguarded")
+    assert not unguarded.finished  # the forward overflows, every later step is dropped
+    run = run_task("fp16-explosion", preset(), seed=0, root_dir=str(tmp_path), config="preset")
+    assert run.finished, run.error
+    assert run.skipped_steps == 0, run.actions()
+    assert not [i for i in run.incidents if str(i.trigger).startswith("nonfinite")], run.actions()
