@@ -73,9 +73,12 @@ class OpProbe:
 
     Args:
         modules: ``(path, module)`` pairs; their positions are the slots of ``reduce``'s per-module vector.
+        dtypes: the output dtypes measured (half precision; a benchmark passes float32 to time the same work on a
+            float32 forward).
     """
 
-    def __init__(self, modules: Iterable[tuple[str, nn.Module]]) -> None:
+    def __init__(self, modules: Iterable[tuple[str, nn.Module]], dtypes: tuple[torch.dtype, ...] = _HALF) -> None:
+        self.dtypes = dtypes
         pairs = list(modules)
         self.names = [name for name, _ in pairs]
         self._modules = [m for _, m in pairs]
@@ -126,13 +129,15 @@ class OpProbe:
 
     def see(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """One op ran (called by the dispatch mode, with modes off): keep its output's extremes on the device."""
-        if not self._stack or not isinstance(out, Tensor) or out.dtype not in _HALF or not out.numel():
+        if not self._stack or not isinstance(out, Tensor) or out.dtype not in self.dtypes or not out.numel():
             return
         if func.is_view:
             return
         r = self.reading
         name = str(func.overloadpacket)
         ins = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor) and a.is_floating_point()]
+        if name == "aten._to_copy" and all(isinstance(t, nn.Parameter) for t in ins):
+            return  # autocast's cast of a weight: a weight past the half range shows in its module's output
         lo, hi = torch.aminmax(out.detach())
         self._made[out] = torch.maximum(hi.float(), lo.float().neg())
         r.names.append(name)
@@ -146,12 +151,16 @@ class OpProbe:
         r.hazard.append(_hazard(kind, ins[0], r.limits[-1]) if kind is not None and ins else None)
 
     def _input_amax(self, t: Tensor) -> Tensor:
+        """An input's abs-max where it is a measured op's output; else (a buffer, a batch field, a float32 op's
+        output) a value that is finite exactly when the input is (one ``aminmax``, cached for the pass). A
+        parameter counts as finite without a look: the suite checks the parameters at every step."""
         made = self._made.get(t)  # type: ignore[no-untyped-call]
         if made is not None:
             return made  # type: ignore[no-any-return]
-        if not t.numel():
+        if not t.numel() or isinstance(t, nn.Parameter):
             return torch.zeros((), device=t.device)
-        amax = t.detach().abs().amax().float()  # a leaf (parameter, buffer, batch) or an unmeasured op's output
+        lo, hi = torch.aminmax(t.detach())
+        amax = (hi.float() - lo.float()).abs()  # NaN or inf where the input holds a non-finite value
         self._made[t] = amax
         return amax
 
