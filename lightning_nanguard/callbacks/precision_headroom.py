@@ -33,7 +33,10 @@ class PrecisionHeadroom(NanGuardCallback):
     is taken during the forward (forward hooks registered for that step only, one fused reduction on the device, one
     MAX all-reduce across ranks, a non-blocking copy read at the next step: no host synchronization on the step
     path). Headroom in bits is ``log2(dtype max / abs-max)``: float16's 65504 against an output of 2000 leaves 5
-    bits. A short history per module feeds a forecast: under ``16-mixed`` a module with fewer than ``margin_bits``
+    bits. The same sample sees inside each forward: every half-precision op's abs-max against its dtype's max, and an
+    ``exp``-like op's input against the dtype's log-max (``signals.op_headroom``: a dispatch mode over the forward,
+    each op attributed to the innermost module running it; the module's ``"(ops)"`` entry, its worst op). A short
+    history per module feeds a forecast: under ``16-mixed`` a module with fewer than ``margin_bits``
     left, or close to the limit and falling steadily enough to reach it within ``horizon_steps``, runs in float32 from
     then on (autocast off for its forward, as ``FP32Evaluation(promote_after=...)`` does after an overflow), before
     it overflows; the promotion is an incident with the history and the forecast. Samples come sooner while a module
@@ -44,9 +47,12 @@ class PrecisionHeadroom(NanGuardCallback):
 
     Under ``bf16-*`` (float32's range) and ``16-true`` (no autocast to switch off) headroom is reported only. Under
     ``32-true`` the abs-maxima are still kept (in the checkpoint): a float32 run resumed in float16 has its modules
-    judged against float16 before its first step. Only module outputs are seen: a value that overflows inside one
-    module's forward without leaving it as an output (a fused attention's logits) shows only in what it does to the
-    output. Under ``16-true``, which has no GradScaler, each module's parameter gradients are sampled too
+    judged against float16 before its first step. Every fit's first ``16-mixed`` step is tried before it runs: one
+    traced ``training_step`` of its batch, leaving no trace (``recovery.first_step_trial``), its ops judged and its
+    gradient measured at once (one host read, once per fit), so a module that cannot run in float16 is promoted
+    and the GradScaler's scale starts where the gradient's headroom says, before the first update. A ``torch.compile``d
+    module's samples see its module outputs only (its kernels are no aten ops); its first-step trial runs eagerly and
+    sees every op. Under ``16-true``, which has no GradScaler, each module's parameter gradients are sampled too
     (``"<module> (gradient)"``, reported only).
 
     Under ``16-mixed`` the backward overflows too: autocast computes a weight's gradient in float16 at the loss scale,

@@ -60,11 +60,13 @@ class OpReading:
     def __init__(self) -> None:
         self.names: list[str] = []  # per op: "aten.mul"
         self.slots: list[int] = []  # per op: the innermost watched module that ran it
-        self.highs: list[Tensor] = []  # per op: max and -min of its output (aminmax), float32
-        self.lows: list[Tensor] = []
+        self.lows: list[Tensor] = []  # per op: its output's min and max (``aminmax``, the output's dtype)
+        self.highs: list[Tensor] = []
         self.limits: list[float] = []  # per op: its output dtype's max
-        self.hazard: list[Tensor | None] = []  # per op: its input's fraction of the dtype's log-max (exp-like ops)
-        self.inputs: list[list[Tensor]] = []  # per op: the abs-max of each tensor input (finite or not)
+        self.hazard: dict[int, Tensor] = {}  # op -> its input's fraction of the dtype's log-max (exp-like ops)
+        self.inputs: list[tuple[int, int]] = []  # (op, source) per tensor input: source >= 0 an op, < 0 a leaf
+        self.leaf_lows: list[Tensor] = []  # per leaf input (an input no measured op made): its min and max
+        self.leaf_highs: list[Tensor] = []
         self.scalar_nonfinite: list[bool] = []  # per op: a non-finite Python scalar was passed (a fill value)
 
 
@@ -87,7 +89,9 @@ class OpProbe:
         self._mode: _Mode | None = None
         self.reading = OpReading()
         self.last_ops: list[str] = []  # the op names of the last ``reduce``, by index
-        self._made: WeakIdKeyDictionary = WeakIdKeyDictionary()  # an op's output tensor -> its abs-max (device)
+        self._ops: dict[Any, str] = {}  # aten op -> its name ("" for a view op)
+        self._limits: dict[torch.dtype, float] = {}
+        self._made: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a tensor seen -> its source (``_source``)
 
     @property
     def armed(self) -> bool:
@@ -128,63 +132,88 @@ class OpProbe:
         return hook
 
     def see(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
-        """One op ran (called by the dispatch mode, with modes off): keep its output's extremes on the device."""
+        """One op ran (called by the dispatch mode, with modes off): keep its output's extremes on the device (one
+        ``aminmax``; one more per input no measured op made)."""
         if not self._stack or not isinstance(out, Tensor) or out.dtype not in self.dtypes or not out.numel():
             return
-        if func.is_view:
-            return
-        r = self.reading
-        name = str(func.overloadpacket)
-        ins = [a for a in (*args, *kwargs.values()) if isinstance(a, Tensor) and a.is_floating_point()]
-        if name == "aten._to_copy" and all(isinstance(t, nn.Parameter) for t in ins):
+        known = self._ops.get(func)
+        if known is None:
+            known = self._ops[func] = "" if func.is_view else str(func.overloadpacket)
+        if not known:
+            return  # a view: its values are its input's
+        values = (*args, *kwargs.values())
+        ins = [a for a in values if isinstance(a, Tensor) and a.is_floating_point()]
+        if known == "aten._to_copy" and all(isinstance(t, nn.Parameter) for t in ins):
             return  # autocast's cast of a weight: a weight past the half range shows in its module's output
+        r = self.reading
+        op = len(r.names)
+        for t in ins:
+            source = self._source(t)
+            if source is not None:
+                r.inputs.append((op, source))
         lo, hi = torch.aminmax(out.detach())
-        self._made[out] = torch.maximum(hi.float(), lo.float().neg())
-        r.names.append(name)
+        self._made[out] = op
+        r.names.append(known)
         r.slots.append(self._stack[-1])
-        r.highs.append(hi.float())
-        r.lows.append(lo.float())
-        r.limits.append(float(torch.finfo(out.dtype).max))
-        r.inputs.append([self._input_amax(t).to(out.device) for t in ins])
-        r.scalar_nonfinite.append(any(isinstance(a, float) and not math.isfinite(a) for a in (*args, *kwargs.values())))
-        kind = HAZARDS.get(name)
-        r.hazard.append(_hazard(kind, ins[0], r.limits[-1]) if kind is not None and ins else None)
+        r.lows.append(lo)
+        r.highs.append(hi)
+        limit = self._limits.get(out.dtype)
+        if limit is None:
+            limit = self._limits[out.dtype] = float(torch.finfo(out.dtype).max)
+        r.limits.append(limit)
+        r.scalar_nonfinite.append(any(isinstance(a, float) and not math.isfinite(a) for a in values))
+        kind = HAZARDS.get(known)
+        if kind is not None and ins:
+            r.hazard[op] = _hazard(kind, ins[0], limit)
 
-    def _input_amax(self, t: Tensor) -> Tensor:
-        """An input's abs-max where it is a measured op's output; else (a buffer, a batch field, a float32 op's
-        output) a value that is finite exactly when the input is (one ``aminmax``, cached for the pass). A
-        parameter counts as finite without a look: the suite checks the parameters at every step."""
+    def _source(self, t: Tensor) -> int | None:
+        """Where an input's finiteness is read: the measured op that made it (>= 0), or a leaf's ``aminmax`` (< 0,
+        one per input no measured op made: a buffer, a batch field, a float32 op's output, cached for the pass);
+        ``None`` for a parameter (the suite checks the parameters at every step) or an empty tensor."""
         made = self._made.get(t)  # type: ignore[no-untyped-call]
         if made is not None:
-            return made  # type: ignore[no-any-return]
+            return int(made)
         if not t.numel() or isinstance(t, nn.Parameter):
-            return torch.zeros((), device=t.device)
+            return None
+        r = self.reading
         lo, hi = torch.aminmax(t.detach())
-        amax = (hi.float() - lo.float()).abs()  # NaN or inf where the input holds a non-finite value
-        self._made[t] = amax
-        return amax
+        r.leaf_lows.append(lo)
+        r.leaf_highs.append(hi)
+        leaf = -len(r.leaf_lows)
+        self._made[t] = leaf
+        return leaf
 
     def reduce(self) -> Tensor | None:
         """One float32 vector on the device, two entries per module: the largest fraction of the limit of its ops
         (-1 where none ran; the module docstring says how each is made), then the index of that op in ``last_ops``
         (-1: none). ``None`` when no half-precision op was attributed. Drops the kept values."""
         r, self.reading = self.reading, OpReading()
+        self._made = WeakIdKeyDictionary()
         if not r.names:
             return None
         device = r.highs[0].device
-        out = torch.maximum(torch.stack(r.highs), torch.stack(r.lows).neg()) / torch.tensor(r.limits, device=device)
-        finite_in = torch.stack(
-            [
-                torch.stack(ins).isfinite().all() if ins else torch.ones((), dtype=torch.bool, device=device)
-                for ins in r.inputs
-            ]
-        )
-        made_here = finite_in & ~torch.tensor(r.scalar_nonfinite, device=device)
-        value = torch.where(out.isfinite(), out, torch.where(made_here, OVERFLOWED, -1.0))
-        hazards = [(i, h) for i, h in enumerate(r.hazard) if h is not None]
-        if hazards:
-            index = torch.tensor([i for i, _ in hazards], device=device)
-            value = value.scatter_reduce(0, index, torch.stack([h for _, h in hazards]), "amax")
+        lows, highs = _stacked(r.lows, device), _stacked(r.highs, device)
+        out = torch.maximum(highs, lows.neg()) / torch.tensor(r.limits, device=device)
+        finite = lows.isfinite() & highs.isfinite()
+        made_here = ~torch.tensor(r.scalar_nonfinite, device=device)
+        if r.inputs:  # every input finite: an op's own output, or a leaf's extremes
+            leaves = (
+                _stacked(r.leaf_lows, device).isfinite() & _stacked(r.leaf_highs, device).isfinite()
+                if r.leaf_lows
+                else torch.zeros(0, dtype=torch.bool, device=device)
+            )
+            sources = torch.cat([finite, leaves])  # leaf -k (the k-th) at n_ops + k - 1
+            n_ops = len(r.names)
+            index = torch.tensor([s if s >= 0 else n_ops - s - 1 for _, s in r.inputs], device=device)
+            owner = torch.tensor([o for o, _ in r.inputs], device=device)
+            ok = torch.ones(n_ops, device=device).scatter_reduce(0, owner, sources[index].float(), "amin")
+            made_here = made_here & ok.bool()
+        value = torch.where(finite & out.isfinite(), out, torch.where(made_here, OVERFLOWED, -1.0))
+        if r.hazard:
+            index = torch.tensor(list(r.hazard), device=device)
+            hazard = torch.stack(list(r.hazard.values())).to(device)
+            hazard = torch.where(hazard.isfinite(), hazard, -1.0)  # a non-finite input came from elsewhere
+            value = value.scatter_reduce(0, index, hazard, "amax")
         slots = torch.tensor(r.slots, device=device)
         n = len(self.names)
         per_module = torch.full((n,), -1.0, device=device).scatter_reduce(0, slots, value, "amax")
@@ -193,6 +222,13 @@ class OpProbe:
         worst = torch.full((n,), -1.0, device=device).scatter_reduce(0, slots, candidate, "amax")
         self.last_ops = list(r.names)
         return torch.cat([per_module, worst])
+
+
+def _stacked(scalars: list[Tensor], device: torch.device) -> Tensor:
+    """0-dim tensors as one float32 vector on ``device`` (one ``stack`` where they share a dtype and a device)."""
+    if len({(t.dtype, t.device) for t in scalars}) > 1:
+        scalars = [t.to(device=device, dtype=torch.float32) for t in scalars]
+    return torch.stack(scalars).to(device=device, dtype=torch.float32)
 
 
 def module_of(entry: str) -> str:
