@@ -193,9 +193,9 @@ class OpProbe:
             return None
         device = r.highs[0].device
         lows, highs = _stacked(r.lows, device), _stacked(r.highs, device)
-        out = torch.maximum(highs, lows.neg()) / torch.tensor(r.limits, device=device)
+        out = torch.maximum(highs, lows.neg()) / _to(device, r.limits)
         finite = lows.isfinite() & highs.isfinite()
-        made_here = ~torch.tensor(r.scalar_nonfinite, device=device)
+        made_here = ~_to(device, r.scalar_nonfinite)
         if r.inputs:  # every input finite: an op's own output, or a leaf's extremes
             leaves = (
                 _stacked(r.leaf_lows, device).isfinite() & _stacked(r.leaf_highs, device).isfinite()
@@ -204,17 +204,17 @@ class OpProbe:
             )
             sources = torch.cat([finite, leaves])  # leaf -k (the k-th) at n_ops + k - 1
             n_ops = len(r.names)
-            index = torch.tensor([s if s >= 0 else n_ops - s - 1 for _, s in r.inputs], device=device)
-            owner = torch.tensor([o for o, _ in r.inputs], device=device)
+            index = _to(device, [s if s >= 0 else n_ops - s - 1 for _, s in r.inputs])
+            owner = _to(device, [o for o, _ in r.inputs])
             ok = torch.ones(n_ops, device=device).scatter_reduce(0, owner, sources[index].float(), "amin")
             made_here = made_here & ok.bool()
         value = torch.where(finite & out.isfinite(), out, torch.where(made_here, OVERFLOWED, -1.0))
         if r.hazard:
-            index = torch.tensor(list(r.hazard), device=device)
+            index = _to(device, list(r.hazard))
             hazard = torch.stack(list(r.hazard.values())).to(device)
             hazard = torch.where(hazard.isfinite(), hazard, -1.0)  # a non-finite input came from elsewhere
             value = value.scatter_reduce(0, index, hazard, "amax")
-        slots = torch.tensor(r.slots, device=device)
+        slots = _to(device, r.slots)
         n = len(self.names)
         per_module = torch.full((n,), -1.0, device=device).scatter_reduce(0, slots, value, "amax")
         index = torch.arange(len(r.names), device=device, dtype=torch.float32)
@@ -222,6 +222,11 @@ class OpProbe:
         worst = torch.full((n,), -1.0, device=device).scatter_reduce(0, slots, candidate, "amax")
         self.last_ops = list(r.names)
         return torch.cat([per_module, worst])
+
+
+def _to(device: torch.device, values: list[Any]) -> Tensor:
+    """A host list as a device tensor, copied without waiting for the device's queue (``non_blocking``)."""
+    return torch.tensor(values).to(device, non_blocking=True)
 
 
 def _stacked(scalars: list[Tensor], device: torch.device) -> Tensor:
