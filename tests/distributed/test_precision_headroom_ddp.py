@@ -99,6 +99,66 @@ def test_every_rank_lowers_the_loss_scale_alike(tmp_path: Any) -> None:
             dumps.append(json.load(f))
     assert dumps[0]["scales"] == dumps[1]["scales"]
     scales = [scale for _, scale in dumps[0]["scales"]]
-    assert scales[0] == 65536.0
-    assert scales[-1] < 65536.0  # lowered after the first sample's read, on both ranks
+    assert scales[0] < 65536.0  # lowered by the first step's trial, before its backward, on both ranks
     assert dumps[0]["incidents"] == dumps[1]["incidents"] == []  # no overflow, and the cut is not an incident
+
+
+class Shift(nn.Module):
+    """``z + offset``, the offset a plain attribute (a buffer would be DDP's rank 0's on every rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offset = 0.0
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return z + self.offset
+
+
+class RankShifted(pl.LightningModule):
+    """Targets offset by 4e5 on rank 1 only (its shard's): rank 1's first float16 step overflows in ``denorm``'s
+    add, rank 0's does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(8, 1)
+        self.denorm = Shift()
+        self.nonfinite = 0
+
+    def setup(self, stage: str) -> None:
+        self.denorm.offset = 4e5 * self.trainer.global_rank
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        pred = self.denorm(self.body(x)).float() - self.denorm.offset
+        loss = nn.functional.mse_loss(pred, y)
+        self.nonfinite += not bool(torch.isfinite(loss))
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> Any:
+        from torch.utils.data import DataLoader, TensorDataset
+
+        x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+        return DataLoader(TensorDataset(x, x[:, :1]), batch_size=8)
+
+
+@pytest.mark.distributed
+def test_the_first_step_trial_is_decided_alike_on_every_rank(tmp_path: Any) -> None:
+    trainer = make_trainer(
+        tmp_path,
+        "16-mixed",
+        strategy="ddp_spawn",
+        devices=2,
+        max_steps=4,
+        callbacks=[PrecisionHeadroom(), Dump(str(tmp_path))],
+    )
+    trainer.fit(RankShifted())
+    dumps = []
+    for r in (0, 1):
+        with open(f"{tmp_path}/rank{r}.json") as f:
+            dumps.append(json.load(f))
+    promotions = [[(i["step"], i["where"], i["values"]["op"]) for i in d["incidents"]] for d in dumps]
+    assert promotions[0] == promotions[1] == [(0, "denorm", "aten.add")]  # rank 0 follows rank 1's trial
+    assert dumps[0]["nonfinite"] == dumps[1]["nonfinite"] == 0
