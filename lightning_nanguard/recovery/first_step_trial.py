@@ -73,7 +73,7 @@ def _traced(
                 # graph's kernels are not aten ops), and no graph is compiled for the trial's forward.
                 with torch.compiler.set_stance("force_eager"):
                     with trainer.precision_plugin.train_step_context():
-                        probe.arm()
+                        probe.arm(overflows=True)
                         try:
                             out = pl_module.training_step(batch, 0)
                         finally:

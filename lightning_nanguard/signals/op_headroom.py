@@ -14,8 +14,10 @@ whose output is half precision (float16, bfloat16), one ``aminmax`` on the devic
   input overflows). A logit scale that grows by a factor per step spends the same bits per step, which the forecast's
   linear trend follows; the output's fraction (``e**(x - 11.09)``) is always the smaller one, and reaches 1 only at
   the overflow;
-* an output that is non-finite although every tensor input was finite and no non-finite scalar was passed
-  (``masked_fill(mask, -inf)`` is a value, not an overflow): ``OVERFLOWED`` (-64 bits);
+* in a forward tried before its step (``arm(overflows=True)``), an output that is non-finite in at least half its
+  rows although every tensor input was finite and no non-finite scalar was passed (``masked_fill(mask, -inf)`` is a
+  value, not an overflow): ``OVERFLOWED`` (-64 bits). An overflow on a sampled step has happened (the incident path
+  answers it), and one in a few rows of the batch is bad data's (the incident path's too): not measured;
 * any other non-finite output (propagated from an input that was): -1, not measured.
 
 and one entry per module, the worst of its ops (``-1`` where none ran), with the index of that op. View ops are not
@@ -41,6 +43,7 @@ __all__ = ["HAZARDS", "OPS", "OVERFLOWED", "OpProbe", "OpReading", "module_of"]
 OPS = " (ops)"  # the suffix of a module's per-op entry in the headroom book: "blocks.0.attn (ops)"
 
 OVERFLOWED = 2.0**64  # the fraction of the limit of an op that overflowed its dtype: -64 bits
+OVERFLOW_ROWS = 0.5  # an overflow in this share of an op's rows or more is the model's, not a few bad rows'
 
 # The ops whose input is the hazard: op name -> (which input, what its largest value makes of the output).
 HAZARDS: dict[str, str] = {
@@ -68,6 +71,7 @@ class OpReading:
         self.leaf_lows: list[Tensor] = []  # per leaf input (an input no measured op made): its min and max
         self.leaf_highs: list[Tensor] = []
         self.scalar_nonfinite: list[bool] = []  # per op: a non-finite Python scalar was passed (a fill value)
+        self.bad_rows: list[Tensor] = []  # per op, where overflows are judged: the share of its rows not finite
 
 
 class OpProbe:
@@ -90,6 +94,7 @@ class OpProbe:
         self.reading = OpReading()
         self.last_ops: list[str] = []  # the op names of the last ``reduce``, by index
         self._ops: dict[Any, str] = {}  # aten op -> its name ("" for a view op)
+        self._overflows = False
         self._limits: dict[torch.dtype, float] = {}
         self._made: WeakIdKeyDictionary = WeakIdKeyDictionary()  # a tensor seen -> its source (``_source``)
 
@@ -97,11 +102,20 @@ class OpProbe:
     def armed(self) -> bool:
         return self._mode is not None
 
-    def arm(self) -> None:
-        """Register the modules' pre/post forward hooks and enter the dispatch mode (until ``disarm``)."""
+    def arm(self, *, overflows: bool = False) -> None:
+        """Register the modules' pre/post forward hooks and enter the dispatch mode (until ``disarm``).
+
+        Args:
+            overflows: judge an op that overflowed (a forward tried before its step runs): ``OVERFLOWED`` where its
+                output is non-finite in at least ``OVERFLOW_ROWS`` of its rows (leading dimension), one more
+                reduction per op. Otherwise (a sampled step: the step has overflowed already, which the incident
+                path answers) and where fewer rows overflow (a few bad rows of the batch, which is the data's
+                cause, not the precision's), the op is not measured.
+        """
         if self._mode is not None:
             return
         self.reading, self._stack, self._made = OpReading(), [], WeakIdKeyDictionary()
+        self._overflows = overflows
         for i, module in enumerate(self._modules):
             self._handles.append(module.register_forward_pre_hook(self._enter(i)))
             self._handles.append(module.register_forward_hook(self._leave(i), always_call=True))
@@ -162,6 +176,9 @@ class OpProbe:
             limit = self._limits[out.dtype] = float(torch.finfo(out.dtype).max)
         r.limits.append(limit)
         r.scalar_nonfinite.append(any(isinstance(a, float) and not math.isfinite(a) for a in values))
+        if self._overflows:
+            bad = ~out.detach().isfinite()
+            r.bad_rows.append(bad.reshape(out.shape[0], -1).any(1).float().mean() if out.dim() else bad.float())
         kind = HAZARDS.get(known)
         if kind is not None and ins:
             r.hazard[op] = _hazard(kind, ins[0], limit)
@@ -196,6 +213,10 @@ class OpProbe:
         out = torch.maximum(highs, lows.neg()) / _to(device, r.limits)
         finite = lows.isfinite() & highs.isfinite()
         made_here = ~_to(device, r.scalar_nonfinite)
+        if r.bad_rows:  # an overflow of most rows: the model, not a few bad rows of the batch
+            made_here = made_here & (torch.stack(r.bad_rows).to(device) >= OVERFLOW_ROWS)
+        else:
+            made_here = torch.zeros_like(made_here)
         if r.inputs:  # every input finite: an op's own output, or a leaf's extremes
             leaves = (
                 _stacked(r.leaf_lows, device).isfinite() & _stacked(r.leaf_highs, device).isfinite()

@@ -35,10 +35,10 @@ class Outer(nn.Module):
         return self.head(self.inner(x) / 1000)
 
 
-def _read(model: nn.Module, x: torch.Tensor) -> tuple[dict[str, float], dict[str, str]]:
+def _read(model: nn.Module, x: torch.Tensor, overflows: bool = True) -> tuple[dict[str, float], dict[str, str]]:
     probe = OpProbe([(n, m) for n, m in model.named_modules() if n])
     with torch.autocast("cpu", dtype=torch.float16), torch.no_grad():
-        probe.arm()
+        probe.arm(overflows=overflows)
         model(x)
         probe.disarm()
     vec = probe.reduce()
@@ -71,6 +71,13 @@ def test_an_op_that_overflows_is_marked_and_a_minus_inf_mask_is_not() -> None:
     fractions, worst = _read(model, torch.ones(2, 4))
     assert fractions["inner"] == OVERFLOWED  # 2e5 in float16: the product overflowed, its inputs were finite
     assert worst["inner"] == "aten.mul"
+    fractions, _ = _read(model, torch.ones(2, 4), overflows=False)
+    assert fractions["inner"] < 0  # on a sampled step the overflow has happened: the incident path's, not measured
+
+    x = torch.ones(4, 4) * 1e-3
+    x[0] = 1.0  # one bad row of four: bad data, not a model that cannot run in float16
+    fractions, _ = _read(model, x)
+    assert fractions["inner"] < 1
 
     masked = Outer(scale=1.0, mask=True)
     fractions, _ = _read(masked, torch.ones(2, 4))
