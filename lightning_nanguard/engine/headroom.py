@@ -28,17 +28,17 @@ import torch
 
 from lightning_nanguard import _distributed, _lightning_compat
 from lightning_nanguard.contract import Action
+from lightning_nanguard.engine.op_sampling import OpSampling
 from lightning_nanguard.engine.reading import HostMirror
 from lightning_nanguard.engine.scaled_gradient import ENTRIES, ScaledGradient
 from lightning_nanguard.policies.headroom import HeadroomBook, HeadroomSettings, decide
 from lightning_nanguard.precision import FULL_PRECISION, Precision, classify_precision
 from lightning_nanguard.recovery.eval_precision import autocast_device
-from lightning_nanguard.recovery.first_step_trial import trial_forward
 from lightning_nanguard.recovery.promote import demote, is_promoted, promote_submodule
 from lightning_nanguard.reporting import keys
 from lightning_nanguard.reporting.incidents import Incident
 from lightning_nanguard.signals.headroom import GradProbe, OutputProbe, dtype_max, watched_modules
-from lightning_nanguard.signals.op_headroom import OPS, OpProbe, module_of
+from lightning_nanguard.signals.op_headroom import OPS, module_of
 
 if TYPE_CHECKING:
     from torch.optim import Optimizer
@@ -65,11 +65,7 @@ class HeadroomWatch:
         self.promotions = 0
         self.precision: Precision = FULL_PRECISION
         self.probe: OutputProbe | None = None
-        self.ops: OpProbe | None = None  # every half-precision op, by module: the first step's trial, and samples
-        self.ops_on_samples = False  # False on a compiled module: its samples see the module outputs only
-        self.worst_ops: dict[str, str] = {}  # module -> the op with the least headroom at its last op sample
-        self._trial_due = False
-        self._op_vec: tuple[torch.Tensor, list[str]] | None = None  # the sampled step's op vector and op names
+        self.ops = OpSampling()  # every half-precision op inside the forward: the first step's trial, and samples
         self.grads: GradProbe | None = None  # under 16-true only: no GradScaler covers the gradients there
         self._grad_vec: torch.Tensor | None = None
         self.scaled = ScaledGradient(settings.scale_margin_bits)  # under 16-mixed: the loss-scaled gradient
@@ -108,12 +104,8 @@ class HeadroomWatch:
             self.probe.release()
         compiled = _lightning_compat.is_compiled(pl_module)
         self.probe = None if self.idle else OutputProbe(watched_modules(pl_module), resident=compiled)
-        if self.ops is not None:
-            self.ops.disarm()
         half = self.precision.half and not self.idle
-        self.ops = OpProbe(watched_modules(pl_module)) if half else None
-        self.ops_on_samples = self.ops is not None and not compiled
-        self._trial_due = self.ops is not None and self.can_promote
+        self.ops.start(pl_module, half=half, compiled=compiled, trial=self.can_promote)
         no_scaler = self.precision.true_half and self.precision.dtype is torch.float16
         self.grads = GradProbe(pl_module) if no_scaler and not self.idle else None
         self.scaled.start(trainer, pl_module, self.precision, bool(self.idle))
@@ -131,9 +123,8 @@ class HeadroomWatch:
     def stop(self) -> None:
         if self.probe is not None:
             self.probe.release()
-        if self.ops is not None:
-            self.ops.disarm()
-        self._reduced = self._op_vec = None
+        self.ops.stop()
+        self._reduced = None
 
     # ------------------------------------------------------------------ the step
     def tick(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine, batch: Any = None) -> bool:
@@ -147,15 +138,13 @@ class HeadroomWatch:
             self._mirror is None or not self._mirror.cuda or trainer.global_step >= pending[0] + 2
         ):
             self._read(trainer, pl_module, engine)
-        if self._trial_due:
-            self._trial_due = False
+        if self.ops.trial_due:
             self._try_first_step(trainer, pl_module, engine, batch)
         probe = self.probe
         if probe is None or trainer.global_step < self._due:
             return False
         probe.arm()
-        if self.ops is not None and self.ops_on_samples:
-            self.ops.arm()
+        self.ops.arm()
         self._armed_at = trainer.global_step
         return True
 
@@ -164,41 +153,18 @@ class HeadroomWatch:
         headroom into the book and decided on now, so a module that cannot run in float16 is promoted before the
         step overflows; where the scale can be cut, its gradient at the GradScaler's scale lowers the scale before
         the first backward (never raised). One host read, once per fit."""
-        assert self.ops is not None
-        scale = (
-            _lightning_compat.scale_tensor(_lightning_compat.active_scaler(trainer)) if self.scaled.can_cut else None
-        )
-        vec = trial_forward(trainer, pl_module, batch, self.ops, gradient=scale is not None)
-        if scale is not None:
-            vec = torch.cat([vec, scale.to(device=vec.device, dtype=torch.float32).reshape(1)])
-        mirror = HostMirror(vec.numel(), vec.device)
-        mirror.fill(vec)
-        values = mirror.values(vec.numel())
-        self._add_ops(trainer.global_step, values, list(self.ops.last_ops))
+        scaler = _lightning_compat.active_scaler(trainer) if self.scaled.can_cut else None
+        scale = _lightning_compat.scale_tensor(scaler) if scaler is not None else None
+        values = self.ops.trial(trainer, pl_module, batch, scale)
+        assert self.ops.probe is not None
+        self.ops.add(self.book, trainer.global_step, values, list(self.ops.probe.last_ops), self.half_limit)
         if scale is not None and values[-2] > 0:  # the scale starts where the gradient's headroom says
             self.scaled.read(trainer, engine, values[-2] * values[-1], values[-1], act=True)
         self._decide(trainer, pl_module, engine)
 
-    def _add_ops(self, step: int, values: list[float], op_names: list[str]) -> None:
-        """The op entries of a reading (``OpProbe.reduce``: per module its worst op's fraction of the limit, then
-        that op's index) into the book, as that fraction of the training precision's limit."""
-        assert self.ops is not None
-        names = self.ops.names
-        for i, name in enumerate(names):
-            amax, worst = values[i], int(values[len(names) + i])
-            if amax < 0:
-                continue
-            self.book.add(step, name + OPS, amax * self.half_limit, self.half_limit)
-            if 0 <= worst < len(op_names):
-                self.worst_ops[name] = op_names[worst]
-
     def collect(self, step: int) -> None:
         """``on_before_backward`` of the sampled step: the forward is done; one fused reduction, no host read."""
-        ops = self.ops
-        if ops is not None and ops.armed:
-            ops.disarm()
-            reduced_ops = ops.reduce()
-            self._op_vec = None if reduced_ops is None else (reduced_ops, list(ops.last_ops))
+        self.ops.collect()
         probe = self.probe
         if probe is None or not probe.armed:
             return
@@ -223,10 +189,7 @@ class HeadroomWatch:
         """The sampled step's batch end: one MAX all-reduce and a non-blocking copy to the host."""
         if self.probe is not None:
             self.probe.disarm()  # a step with no backward never reached ``collect``
-        if self.ops is not None and self.ops.armed:
-            self.ops.disarm()
-            self.ops.reduce()  # dropped: a step with no backward
-        op_vec, self._op_vec = self._op_vec, None
+        self.ops.collect()  # (nor the op probe's)
         self._due = trainer.global_step + self.settings.every_n_steps  # until the next read says sooner
         grads, self._grad_vec = self._grad_vec, None
         scaled = self.scaled.take()
@@ -241,9 +204,9 @@ class HeadroomWatch:
         vec, step = reduced
         self._names = list(self.probe.names)
         op_names: list[str] | None = None
-        if self.ops is not None and self.ops_on_samples:  # every rank's vector has the op entries, measured or not
-            ops_vec, op_names = op_vec if op_vec is not None else (torch.full((2 * len(self.ops.names),), -1.0), [])
-            vec = torch.cat([vec, ops_vec.to(vec.device)])  # the op entries follow the outputs
+        ops = self.ops.take(vec.device)  # every rank's vector has the op entries, measured or not
+        if ops is not None:
+            vec, op_names = torch.cat([vec, ops[0]]), ops[1]  # the op entries follow the outputs
         if grads is not None and self.grads is not None and grads.device == vec.device:
             vec = torch.cat([vec, grads])  # one vector, one all-reduce
             self._names += self.grads.names
@@ -273,7 +236,7 @@ class HeadroomWatch:
             self.scaled.read(trainer, engine, amax, ran_with, act=act)
         if op_names is not None:
             outputs = len(self.probe.names)
-            self._add_ops(step, values[outputs : 3 * outputs], op_names)
+            self.ops.add(self.book, step, values[outputs : 3 * outputs], op_names, self.half_limit)
             values = values[:outputs] + values[3 * outputs :]
         names = self._names
         for i, amax in enumerate(values):
@@ -316,7 +279,7 @@ class HeadroomWatch:
             self.promoted.append(name)
         ops = self.book.bits(name + OPS)
         by_op = bool(ops) and ops[-1][1] == fc.bits  # the forecast that fired is the op entry's
-        op = self.worst_ops.get(name, "") if by_op else ""
+        op = self.ops.worst_ops.get(name, "") if by_op else ""
         history = [[s, round(b, 3)] for s, b in (ops if by_op else self.book.bits(name))]
         where = f" in {op}" if op else ""
         text = (
