@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nanguard import FP32Evaluation, PrecisionHeadroom, default_callbacks
@@ -36,7 +37,7 @@ class _Drifting(pl.LightningModule):
         super().__init__()
         self.nonfinite = 0
         self.losses: list[float] = []
-        self.hooked_steps: list[int] = []  # forward hooks seen registered in training_step, per step
+        self.hooked_steps: list[int] = []  # forward (pre-)hooks and dispatch modes seen in training_step, per step
         self.lr = 0.05
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -45,7 +46,8 @@ class _Drifting(pl.LightningModule):
         value = float(loss.detach())
         self.nonfinite += not math.isfinite(value)
         self.losses.append(value)
-        self.hooked_steps.append(sum(len(m._forward_hooks) for m in self.modules()))
+        hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in self.modules())
+        self.hooked_steps.append(hooks + (_get_current_dispatch_mode() is not None))  # the op trace's mode too
         return loss
 
     def on_train_batch_end(self, *args: Any) -> None:
