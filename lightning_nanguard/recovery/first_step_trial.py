@@ -79,7 +79,7 @@ def _traced(
                         finally:
                             probe.disarm()
                     if gradient:
-                        grad = _largest_gradient(pl_module, out)
+                        grad = _gradient_or_note(pl_module, out)
         except Exception as exc:  # a trial must never take training down with it
             probe.reduce()
             _notices.note(f"nanguard: the first half-precision step could not be tried ({type(exc).__name__}: {exc}).")
@@ -93,6 +93,16 @@ def _traced(
         return ops
     tail = grad if grad is not None else torch.full((), -1.0)
     return torch.cat([ops, tail.to(ops.device).reshape(1)])
+
+
+def _gradient_or_note(pl_module: pl.LightningModule, out: Any) -> torch.Tensor | None:
+    """``_largest_gradient``, or ``None`` with a note where the loss cannot be differentiated that way (reentrant
+    activation checkpointing refuses ``torch.autograd.grad``): the ops' reading stands, the scale starts as set."""
+    try:
+        return _largest_gradient(pl_module, out)
+    except RuntimeError as exc:
+        _notices.note(f"nanguard: the first step's gradient could not be measured ({exc}); its scale is left as set.")
+        return None
 
 
 def _largest_gradient(pl_module: pl.LightningModule, out: Any) -> torch.Tensor | None:
