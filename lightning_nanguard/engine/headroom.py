@@ -357,8 +357,11 @@ class HeadroomWatch:
         """The ``count`` modules running in the training precision with the least headroom at their last sample,
         lowest first (a module the forecast promoted, and its submodules, run in float32: not listed)."""
         worst: dict[str, float] = {}
+        newest = max((e[-1][0] for e in self.book.modules.values() if e), default=0)
         for entry, bits in self.book.latest().items():  # a module's output and its ops: the lower
             name = module_of(entry)
+            if name != entry and self.book.modules[entry][-1][0] < newest:
+                continue  # ops no longer sampled (a compiled module's, after its first step's trial)
             worst[name] = min(bits, worst.get(name, math.inf))
         promoted = set(self.promoted)
         shown = [(n, b) for n, b in worst.items() if not any(n == p or n.startswith(p + ".") for p in promoted)]
