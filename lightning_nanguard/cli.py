@@ -17,18 +17,10 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from lightning_nanguard.checkpointing.manifest import is_distributed_checkpoint
-from lightning_nanguard.checkpointing.sidecar import read_sidecar
-from lightning_nanguard.checkpointing.verify import (
-    SIDECAR_SUFFIX,
-    checkpoint_candidates,
-    verify_checkpoint,
-    write_sidecar,
-)
-from lightning_nanguard.engine.sink import INCIDENTS_FILE, SUMMARY_FILE
-from lightning_nanguard.reporting.incidents import Incident, IncidentLog
-from lightning_nanguard.reporting.summary import format_summary
+if TYPE_CHECKING:
+    from lightning_nanguard.reporting.incidents import Incident
 
 __all__ = ["EXIT_CODES", "build_parser", "main"]
 
@@ -54,6 +46,10 @@ def _version() -> str:
 
 
 def _report(args: argparse.Namespace) -> int:
+    # Here, not at the top: a record's vocabulary (``contract``) imports torch, and ``--version`` answers without it.
+    from lightning_nanguard.reporting.incidents import INCIDENTS_FILE, IncidentLog
+    from lightning_nanguard.reporting.summary import FACTS_FILE, SUMMARY_FILE, RunFacts, format_summary
+
     path = args.path
     run_dir = path
     summary: str | None = None
@@ -82,7 +78,14 @@ def _report(args: argparse.Namespace) -> int:
         return 2
     for note in notes:  # damaged lines are left out, not fatal: a killed run is the one most worth a report
         print(f"nanguard report: note: {note}", file=sys.stderr)
-    if records:
+    # Beside summary.txt: what the end-of-fit summary says beside the incidents.
+    facts_file = os.path.join(os.path.dirname(summary), os.path.basename(FACTS_FILE)) if summary else None
+    facts, facts_note = RunFacts.read(facts_file) if facts_file and os.path.isfile(facts_file) else (None, "")
+    if records and facts is not None:  # the run's own summary, from its records: every callback, every line
+        print(format_summary(records, facts.callbacks, shown, limit=args.limit, **facts.summary_arguments()))
+    elif records:  # a run without its summary (killed before the end of fit, or written by 0.1.0)
+        if facts_note:
+            print(f"nanguard report: note: {facts_note}", file=sys.stderr)
         sources = sorted({s.strip() for r in records for s in r.source.split(",") if s.strip()})
         print(format_summary(records, sources, shown, limit=args.limit))
     elif notes:
@@ -114,13 +117,17 @@ def _unrecovered(records: list[Incident], summary: str | None) -> bool:
     return False
 
 
-def _needs_sidecar(path: str) -> bool:
-    """``path`` has no sidecar, or a stale one (the file was written again after it): ``--write-sidecar`` writes it."""
-    sidecar = read_sidecar(path)
-    return sidecar is None or sidecar.stale
-
-
 def _verify(args: argparse.Namespace) -> int:
+    # Here, not at the top: checking a checkpoint needs torch, and the other commands answer without it.
+    from lightning_nanguard.checkpointing.manifest import is_distributed_checkpoint
+    from lightning_nanguard.checkpointing.sidecar import read_sidecar
+    from lightning_nanguard.checkpointing.verify import (
+        SIDECAR_SUFFIX,
+        checkpoint_candidates,
+        verify_checkpoint,
+        write_sidecar,
+    )
+
     files: list[str] = []
     for path in args.paths:
         # A distributed checkpoint (a directory with a manifest or DCP's .metadata) is one checkpoint; any other
@@ -135,7 +142,9 @@ def _verify(args: argparse.Namespace) -> int:
     for path in files:
         require = args.require_sidecar and not args.write_sidecar
         result = verify_checkpoint(path, require_sidecar=require)
-        if result.ok and args.write_sidecar and os.path.isfile(path) and _needs_sidecar(path):
+        sidecar = read_sidecar(path) if result.ok and args.write_sidecar and os.path.isfile(path) else None
+        # no sidecar, or a stale one (the file was written again after it): --write-sidecar writes it
+        if result.ok and args.write_sidecar and os.path.isfile(path) and (sidecar is None or sidecar.stale):
             write_sidecar(path)
             print(f"OK   {path} (sidecar written: {os.path.basename(path)}{SIDECAR_SUFFIX})")
         elif result.ok:
@@ -160,7 +169,14 @@ def _limit(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Commands whose parsers are built without importing Lightning or torch: ``nanguard report ...``, ``nanguard verify
+# ...`` and ``nanguard --version`` answer in about a second (the others import the modules their parsers name).
+_LIGHT_COMMANDS = ("report", "verify")
+
+
+def build_parser(*, light: bool = False) -> argparse.ArgumentParser:
+    """The ``nanguard`` parser; ``light=True`` leaves out the commands whose parsers import Lightning (``demo``,
+    ``ablate``, ``replay``)."""
     parser = argparse.ArgumentParser(
         prog="nanguard",
         description="lightning_nanguard tools: report a run's incidents, verify checkpoint files, replay an incident's "
@@ -221,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
         "the file as it is now)",
     )
     verify.set_defaults(func=_verify)
+    if light:
+        return parser
     from lightning_nanguard.commands import ablate, demo, replay
 
     demo.add_parser(sub)
@@ -229,8 +247,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _is_light(argv: Sequence[str]) -> bool:
+    """``argv`` names a light command (its first word that is no option), or is ``--version`` alone."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    return command in _LIGHT_COMMANDS or list(argv) == ["--version"]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(light=_is_light(argv)).parse_args(argv)
     return int(args.func(args))
 
 

@@ -9,16 +9,19 @@ without a copy of the whole state dict.
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
-from torchmetrics import Metric
+
+if TYPE_CHECKING:
+    from torchmetrics import Metric
 
 __all__ = ["MetricStates"]
 
 # One metric's saved state: the metric, (name, object, copy) per state, update count, computed and forward caches.
-_Saved = tuple[Metric, list[tuple[str, Any, Any]], int, Any, Any]
+_Saved = tuple["Metric", list[tuple[str, Any, Any]], int, Any, Any]
 
 
 class MetricStates:
@@ -30,7 +33,10 @@ class MetricStates:
     """
 
     def __init__(self, module: nn.Module) -> None:
-        self.metrics = [m for m in module.modules() if isinstance(m, Metric)]
+        # A Metric exists only once torchmetrics is imported: looked up there, not imported (``nanguard verify`` and
+        # the other imports of this package that need no metric then do not pay for it).
+        metric = getattr(sys.modules.get("torchmetrics"), "Metric", None)
+        self.metrics: list[Metric] = [] if metric is None else [m for m in module.modules() if isinstance(m, metric)]
 
     def __bool__(self) -> bool:
         return bool(self.metrics)

@@ -4,9 +4,10 @@ the evaluation step's precision context, TensorBoard's file writer."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
+if TYPE_CHECKING:  # Lightning is imported by whoever passes a Trainer; verifying a file needs torch alone
+    import lightning.pytorch as pl
 
 __all__ = [
     "EVAL_STEP_CONTEXT",
@@ -63,9 +64,11 @@ def clipping_possible(trainer: pl.Trainer, pl_module: pl.LightningModule) -> boo
     """Whether Lightning can clip gradients in this fit: a ``gradient_clip_val`` is set, or the module overrides
     ``configure_gradient_clipping`` (which may clip with values of its own). Otherwise the precision plugin's
     ``clip_gradients`` is only ever called with ``clip_val=0`` and returns at once, dropped update or not."""
+    from lightning.pytorch import LightningModule
+
     if trainer.gradient_clip_val:
         return True
-    return type(pl_module).configure_gradient_clipping is not pl.LightningModule.configure_gradient_clipping
+    return type(pl_module).configure_gradient_clipping is not LightningModule.configure_gradient_clipping
 
 
 def guard_clipping(trainer: pl.Trainer, allowed: Any) -> None:

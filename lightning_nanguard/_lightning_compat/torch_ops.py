@@ -4,11 +4,11 @@ that every layout has."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch._dynamo.eval_frame import OptimizedModule
 from torch.utils._pytree import tree_map
 
 __all__ = [
@@ -79,28 +79,20 @@ def host_buffer_marked(tensor: Tensor) -> bool:
     return bool(getattr(base, "_nanguard_host", False))
 
 
-_ShardedTensor: Any = None
-try:  # FSDP1's SHARDED_STATE_DICT holds ShardedTensors (without a device mesh); absent from some torch builds
-    from torch.distributed._shard.sharded_tensor.api import ShardedTensor as _ShardedTensor
-except ImportError:  # pragma: no cover - depends on the torch build
-    pass
+def _imported_class(module: str, name: str) -> Any:
+    """The class ``module.name`` if something imported ``module``, else ``None``: an object of a class exists only once
+    its module was imported, and importing torch.distributed's FSDP and sharded-tensor modules up front takes ~0.5 s
+    (``nanguard verify`` would pay it for every plain checkpoint)."""
+    return getattr(sys.modules.get(module), name, None)
 
 
 def local_shards(obj: Any) -> list[Tensor] | None:
     """This rank's local shards of a ``ShardedTensor`` (FSDP1's sharded state dict), or ``None`` for anything else."""
-    if _ShardedTensor is not None and isinstance(obj, _ShardedTensor):
+    # FSDP1's SHARDED_STATE_DICT holds ShardedTensors (without a device mesh); absent from some torch builds
+    sharded_tensor = _imported_class("torch.distributed._shard.sharded_tensor.api", "ShardedTensor")
+    if sharded_tensor is not None and isinstance(obj, sharded_tensor):
         return [shard.tensor for shard in obj.local_shards()]
     return None
-
-
-_FSDPModule: Any = None
-try:  # FSDP2's module class: public from torch 2.6, under ``_composable`` before; absent from some torch builds
-    from torch.distributed.fsdp import FSDPModule as _FSDPModule
-except ImportError:  # pragma: no cover - depends on the torch version and build
-    try:
-        from torch.distributed._composable.fsdp import FSDPModule as _FSDPModule  # type: ignore[attr-defined]
-    except ImportError:
-        pass
 
 
 def reshard_fsdp2(module: torch.nn.Module, *, failed: bool = False) -> None:
@@ -113,9 +105,13 @@ def reshard_fsdp2(module: torch.nn.Module, *, failed: bool = False) -> None:
     ``reshard()`` frees them and registers the shards again: local, no communication. ``failed``: the forward raised
     midway; FSDP2's per-iteration state is reset first (``reset_iter_state`` on the root, where torch has it).
     Nothing for a module without FSDP2."""
-    if _FSDPModule is None:
+    # FSDP2's module class: public from torch 2.6, under ``_composable`` before; absent from some torch builds
+    fsdp_module = _imported_class("torch.distributed.fsdp", "FSDPModule") or _imported_class(
+        "torch.distributed._composable.fsdp", "FSDPModule"
+    )
+    if fsdp_module is None:
         return
-    units = [m for m in module.modules() if isinstance(m, _FSDPModule)]
+    units = [m for m in module.modules() if isinstance(m, fsdp_module)]
     if failed and units:
         reset = getattr(units[0], "reset_iter_state", None)
         if reset is not None:
@@ -162,4 +158,6 @@ def is_compiled(module: torch.nn.Module) -> bool:
     ``torch.compile(model)`` (its ``_compiler_ctx``), or one holding a compiled submodule (``OptimizedModule``)."""
     if getattr(module, "_compiler_ctx", None) is not None:
         return True
-    return any(isinstance(m, OptimizedModule) for m in module.modules())
+    # torch.compile imports dynamo: where it is not imported, nothing is compiled (and importing it takes ~1 s).
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and any(isinstance(m, eval_frame.OptimizedModule) for m in module.modules())

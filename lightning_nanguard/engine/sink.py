@@ -15,14 +15,11 @@ from lightning_nanguard import _distributed, _notices
 from lightning_nanguard._files import is_local_path
 from lightning_nanguard.reporting import emit
 from lightning_nanguard.reporting.dashboard import write_layout
-from lightning_nanguard.reporting.incidents import Incident, IncidentLog
+from lightning_nanguard.reporting.incidents import INCIDENTS_FILE, Incident, IncidentLog
 from lightning_nanguard.reporting.keys import key
-from lightning_nanguard.reporting.summary import format_summary
+from lightning_nanguard.reporting.summary import FACTS_FILE, SUMMARY_FILE, RunFacts, format_summary
 
 __all__ = ["INCIDENTS_FILE", "SUMMARY_FILE", "IncidentSink", "incident_markdown", "repeat_markdown", "run_directory"]
-
-INCIDENTS_FILE = os.path.join("nanguard", "incidents.jsonl")
-SUMMARY_FILE = os.path.join("nanguard", "summary.txt")
 
 
 class IncidentSink:
@@ -80,23 +77,25 @@ class IncidentSink:
         steps: int | None = None,
         evaluation: str = "",
     ) -> str:
-        text = format_summary(
-            self.records,
-            callbacks,
-            self.log.path,
+        facts = RunFacts(
+            callbacks=tuple(callbacks),
             monitored=monitored,
             final_state=final_state,
-            notes=notes,
+            notes=tuple(notes),
             end_step=int(trainer.global_step),
             steps=steps,
             evaluation=evaluation,
         )
+        text = format_summary(self.records, callbacks, self.log.path, **facts.summary_arguments())
         _notices.note(text)
         if self.log_dir is not None and trainer.is_global_zero:
             path = os.path.join(self.log_dir, SUMMARY_FILE)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w", encoding="utf-8") as f:
                 f.write(text + "\n")
+            # What the summary says beside the incidents: nanguard report prints the same summary from it.
+            with open(os.path.join(self.log_dir, FACTS_FILE), "w", encoding="utf-8") as f:
+                f.write(facts.to_json() + "\n")
         return text
 
 

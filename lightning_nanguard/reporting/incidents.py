@@ -23,7 +23,9 @@ from typing import Any, TypeVar
 
 from lightning_nanguard.contract import Action, Cause, Signal
 
-__all__ = ["Incident", "IncidentLog"]
+__all__ = ["INCIDENTS_FILE", "Incident", "IncidentLog"]
+
+INCIDENTS_FILE = os.path.join("nanguard", "incidents.jsonl")  # in the run's log directory (rank 0 writes it)
 
 E = TypeVar("E", bound=Enum)
 

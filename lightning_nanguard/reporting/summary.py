@@ -2,12 +2,79 @@
 
 from __future__ import annotations
 
+import json
+import os
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from lightning_nanguard.reporting.incidents import Incident
 
-__all__ = ["format_summary"]
+__all__ = ["FACTS_FILE", "SUMMARY_FILE", "RunFacts", "format_summary"]
+
+# In the run's log directory, written at the end of fit: the summary as printed, and what it says beside the incidents.
+SUMMARY_FILE = os.path.join("nanguard", "summary.txt")
+FACTS_FILE = os.path.join("nanguard", "summary.json")
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the end-of-fit summary says beside the incident records (``format_summary``'s other arguments), saved as
+    ``summary.json`` so that ``nanguard report`` prints the same summary from the incident log."""
+
+    callbacks: tuple[str, ...]
+    monitored: bool = True
+    final_state: str = ""
+    notes: tuple[str, ...] = ()
+    end_step: int | None = None
+    steps: int | None = None
+    evaluation: str = ""
+
+    def summary_arguments(self) -> dict[str, Any]:
+        """``format_summary``'s keyword arguments these facts fill."""
+        return {
+            "monitored": self.monitored,
+            "final_state": self.final_state,
+            "notes": self.notes,
+            "end_step": self.end_step,
+            "steps": self.steps,
+            "evaluation": self.evaluation,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps({"version": 1, **asdict(self)}, indent=1)
+
+    @classmethod
+    def read(cls, path: str) -> tuple[RunFacts | None, str]:
+        """The facts in ``path``, or ``None`` and why not (a file that is damaged, or written by another version, is
+        a note, never an error: the report then names the callbacks its incidents came from)."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            return None, f"{path} is unreadable ({type(err).__name__}); the header names the incidents' callbacks"
+        if not isinstance(data, dict) or data.get("version") != 1:
+            return None, f"{path} is not a summary this version writes; the header names the incidents' callbacks"
+        strings = [data.get("callbacks"), data.get("notes", [])]
+        texts = [data.get("final_state", ""), data.get("evaluation", "")]
+        counts = [data.get("end_step"), data.get("steps")]
+        if (
+            not all(isinstance(x, list) and all(isinstance(i, str) for i in x) for x in strings)
+            or not all(isinstance(t, str) for t in texts)
+            or not all(c is None or (isinstance(c, int) and not isinstance(c, bool)) for c in counts)
+            or not isinstance(data.get("monitored", True), bool)
+        ):
+            return None, f"{path} holds values of the wrong types; the header names the incidents' callbacks"
+        return cls(
+            callbacks=tuple(data["callbacks"]),
+            monitored=data.get("monitored", True),
+            final_state=texts[0],
+            notes=tuple(data.get("notes", [])),
+            end_step=counts[0],
+            steps=counts[1],
+            evaluation=texts[1],
+        ), ""
 
 
 def format_summary(

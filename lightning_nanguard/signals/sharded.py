@@ -18,13 +18,17 @@ piece of a flat shard; ``signals/fsdp1.py`` writes each one's share on it once a
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch import Tensor
 
 from lightning_nanguard.signals.fsdp1 import SHARE_ATTR as _SHARE_ATTR  # an FSDP1 parameter's share, set at setup
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "dtensor_spec",
@@ -38,22 +42,24 @@ __all__ = [
 
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
-_DTensor: Any = None
-try:  # torch.distributed may be unavailable (some builds): then nothing is a DTensor
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # pragma: no cover - depends on the torch build
-    pass
+
+def _is_dtensor(t: object) -> TypeGuard[DTensor]:
+    """``t`` is a ``DTensor``. A DTensor exists only once ``torch.distributed.tensor`` is imported (absent from some
+    torch builds): looked up there, not imported, since importing it takes ~0.5 s that ``nanguard verify`` would pay
+    for every plain checkpoint."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and isinstance(t, dtensor)
 
 
 def is_sharded(t: object) -> bool:
     """``t`` is a ``DTensor`` (a parameter, gradient or optimizer state tensor of a sharded model), or an FSDP1
     original parameter (a view of this rank's piece of a flat shard, marked at setup)."""
-    return (_DTensor is not None and isinstance(t, _DTensor)) or getattr(t, _SHARE_ATTR, None) is not None
+    return _is_dtensor(t) or getattr(t, _SHARE_ATTR, None) is not None
 
 
 def local_tensor(t: Tensor) -> Tensor:
     """This rank's piece of ``t``: the local shard of a ``DTensor`` (same storage, no communication), else ``t``."""
-    if _DTensor is not None and isinstance(t, _DTensor):
+    if _is_dtensor(t):
         with torch.no_grad():  # no autograd node: the plain local tensor, a view of the DTensor's own storage
             return t.to_local()
     return t
@@ -100,7 +106,7 @@ def share_of(t: Tensor, world_size: int) -> float:
     if marked is not None:
         return float(marked)
     shards = 1
-    if _DTensor is not None and isinstance(t, _DTensor):
+    if _is_dtensor(t):
         mesh = t.device_mesh
         for dim, placement in enumerate(t.placements):
             if placement.is_shard():
@@ -110,14 +116,16 @@ def share_of(t: Tensor, world_size: int) -> float:
 
 def dtensor_spec(t: Tensor) -> tuple[Any, ...] | None:
     """What ``from_local_like`` needs to rebuild ``t`` from a local tensor; ``None`` for a plain tensor."""
-    if _DTensor is not None and isinstance(t, _DTensor):
+    if _is_dtensor(t):
         return (t.device_mesh, tuple(t.placements), t.shape, t.stride())
     return None
 
 
 def from_local_like(local: Tensor, spec: tuple[Any, ...] | None) -> Tensor:
     """A ``DTensor`` with ``local`` as this rank's piece and the layout ``spec`` recorded (no communication)."""
-    if spec is None or _DTensor is None:
+    if spec is None:
         return local
+    from torch.distributed.tensor import DTensor  # imported already: the spec was read from a DTensor
+
     mesh, placements, shape, stride = spec
-    return _DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)

@@ -6,10 +6,13 @@ import os
 import pathlib
 
 import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_nanguard import GradNormMonitor, cli
+from lightning_nanguard import GradNormMonitor, cli, default_callbacks
 from lightning_nanguard.engine.sink import INCIDENTS_FILE, SUMMARY_FILE
 from lightning_nanguard.reporting.incidents import Incident, IncidentLog
+from lightning_nanguard.reporting.summary import FACTS_FILE
 from lightning_nanguard.testing import FaultInjector
 from tests.helpers import TinyModel, make_trainer
 
@@ -128,3 +131,49 @@ def test_report_leaves_out_a_line_that_is_no_incident_record_with_a_note(
     captured = capsys.readouterr()
     assert "incidents: 2 " in captured.out
     assert f"{path}:2: not an incident record" in captured.err
+
+
+class _BadRowModel(TinyModel):
+    """TinyModel trained on 32 rows of which row 13 holds a NaN feature: a bad record the preset quarantines."""
+
+    def train_dataloader(self) -> DataLoader:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(32, 8, generator=g)
+        x[13, 2] = float("nan")
+        return DataLoader(TensorDataset(x, x[:, :1] * 0.5), batch_size=8)
+
+
+def test_report_agrees_with_the_runs_own_summary(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``nanguard report RUN`` prints what the end of fit printed: every installed callback in the header, the
+    quarantine line, the final-weights line (from ``summary.json``, beside the summary)."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger = CSVLogger(str(tmp_path), name="csv", version=0)
+    trainer = make_trainer(tmp_path, logger=logger, callbacks=default_callbacks(), max_steps=-1, max_epochs=2)
+    trainer.fit(_BadRowModel())
+    log_dir = trainer.log_dir or ""
+    own = (pathlib.Path(log_dir) / SUMMARY_FILE).read_text(encoding="utf-8")
+    assert "quarantine" in own
+    assert "final parameters and buffers" in own
+    assert own.splitlines()[0].count(",") == len(default_callbacks()) - 1  # every callback installed is named
+    capsys.readouterr()
+    assert cli.main(["report", log_dir]) == 0
+    assert capsys.readouterr().out == own
+    assert cli.main(["report", os.path.join(log_dir, INCIDENTS_FILE)]) == 0  # the log itself: the same summary
+    assert capsys.readouterr().out == own
+
+
+@pytest.mark.parametrize("contents", [b"\xff\xfe{", b"[1, 2]", b'{"version": 1, "callbacks": "GradNormMonitor"}', b""])
+def test_report_of_a_damaged_summary_json_falls_back_to_the_records(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], contents: bytes
+) -> None:
+    """A ``summary.json`` holding anything (cut short, another type, other bytes) is a note, not a traceback: the
+    header then names the callbacks the incidents came from."""
+    (tmp_path / "nanguard").mkdir()
+    _log(tmp_path / INCIDENTS_FILE, 1)
+    (tmp_path / SUMMARY_FILE).write_text("nanguard summary (GradNormMonitor, AutoRollback)\n", encoding="utf-8")
+    (tmp_path / FACTS_FILE).write_bytes(contents)
+    assert cli.main(["report", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("nanguard summary (AutoRollback, GradNormMonitor)")
+    assert "summary.json" in captured.err
