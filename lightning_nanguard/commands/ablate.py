@@ -33,17 +33,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_nanguard.commands.table import LEGEND, Row, markdown, write_csv
+from lightning_nanguard.preset import CALLBACKS
 
 __all__ = ["CONFIGS", "add_parser", "run_one"]
 
-STABILIZERS = (
-    "GradNormMonitor",
-    "AutoRollback",
-    "OptimizerBackoff",
-    "LossScaleWatchdog",
-    "CheckpointGuard",
-    "FP32Evaluation",
-)
+# Every callback of the preset, in its order: "X" runs X alone, configured as in the preset.
+STABILIZERS = tuple(cls.__name__ for cls in CALLBACKS)
 
 
 CONFIGS = ("none", *STABILIZERS, "all")  # what --configs accepts
