@@ -38,17 +38,25 @@ def _library_dirs() -> tuple[str, ...]:
 
 
 _LIBRARY_DIRS = _library_dirs()
+# The demo's tasks stand for a user's project: their models and data are the lines an incident of ``nanguard demo``
+# should name (installed or not), not the console script that started the demo.
+_DEMO_DIR = os.path.join(os.path.realpath(os.path.join(os.path.dirname(os.path.dirname(__file__)), "demo")), "")
 
 
 def _is_user_file(path: str) -> bool:
-    if path.startswith("<") or "site-packages" in path or "dist-packages" in path:
+    if path.startswith("<"):
         return False
-    return not os.path.realpath(path).startswith(_LIBRARY_DIRS)
+    real = os.path.realpath(path)
+    if real.startswith(_DEMO_DIR):
+        return True
+    if "site-packages" in path or "dist-packages" in path:
+        return False
+    return not real.startswith(_LIBRARY_DIRS)
 
 
 def frame_from_stack() -> SourceFrame | None:
-    """The innermost frame of the running stack that is the user's code (outside torch, Lightning, this package,
-    the standard library and site-packages)."""
+    """The innermost frame of the running stack that is the user's code (outside torch, Lightning, this package but
+    its demo's tasks, the standard library and site-packages)."""
     f = sys._getframe(1)
     while f is not None:
         path = f.f_code.co_filename
