@@ -202,3 +202,11 @@ def test_arguments_table_comes_from_the_configuration(callback: str) -> None:
     # The declaration is the documentation: a changed doc changes the table.
     field = next(f for f in dataclasses.fields(CONFIGS[callback]) if f.name == rows[0][0])
     assert " ".join(str(field.metadata["doc"]).split()).replace("|", "\\|") == rows[0][3]
+
+
+def test_the_cli_page_shows_placeholders_as_written() -> None:
+    """``<log_dir>`` in a command's description reads as text on the CLI page, not as an HTML tag the browser hides."""
+    reference = SITE.cli_reference()
+    assert "&lt;log_dir&gt;" in reference
+    prose = "\n".join(line for line in reference.splitlines() if not line.startswith(("```", "nanguard ", "usage:")))
+    assert "<log_dir>" not in prose.replace("`<log_dir>`", "")

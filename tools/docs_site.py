@@ -47,6 +47,13 @@ log = logging.getLogger("mkdocs.hooks.docs_site")  # under "mkdocs": a warning h
 HELP_WIDTH = "110"  # argparse wraps help to $COLUMNS: a fixed width keeps the page the same on every machine
 
 
+def _prose(text: str) -> str:
+    """Plain text as Markdown: ``<log_dir>`` shown as written, not taken for an HTML tag (code spans left alone)."""
+    parts = text.split("`")
+    parts[::2] = [p.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;") for p in parts[::2]]
+    return "`".join(parts)
+
+
 def _cell(text: str) -> str:
     """A table cell: one line, with the pipe escaped."""
     return " ".join(text.split()).replace("|", "\\|") or "-"
@@ -140,7 +147,7 @@ def _argument(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
             metavar = "{" + ",".join(map(str, action.choices)) + "}"
         name = f"{name} {metavar}"
     text = parser._get_formatter()._expand_help(action) if action.help else ""
-    return f"| `{name}` | {_cell(text)} |"
+    return f"| `{name}` | {_prose(_cell(text))} |"
 
 
 def cli_reference() -> str:
@@ -154,10 +161,15 @@ def cli_reference() -> str:
         parts = []
         for name, parser in commands().items():
             lines = [f"## nanguard {name}".rstrip(), "", "```text", parser.format_usage().strip(), "```", ""]
-            lines += [" ".join((parser.description or "").split()), "", "| argument | what it does |", "|---|---|"]
+            lines += [
+                _prose(" ".join((parser.description or "").split())),
+                "",
+                "| argument | what it does |",
+                "|---|---|",
+            ]
             for action in parser._actions:
                 if isinstance(action, argparse._SubParsersAction):
-                    lines += [f"| `{sub.dest}` | {_cell(sub.help or '')} |" for sub in action._choices_actions]
+                    lines += [f"| `{sub.dest}` | {_prose(_cell(sub.help or ''))} |" for sub in action._choices_actions]
                 elif action.help != argparse.SUPPRESS and not isinstance(action, argparse._HelpAction):
                     lines.append(_argument(parser, action))
             if parser.epilog and (not name or parser.epilog != EXIT_CODES):
