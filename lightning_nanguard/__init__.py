@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from lightning_nanguard.preset import default_callbacks
     from lightning_nanguard.reporting.incidents import Incident
 
-__version__ = "0.1.0"
+__version__ = "0.1.1"
 
 # The module each lazily imported name lives in (the imports above, for type checkers and readers).
 _LAZY: dict[str, str] = {
