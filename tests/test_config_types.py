@@ -62,3 +62,20 @@ def test_the_engine_reads_the_monitors_configuration(tmp_path: Path) -> None:
     assert spy.guard is monitor.config  # no copy: the engine holds the configuration the monitor was built with
     assert spy.guard.owner == "GradNormMonitor"
     assert spy.guard.max_consecutive_skips == 7
+
+
+@pytest.mark.parametrize(
+    ("callback", "arguments"),
+    [("OptimizerBackoff", {"lr_factor": 2.0}), ("AutoRollback", {"max_rollbacks": -1})],
+)
+def test_a_refusal_traceback_ends_under_the_constructor(callback: str, arguments: dict[str, object]) -> None:
+    """A bad argument's traceback is the caller, the constructor and ``from_arguments``: none of the frames of the
+    rules that found it (LightningCLI prints every frame of an error in a config file)."""
+    import traceback
+
+    with pytest.raises(NanGuardConfigError) as caught:
+        getattr(lightning_nanguard, callback)(**arguments)
+    frames = traceback.extract_tb(caught.value.__traceback__)
+    assert [f.name for f in frames][-2:] == ["__init__", "from_arguments"]
+    assert len(frames) == 3
+    assert callback in str(caught.value)

@@ -172,8 +172,15 @@ class CallbackConfig:
 
     @classmethod
     def from_arguments(cls, owner: str, values: dict[str, Any]) -> Any:
-        """The configuration of the arguments among ``values`` (a constructor's ``locals()``)."""
-        return cls(owner=owner, **{f.name: values[f.name] for f in _arguments(cls)})
+        """The configuration of the arguments among ``values`` (a constructor's ``locals()``).
+
+        A refusal's traceback starts here, under the callback's constructor: the frames of the rules that found it
+        (the dataclass, the rule, the check) add nothing to its message, and LightningCLI prints every frame of an
+        error in a config file."""
+        try:
+            return cls(owner=owner, **{f.name: values[f.name] for f in _arguments(cls)})
+        except NanGuardConfigError as err:
+            raise err.with_traceback(None) from err.__cause__
 
 
 def arguments_docstring(cls: type) -> str:
