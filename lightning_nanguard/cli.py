@@ -35,14 +35,11 @@ exit codes:
 
 
 def _version() -> str:
-    try:
-        from importlib.metadata import PackageNotFoundError, version
+    """The version of the code that runs: the package's own ``__version__`` (an editable install's metadata keeps the
+    version it was installed at)."""
+    from lightning_nanguard import __version__
 
-        return version("lightning-nanguard")
-    except PackageNotFoundError:  # a source checkout that is not installed
-        from lightning_nanguard import __version__
-
-        return __version__
+    return __version__
 
 
 def _report(args: argparse.Namespace) -> int:
