@@ -65,8 +65,13 @@ _LAZY: dict[str, str] = {
 
 def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lightning_nanguard' has no attribute {name!r}")
+    if module is None:  # a subpackage (``lightning_nanguard.callbacks``), as an eager import would have set it
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # imported once: the next access is a plain attribute
     return value

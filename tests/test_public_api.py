@@ -49,3 +49,23 @@ def test_error_hierarchy() -> None:
     assert issubclass(e.NanGuardError, RuntimeError)
     assert issubclass(e.BundleError, e.NanGuardError)
     assert issubclass(e.NanGuardConfigError, ValueError)
+
+
+def test_the_package_imports_its_names_on_first_use() -> None:
+    """``import lightning_nanguard`` imports no Lightning (the names come on first use, the ``nanguard`` command
+    starts fast), and every name and subpackage reads as an eager import would have made it."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    probe = (
+        "import sys, lightning_nanguard as ng\n"
+        "assert 'lightning' not in sys.modules and 'torch' not in sys.modules, sorted(sys.modules)\n"
+        "assert ng.callbacks.GradNormMonitor is ng.GradNormMonitor\n"
+        "assert ng.contract.Action is ng.Action and ng.testing.FaultInjector\n"
+        "assert not hasattr(ng, 'no_such_name')\n"
+        "assert set(ng.__all__) <= set(dir(ng))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": root}
+    subprocess.run([sys.executable, "-c", probe], cwd=os.path.dirname(root), env=env, check=True, timeout=120)
