@@ -52,7 +52,7 @@ class RunFacts:
         try:
             with open(path, encoding="utf-8") as f:
                 data = json.load(f)
-        except (OSError, UnicodeDecodeError, ValueError) as err:
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
             return None, f"{path} is unreadable ({type(err).__name__}); the header names the incidents' callbacks"
         if not isinstance(data, dict) or data.get("version") != 1:
             return None, f"{path} is not a summary this version writes; the header names the incidents' callbacks"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 
@@ -14,6 +15,7 @@ from lightning_nanguard.engine.sink import INCIDENTS_FILE, SUMMARY_FILE
 from lightning_nanguard.reporting.incidents import Incident, IncidentLog
 from lightning_nanguard.reporting.summary import FACTS_FILE
 from lightning_nanguard.testing import FaultInjector
+from tests.fuzz import DEEP_JSON, damaged_bytes, wrong_types
 from tests.helpers import TinyModel, make_trainer
 
 
@@ -177,3 +179,38 @@ def test_report_of_a_damaged_summary_json_falls_back_to_the_records(
     captured = capsys.readouterr()
     assert captured.out.startswith("nanguard summary (AutoRollback, GradNormMonitor)")
     assert "summary.json" in captured.err
+
+
+def _facts() -> bytes:
+    from lightning_nanguard.reporting.summary import RunFacts
+
+    facts = RunFacts(("GradNormMonitor", "AutoRollback"), final_state="finite", notes=("quarantined: 1",), steps=4)
+    return facts.to_json().encode()
+
+
+@pytest.mark.parametrize(
+    "case",
+    sorted(
+        [f"bytes: {k}" for k in damaged_bytes(_facts())]
+        + [f"json: {k}" for k in wrong_types(json.loads(_facts()))]
+        + [f"deep: {k}" for k in DEEP_JSON]
+    ),
+)
+def test_any_summary_json_gets_a_verdict(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], case: str) -> None:
+    """Whatever ``summary.json`` holds, ``nanguard report`` prints a summary (the run's, or from the records with a
+    note), never a traceback."""
+    kind, name = case.split(": ", 1)
+    if kind == "bytes":
+        content = damaged_bytes(_facts())[name]
+    elif kind == "json":
+        content = json.dumps(wrong_types(json.loads(_facts()))[name]).encode()
+    else:
+        content = DEEP_JSON[name].encode()
+    (tmp_path / "nanguard").mkdir()
+    _log(tmp_path / INCIDENTS_FILE, 1)
+    (tmp_path / SUMMARY_FILE).write_text("nanguard summary (GradNormMonitor)\n", encoding="utf-8")
+    (tmp_path / FACTS_FILE).write_bytes(content)
+    assert cli.main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("nanguard summary (")
+    assert "incidents: 1" in out
