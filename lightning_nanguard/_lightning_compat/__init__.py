@@ -32,7 +32,9 @@ from lightning_nanguard._lightning_compat.dispatch import (
     autograd_node,
     node_stack,
     op_is_mutable,
+    storage_key,
     tensor_version,
+    written_inputs,
 )
 from lightning_nanguard._lightning_compat.loops import (
     LoggingSteps,
@@ -137,6 +139,7 @@ __all__ = [
     "set_instance_attribute",
     "should_update_logs",
     "sparse_values",
+    "storage_key",
     "stored_values",
     "strategy_class_names",
     "takes_dataloader_iter",
@@ -146,4 +149,5 @@ __all__ = [
     "train_loaders",
     "tree_map",
     "true_flag",
+    "written_inputs",
 ]

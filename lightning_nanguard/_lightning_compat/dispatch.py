@@ -1,5 +1,6 @@
-"""torch internals the origin tracer needs (incident path only): the dispatch mode that sees every aten op, the
-autograd node running now and the forward stack anomaly mode recorded for it, an op's schema, a tensor's version."""
+"""torch internals the origin tracer and the probe's scoring need (never on a healthy step): the dispatch mode that
+sees every aten op, the autograd node running now and the forward stack anomaly mode recorded for it, an op's schema
+(and the inputs it writes), a tensor's version and storage."""
 
 from __future__ import annotations
 
@@ -9,7 +10,19 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["TorchDispatchMode", "autograd_node", "node_stack", "op_is_mutable", "tensor_version"]
+__all__ = [
+    "TorchDispatchMode",
+    "autograd_node",
+    "node_stack",
+    "op_is_mutable",
+    "storage_key",
+    "tensor_version",
+    "written_inputs",
+]
+
+# Arguments the batch-norm ops write although their schemas do not mark them (``native_batch_norm``'s running
+# statistics are updated in place, with no ``(a!)`` and no version bump).
+_UNMARKED_WRITES = frozenset({"running_mean", "running_var"})
 
 
 def autograd_node() -> Any:
@@ -34,3 +47,29 @@ def tensor_version(t: Tensor) -> int:
 def op_is_mutable(func: Any) -> bool:
     """The aten op writes into one of its inputs (its schema says so)."""
     return bool(func._schema.is_mutable)
+
+
+def written_inputs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+    """The tensors ``func`` writes into: the arguments its schema marks as written (``Tensor(a!)``, a list of them,
+    ``out=``), and the batch-norm family's running statistics. Empty for an op that writes nothing."""
+    schema = func._schema
+    out: list[Tensor] = []
+    for i, arg in enumerate(schema.arguments):
+        alias = arg.alias_info
+        if not ((alias is not None and alias.is_write) or arg.name in _UNMARKED_WRITES):
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        if isinstance(value, Tensor):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            out.extend(v for v in value if isinstance(v, Tensor))
+    return out
+
+
+def storage_key(t: Tensor) -> int:
+    """The address of the memory a tensor's elements live in (shared by its views); 0 where it has none a write
+    could be traced to (an empty tensor, a tensor subclass without storage)."""
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return 0

@@ -12,9 +12,13 @@ it is deterministic and side-effect free:
   modules' train/eval modes and the autocast and grad modes;
 * every buffer runs on a copy (BatchNorm statistics and counters are never written), the originals put back;
 * ``self.log``/``self.log_dict`` are no-ops for the call (the probe's loss is not a training metric);
-* the modules' own Python state is put back (``forensics.isolation.preserved_attributes``): a list of step outputs
-  appended to, a counter, a dict, an attribute set on the first call, torchmetrics states. A tensor attribute that is
-  neither a buffer nor a metric's and is changed in place (an EMA kept as a plain tensor) is not undone.
+* the call runs on a private deep copy of the kept rows: a ``training_step`` that edits its batch in place
+  (``batch["image"] = batch["image"].float() / 255``) never touches them;
+* everything else the module can reach is put back as it was (``recovery.probe_trace.untouched``: one walk, not a
+  list of types): parameters of every submodule (an ``AveragedModel``'s included), tensors in attributes and inside
+  dicts, lists and tuples of attributes (an EMA in plain tensors), plain Python values (a list of step losses, a
+  counter, an attribute added), torchmetrics states, random generators the module owns. Where the call changed
+  something that cannot be put back, the fit is not probed from then on, and a notice names it, once.
 
 Under DDP each rank scores its own probe rows on the bare LightningModule (no DDP wrapper: no gradient reduction can
 start) and the ranks' losses are averaged in one all-reduce, so every rank reads the same value. Under FSDP2
@@ -23,12 +27,13 @@ the parameters: every rank scores or none does (the ranks agree first, ``Snapsho
 ``fully_shard`` module is resharded (FSDP2 keeps the root's parameters all-gathered for a backward that a scoring
 never runs; a restore or a snapshot would otherwise see the full tensors in place of the shards). Manual optimization
 is not probed: its ``training_step`` calls the optimizers itself, and a scoring must never step them (a notice says
-so once). Whatever ``training_step`` does outside its tensors (appending to a list, a counter) is not undone.
+so once).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import random
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any
@@ -40,8 +45,9 @@ from torch import Tensor
 
 from lightning_nanguard import _distributed, _lightning_compat, _notices
 from lightning_nanguard._lightning_compat import AttributePatches
-from lightning_nanguard.forensics.isolation import preserved_attributes, preserved_state, swapped
+from lightning_nanguard.forensics.isolation import preserved_state, swapped
 from lightning_nanguard.policies.probe import ProbeBook, ProbeVerdict
+from lightning_nanguard.recovery.probe_trace import untouched
 from lightning_nanguard.recovery.quarantine import Quarantine
 from lightning_nanguard.signals import fsdp1
 
@@ -126,8 +132,9 @@ class ProbeBatch:
         device = pl_module.device
         patches = AttributePatches()
         failed = False
-        # Outermost: what the call (and the patches) left in the module's Python state is put back last.
-        with preserved_attributes(pl_module):
+        rows = _private_copy(self.batch)  # training_step may edit its batch in place: the kept rows never see it
+        # Outermost: what the call (and the patches) left in the module's reachable state is put back last.
+        with untouched(pl_module) as trace:
             try:
                 with (
                     preserved_state(pl_module),
@@ -139,23 +146,44 @@ class ProbeBatch:
                     patches.set(pl_module, "log_dict", _no_log)
                     torch.manual_seed(PROBE_SEED)  # preserved_state puts the training streams back
                     with trainer.precision_plugin.train_step_context():
-                        loss = _loss_of(pl_module.training_step(self.batch, 0))
+                        loss = _loss_of(pl_module.training_step(rows, 0))
             except Exception as exc:  # a scoring must never take training down with it
                 failed = True
                 _notices.note(f"nanguard: the probe batch could not be scored ({type(exc).__name__}: {exc}).")
-                return None
+                loss = None
             finally:
                 patches.restore()
                 # FSDP2 leaves the root's parameters all-gathered after a forward with no backward: sharded again,
                 # or a restore or the next snapshot would see the full tensors in place of the shards.
                 _lightning_compat.reshard_fsdp2(pl_module, failed=failed)
+        if trace.beyond_repair:
+            self.disable_traced(trace.beyond_repair)
+            return None
         if loss is None or loss.numel() != 1:
             return None
         return loss.detach().float().reshape(()).to(device)
 
+    def disable_traced(self, where: list[str]) -> None:
+        """A scoring changed what cannot be put back (``where``): this fit is not probed from now on (said once)."""
+        shown = ", ".join(where[:5]) + (f" and {len(where) - 5} more" if len(where) > 5 else "")
+        self.disabled = f"a training_step whose call changes what nanguard cannot put back ({shown})"
+        _notices.note(
+            f"nanguard: the probe batch is not scored in this fit: calling training_step changed {shown}, which "
+            "cannot be put back, and a probe must leave no trace. Spikes are only counted; to have them probed, keep "
+            "that state in tensors, containers or plain attributes of the module."
+        )
+
 
 def _no_log(*args: Any, **kwargs: Any) -> None:
     return None
+
+
+def _private_copy(batch: Any) -> Any:
+    """A deep copy of the kept rows (their tensors and the containers holding them) for one scoring."""
+    try:
+        return copy.deepcopy(batch)
+    except Exception:  # an object in the batch that cannot be copied: the tensors and standard containers are
+        return apply_to_collection(batch, Tensor, lambda t: t.clone())
 
 
 def _loss_of(out: Any) -> Tensor | None:
