@@ -23,6 +23,7 @@ from lightning_nanguard.policies.snapshot_health import History, SnapshotBook
 from lightning_nanguard.policies.snapshot_rates import RestoredRates, SnapshotRates
 from lightning_nanguard.recovery.disk_restore import has_rollback_checkpoint
 from lightning_nanguard.recovery.probe import SnapshotProbe
+from lightning_nanguard.recovery.probe_weights import snapshot_weights
 from lightning_nanguard.recovery.quarantine import Quarantine
 from lightning_nanguard.recovery.rollback import repair_buffers, restore_state
 from lightning_nanguard.recovery.snapshot import SnapshotRing
@@ -174,7 +175,15 @@ class AutoRollback(NanGuardCallback):
     def probe_spike(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, batch_loss: float | None
     ) -> ProbeVerdict | None:
-        verdict = self.probe.spike(trainer, pl_module, step, self.ring.steps(), self._quarantine(), batch_loss)
+        verdict = self.probe.spike(
+            trainer,
+            pl_module,
+            step,
+            self.ring.steps(),
+            self._quarantine(),
+            batch_loss,
+            lambda kept: snapshot_weights(self.ring, kept, trainer, pl_module),
+        )
         if verdict is not None and verdict.rose:  # taken during the climb: a restore passes over them
             self.book.judge.unsound.update(verdict.unsound)
         return verdict

@@ -51,6 +51,8 @@ class ProbeVerdict:
             got worse.
         unsound: the snapshots taken after the climb began (their probe loss had already risen), newest first.
         factor: the ratio that counts as a rise.
+        same_moment: ``before`` is the reference snapshot's weights scored at the spike, beside ``after`` (False:
+            its score when it was taken).
     """
 
     step: int
@@ -61,6 +63,7 @@ class ProbeVerdict:
     rose: bool
     unsound: tuple[int, ...] = ()
     factor: float = PROBE_ROSE_FACTOR
+    same_moment: bool = False
 
     @property
     def ratio(self) -> float:
@@ -71,6 +74,11 @@ class ProbeVerdict:
         batch = "" if self.batch_loss is None else f"; the spiking batch's loss {self.batch_loss:.3g}"
         if self.before_step is None:
             return f"probe loss {self.after:.3g} at step {self.step}, no snapshot scored to compare with{batch}"
+        if self.same_moment:
+            return (
+                f"probe loss {self.before:.3g} under the weights of the snapshot of step {self.before_step}, "
+                f"{self.after:.3g} under the current weights, both at step {self.step} ({self.ratio:.3g}x{batch})"
+            )
         return (
             f"probe loss {self.before:.3g} at the snapshot of step {self.before_step} -> {self.after:.3g} at step "
             f"{self.step} ({self.ratio:.3g}x{batch})"
@@ -82,6 +90,7 @@ class ProbeVerdict:
             "probe_before_step": self.before_step,
             "probe_after": self.after,
             "probe_ratio": self.ratio,
+            "probe_same_moment": self.same_moment,
             "batch_loss": self.batch_loss,
             "unsound_snapshots": list(self.unsound),
         }
@@ -127,19 +136,35 @@ class ProbeBook:
         earlier = [v for s, v in self.scores.items() if s < step]
         return loss is not None and bool(earlier) and self.rise(loss, min(earlier))
 
-    def judge(self, step: int, now: float, kept: Collection[int], batch_loss: float | None = None) -> ProbeVerdict:
-        """The probe's loss ``now`` at a spike of ``step`` (whose batch lost ``batch_loss``), against the newest
-        sound snapshot among ``kept`` (the snapshots a rollback can restore). With no snapshot scored, nothing can be
-        compared: no rise."""
+    def reference(self, kept: Collection[int]) -> int | None:
+        """The newest sound snapshot among ``kept`` that was scored (``None``: none): the verdict's yardstick."""
         scored = sorted((s for s in kept if s in self.scores), reverse=True)
-        sound = next((s for s in scored if not self.risen(s)), None)
+        return next((s for s in scored if not self.risen(s)), None)
+
+    def judge(
+        self,
+        step: int,
+        now: float,
+        kept: Collection[int],
+        batch_loss: float | None = None,
+        reference_now: float | None = None,
+    ) -> ProbeVerdict:
+        """The probe's loss ``now`` at a spike of ``step`` (whose batch lost ``batch_loss``), against the newest
+        sound snapshot among ``kept`` (the snapshots a rollback can restore). ``reference_now``: that snapshot's
+        weights scored now, on the same rows under the same objective (like with like: a loss whose definition
+        changed since the snapshot, a curriculum stage or a ramped weight, changes both scores alike); ``None``:
+        not scored, its score when it was taken stands in. With no snapshot scored, nothing can be compared: no
+        rise."""
+        scored = sorted((s for s in kept if s in self.scores), reverse=True)
+        sound = self.reference(kept)
         if sound is None:
             return ProbeVerdict(step, math.nan, None, now, batch_loss, rose=False, factor=self.factor)
-        before = self.scores[sound]
+        same_moment = reference_now is not None and math.isfinite(reference_now)
+        before = reference_now if same_moment and reference_now is not None else self.scores[sound]
         like_batch = batch_loss is None or not math.isfinite(now) or now >= self.of_batch * batch_loss
         rose = self.rise(now, before) and like_batch
         unsound = tuple(s for s in scored if s > sound) if rose else ()
-        return ProbeVerdict(step, before, sound, now, batch_loss, rose, unsound, self.factor)
+        return ProbeVerdict(step, before, sound, now, batch_loss, rose, unsound, self.factor, same_moment)
 
     def restored(self, step: int) -> None:
         """The state of ``step`` was restored: the scores of later snapshots belong to the abandoned trajectory."""

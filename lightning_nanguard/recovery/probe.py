@@ -35,7 +35,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import random
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -56,10 +57,13 @@ try:  # NumPy's global RNG is a training stream too where a training_step draws 
 except ImportError:  # pragma: no cover - torch installs it
     np = None  # type: ignore[assignment]
 
-__all__ = ["PROBE_ROWS", "PROBE_SEED", "ProbeBatch", "SnapshotProbe"]
+__all__ = ["PROBE_ROWS", "PROBE_SEED", "ProbeBatch", "SnapshotProbe", "WeightsOf"]
 
 PROBE_ROWS = 8  # samples in the probe: enough to average out one sample's quirks, a fraction of a batch's forward
 PROBE_SEED = 20_261_128  # the RNG state of every scoring
+
+# A snapshot's step -> a block in which the module carries that snapshot's weights (yields False: it cannot).
+WeightsOf = Callable[[int], AbstractContextManager[bool]]
 
 
 class ProbeBatch:
@@ -304,15 +308,27 @@ class SnapshotProbe:
         kept: Collection[int],
         quarantine: Quarantine | None,
         batch_loss: float | None = None,
+        weights: WeightsOf | None = None,
     ) -> ProbeVerdict | None:
         """At a spike of ``step`` (whose batch lost ``batch_loss``): the probe re-scored with the current weights,
-        judged against the newest sound snapshot among ``kept``. ``None`` when there is no probe."""
+        judged against the newest sound snapshot among ``kept``, whose weights are scored again now where
+        ``weights`` (a snapshot's step -> a block with its weights in the module) can load them: the same rows, the
+        same objective, the same moment. ``None`` when there is no probe."""
         if not (self.active and self._agreed(trainer, pl_module, quarantine, capture=False)):
             return None
         self.scorings += 1
         score = self.batch.score(trainer, pl_module)
         # Not scored (it raised, or returned no loss): nothing was measured, so no verdict; the spike is only counted.
-        self.verdict = None if score is None else self.book.judge(step, score, kept, batch_loss)
+        if score is None:
+            self.verdict = None
+            return None
+        reference, then = self.book.reference(kept), None
+        if reference is not None and weights is not None and self.batch.ready:
+            with weights(reference) as loaded:  # the same answer on every rank: the ring's steps are the same
+                if loaded:
+                    self.scorings += 1
+                    then = self.batch.score(trainer, pl_module)
+        self.verdict = self.book.judge(step, score, kept, batch_loss, then)
         return self.verdict
 
     def restored(self, step: int) -> None:

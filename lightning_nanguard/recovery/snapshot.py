@@ -223,9 +223,12 @@ class SnapshotRing:
         module: nn.Module,
         optimizers: Sequence[Optimizer],
         trainer: pl.Trainer | None = None,
+        *,
+        model_only: bool = False,
     ) -> None:
         """Copy ``snapshot`` into the live module and optimizer state, in place. Param-group hyperparameters stay.
-        Under DDP a collective (``trainer`` needed): every rank restores the same snapshot together."""
+        ``model_only``: the parameters and buffers only (the optimizer state is not touched). Under DDP a collective
+        (``trainer`` needed): every rank restores the same snapshot together."""
         self.sync()
         layout = snapshot.layout
         assert layout is not None
@@ -238,8 +241,12 @@ class SnapshotRing:
         specs = [e.spec for e in layout.entries[n:]]
         dst: list[Tensor | None] = [
             *model,
-            *optimizer_targets(
-                optimizers, snapshot.opt_keys, specs, snapshot.opt_extras, snapshot.opt_dtensors, holders
+            *(
+                [None] * len(specs)
+                if model_only
+                else optimizer_targets(
+                    optimizers, snapshot.opt_keys, specs, snapshot.opt_extras, snapshot.opt_dtensors, holders
+                )
             ),
         ]
         pairs_dst: list[Tensor] = []
@@ -272,7 +279,7 @@ class SnapshotRing:
                 _bytes(t) if t is not None and e.region == SHARED else _NO_BYTES
                 for t, e in zip(dst, layout.entries, strict=True)
             ]
-            gather_shared(trainer, layout, snapshot.flat, shared, self.gather_bytes)
+            gather_shared(trainer, layout, snapshot.flat, shared, self.gather_bytes, n if model_only else None)
 
     def mismatch(self, snapshot: Snapshot, module: nn.Module, optimizers: Sequence[Optimizer]) -> str | None:
         """Why ``snapshot`` cannot restore ``module`` and ``optimizers`` as they are now (``snapshot_match``), or

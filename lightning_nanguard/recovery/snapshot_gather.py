@@ -19,10 +19,12 @@ from lightning_nanguard.recovery.snapshot_layout import ALIGN, Layout
 __all__ = ["gather_shared"]
 
 
-def gather_shared(trainer: pl.Trainer, layout: Layout, flat: Tensor, targets: list[Tensor], bucket: int) -> None:
+def gather_shared(
+    trainer: pl.Trainer, layout: Layout, flat: Tensor, targets: list[Tensor], bucket: int, entries: int | None = None
+) -> None:
     """Write the whole shared stream of ``layout`` into ``targets`` (each live tensor's bytes, in entry order) from
-    every rank's ``flat`` (its chunk first), ``bucket`` bytes per all-gather. A collective: every rank calls it
-    together."""
+    every rank's ``flat`` (its chunk first), ``bucket`` bytes per all-gather; ``entries``: only the first so many
+    entries are written (the model's, for a model-only restore). A collective: every rank calls it together."""
     world, chunk = layout.world, layout.chunk
     size = max(ALIGN, min(chunk, bucket // world // ALIGN * ALIGN))
     device = _distributed.collective_device(trainer)
@@ -44,6 +46,8 @@ def gather_shared(trainer: pl.Trainer, layout: Layout, flat: Tensor, targets: li
         for r in range(world):
             lo = r * chunk + start
             for p in layout.pieces(lo, min(lo + n, layout.shared_bytes)):
+                if entries is not None and p.index >= entries:
+                    continue
                 dst.append(targets[p.index][p.start : p.end])
                 at = r * n + p.pos
                 src.append(gathered[at : at + p.end - p.start])

@@ -61,3 +61,17 @@ def test_a_restore_forgets_the_abandoned_trajectory() -> None:
     book = _book({0: 0.7, 50: 0.05, 100: 0.3})
     book.restored(50)
     assert book.scores == {0: 0.7, 50: 0.05}
+
+
+def test_the_reference_scored_now_is_the_yardstick_like_with_like() -> None:
+    # A curriculum stage made the objective harder since the snapshot: scored now, under the same objective, the
+    # snapshot's weights lose 3.0 and the current ones 2.5: no rise, although 2.5 is 50x the snapshot's old score.
+    book = _book({0: 0.7, 50: 0.05})
+    assert book.reference([0, 50]) == 50
+    verdict = book.judge(60, 2.5, kept=[0, 50], batch_loss=3.0, reference_now=3.0)
+    assert not verdict.rose
+    assert verdict.same_moment
+    assert (verdict.before, verdict.before_step) == (3.0, 50)
+    assert "under the weights of the snapshot of step 50, 2.5 under the current weights" in verdict.summary()
+    assert book.judge(60, 2.5, kept=[0, 50], batch_loss=3.0, reference_now=0.9).rose  # the weights did get worse
+    assert book.judge(60, 2.5, kept=[0, 50], batch_loss=3.0).rose  # not scored now: its old score stands in
