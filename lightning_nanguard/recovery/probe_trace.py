@@ -21,8 +21,9 @@ objects. What it finds is kept as follows, and put back when the call returns (o
 * **anything else** that pickles: its pickle compared before and after; a change cannot be undone.
 
 What cannot be undone is reported (``Trace.beyond_repair``: where it was reached from), so the caller stops scoring.
-Not walked: the Trainer and Lightning's own objects (the loop's state is not the module's), loggers, and what lies past
-the bounds; a write to a file or a socket is not seen.
+A compiled module runs eagerly for the call (its graphs would hide their ops from the dispatch mode). Not walked: the
+Trainer and Lightning's own objects (the loop's state is not the module's), loggers, and what lies past the bounds; a
+write to a file or a socket is not seen.
 """
 
 from __future__ import annotations
@@ -286,7 +287,9 @@ def untouched(module: nn.Module) -> Iterator[Trace]:
     writes = _FirstWrites(reach.tracked())
     trace = Trace()
     try:
-        with writes:
+        # Eager for the block: a compiled module's graphs would hide their ops from the dispatch mode (and be
+        # recompiled for it).
+        with torch.compiler.set_stance("force_eager"), writes:
             yield trace
     finally:
         trace.beyond_repair = reach.restore(set(writes.originals))
