@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.utils.data import DataLoader, TensorDataset
 
 from tests.helpers import precision_kwargs
@@ -36,7 +37,51 @@ class Task:
     eval_rows: slice  # the rows of the training data the final loss is measured on (the data the run ends on)
 
 
-class Regression(pl.LightningModule):
+class SideState:
+    """What a training_step keeps beside the weights, as users do: a list of step losses, a counter, an EMA of the
+    weights in plain tensors and one in an ``AveragedModel`` (a submodule), a generator of the module's own drawn
+    from each step. None of it feeds the loss: a guarded healthy run must end with all of it as the unguarded one."""
+
+    losses: list[float]
+
+    def keep_side_state(self, core: nn.Module, seed: int = 0) -> None:
+        self.losses = []
+        self.calls = 0
+        self.ema = {k: v.detach().clone() for k, v in core.state_dict().items() if v.is_floating_point()}
+        self.swa = AveragedModel(core, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+        self.noise = torch.Generator().manual_seed(1000 + seed)
+        self.draws: list[float] = []
+        self._core = [core]  # a plain list: not registered twice
+
+    def update_side_state(self, loss: Tensor) -> None:
+        core = self._core[0]
+        self.losses.append(float(loss.detach()))
+        self.calls += 1
+        with torch.no_grad():
+            for k, v in core.state_dict().items():
+                if k in self.ema:
+                    self.ema[k].lerp_(v.float(), 0.1)
+        self.swa.update_parameters(core)
+        self.draws.append(float(torch.rand((), generator=self.noise)))
+
+    def side_state(self) -> dict[str, Any]:
+        """The side state as plain values (tensors cloned), for comparison."""
+        return {
+            "losses": list(self.losses),
+            "calls": self.calls,
+            "ema": {k: v.clone() for k, v in self.ema.items()},
+            "swa": {k: v.clone() for k, v in self.swa.state_dict().items()},
+            "noise": self.noise.get_state(),
+            "draws": list(self.draws),
+        }
+
+    def trained_parameters(self) -> list[nn.Parameter]:
+        """The parameters the optimizer trains (not the averaged copy's)."""
+        averaged = {id(p) for p in self.swa.parameters()}
+        return [p for p in self.parameters() if id(p) not in averaged]  # type: ignore[attr-defined]
+
+
+class Regression(SideState, pl.LightningModule):
     """An MLP (or a linear model, ``hidden=0``) under MSE; ``schedule`` builds a per-step LR scheduler."""
 
     def __init__(
@@ -55,7 +100,7 @@ class Regression(pl.LightningModule):
             else nn.Sequential(nn.Linear(inputs, hidden), nn.Tanh(), nn.Linear(hidden, 1))
         )
         self.lr, self.optimizer_name, self.schedule = lr, optimizer, schedule
-        self.losses: list[float] = []
+        self.keep_side_state(self.net)
 
     def loss(self, batch: Any) -> Tensor:
         x, y = batch
@@ -63,14 +108,14 @@ class Regression(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         loss = self.loss(batch)
-        self.losses.append(float(loss.detach()))
+        self.update_side_state(loss)
         return loss
 
     def configure_optimizers(self) -> Any:
         if self.optimizer_name == "sgd":
-            opt: torch.optim.Optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+            opt: torch.optim.Optimizer = torch.optim.SGD(self.trained_parameters(), lr=self.lr, momentum=0.9)
         else:
-            opt = torch.optim.AdamW(self.parameters(), lr=self.lr)
+            opt = torch.optim.AdamW(self.trained_parameters(), lr=self.lr)
         if self.schedule is None:
             return opt
         return {"optimizer": opt, "lr_scheduler": {"scheduler": self.schedule(opt), "interval": "step"}}
@@ -172,7 +217,7 @@ def _warmup(seed: int) -> tuple[pl.LightningModule, TensorDataset]:
     return Regression(8, lr=0.1, optimizer="sgd", schedule=schedule), TensorDataset(x, y)
 
 
-class Attention(pl.LightningModule):
+class Attention(SideState, pl.LightningModule):
     """One causal self-attention layer over padded token sequences: each batch carries an additive key-padding mask
     (``0`` or ``-inf``), and the causal mask is a buffer of ``-inf`` above the diagonal. The task: predict the token
     before each position (a copy the attention can learn)."""
@@ -184,7 +229,7 @@ class Attention(pl.LightningModule):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, vocab)
         self.register_buffer("causal", torch.full((length, length), float("-inf")).triu(1))
-        self.losses: list[float] = []
+        self.keep_side_state(self.qkv)
 
     def forward(self, tokens: Tensor, pad_mask: Tensor) -> Tensor:
         h = self.embed(tokens) + self.position[: tokens.shape[1]]
@@ -199,11 +244,11 @@ class Attention(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         loss = self.loss(batch)
-        self.losses.append(float(loss.detach()))
+        self.update_side_state(loss)
         return loss
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return torch.optim.AdamW(self.trained_parameters(), lr=1e-2)
 
 
 def _masked_attention(seed: int) -> tuple[pl.LightningModule, TensorDataset]:
