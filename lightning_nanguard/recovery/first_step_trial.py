@@ -6,8 +6,9 @@ LightningModule's own ``training_step`` on the step's batch once, in the trainin
 context, with an ``OpProbe`` armed (every half-precision op's abs-max, by module), before the step's forward; the
 forecast reads it and promotes a module that cannot run in float16 before the real forward overflows. It leaves no
 trace, as the probe batch's scoring does (``recovery.probe``): buffers run on copies, the RNG streams (torch's,
-Python's, NumPy's), modes, autocast and grad mode are put back, ``self.log`` is a no-op for the call and the modules'
-own Python state is restored. Where the GradScaler's scale can be cut (``16-mixed``, automatic optimization, no
+Python's, NumPy's), modes, autocast and grad mode are put back, ``self.log`` is a no-op for the call, and whatever
+else the module can reach (parameters of every submodule, tensors and containers held in attributes, its own random
+generators) is put back by ``recovery.probe_trace.untouched``. Where the GradScaler's scale can be cut (``16-mixed``, automatic optimization, no
 accumulation) the trial takes its loss's parameter gradients too (``torch.autograd.grad`` at a loss scale of 1), so
 the first step's scale starts where its gradient's float16 headroom says. It runs eagerly on a compiled module (``torch.compiler.set_stance("force_eager")``): a
 traced eager forward, no graph compiled for it. The per-module vector is reduced across ranks (MAX: every rank runs the trial at the same
@@ -27,7 +28,8 @@ import torch
 
 from lightning_nanguard import _distributed, _notices
 from lightning_nanguard._lightning_compat import AttributePatches
-from lightning_nanguard.forensics.isolation import preserved_attributes, preserved_state, swapped
+from lightning_nanguard.forensics.isolation import preserved_state, swapped
+from lightning_nanguard.recovery.probe_trace import untouched
 from lightning_nanguard.signals.op_headroom import OpProbe
 
 try:  # NumPy's global RNG is a training stream too where a training_step draws from it
@@ -59,7 +61,8 @@ def _traced(
 ) -> torch.Tensor | None:
     patches = AttributePatches()
     grad: torch.Tensor | None = None
-    with preserved_attributes(pl_module):
+    # Outermost: whatever the call changed in what the module reaches (an EMA, its own generators) is put back last.
+    with untouched(pl_module):
         try:
             with (
                 preserved_state(pl_module),
