@@ -58,6 +58,9 @@ def test_every_rank_reads_the_same_probe_and_rolls_back_together(tmp_path: Any) 
     step, trigger, cause, evidence = records[0]
     assert (trigger, cause, evidence["kind"]) == ("probe_rose", "weights_diverging", "probe_loss"), records
     assert step >= 14  # at or after the oversized update, never before
+    # Like with like: the reference snapshot (its bytes spread over the ranks) was loaded on both ranks together and
+    # scored at the spike, beside the current weights.
+    assert evidence["probe_same_moment"] is True, evidence
     p0, p1 = (torch.load(os.path.join(out, f"params-{r}.pt"), weights_only=True) for r in (0, 1))
     assert all(torch.equal(p0[k], p1[k]) for k in p0)
     assert all(bool(torch.isfinite(v).all()) for v in p0.values())
