@@ -30,13 +30,13 @@ STEPS, WARMUP = 200, 40
 SOUND, TOO_HIGH = 0.03, 0.3
 
 
-def _markov(n: int, seed: int) -> Tensor:
+def _markov(n: int, seed: int, vocab: int = V) -> Tensor:
     """Sequences of a Markov chain in which each token has 3 successors (a loss floor of log 3)."""
     g = torch.Generator().manual_seed(1234)
-    successors = torch.randint(0, V, (V, 3), generator=g)
+    successors = torch.randint(0, vocab, (vocab, 3), generator=g)
     g = torch.Generator().manual_seed(seed)
     x = torch.empty(n, T + 1, dtype=torch.long)
-    x[:, 0] = torch.randint(0, V, (n,), generator=g)
+    x[:, 0] = torch.randint(0, vocab, (n,), generator=g)
     for t in range(T):
         x[:, t + 1] = successors[x[:, t], torch.randint(0, 3, (n,), generator=g)]
     return x
@@ -60,17 +60,17 @@ class Block(nn.Module):
 
 
 class LM(pl.LightningModule):
-    def __init__(self, peak: float) -> None:
+    def __init__(self, peak: float, vocab: int = V) -> None:
         super().__init__()
-        self.peak = peak
-        self.emb, self.pos = nn.Embedding(V, D), nn.Parameter(torch.zeros(T, D))
+        self.peak, self.vocab = peak, vocab
+        self.emb, self.pos = nn.Embedding(vocab, D), nn.Parameter(torch.zeros(T, D))
         self.blocks = nn.Sequential(Block(), Block())
-        self.ln, self.head = nn.LayerNorm(D), nn.Linear(D, V)
+        self.ln, self.head = nn.LayerNorm(D), nn.Linear(D, vocab)
         self.losses: list[float] = []
 
     def loss(self, x: Tensor) -> Tensor:
         h = self.blocks(self.emb(x[:, :-1]) + self.pos)
-        return nn.functional.cross_entropy(self.head(self.ln(h)).reshape(-1, V), x[:, 1:].reshape(-1))
+        return nn.functional.cross_entropy(self.head(self.ln(h)).reshape(-1, self.vocab), x[:, 1:].reshape(-1))
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         loss = self.loss(batch[0])
@@ -83,9 +83,9 @@ class LM(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
 
 
-def _fit(peak: float, callbacks: list[Any], root: Any) -> tuple[pl.Trainer, LM, float]:
+def _fit(peak: float, callbacks: list[Any], root: Any, vocab: int = V) -> tuple[pl.Trainer, LM, float]:
     pl.seed_everything(0, verbose=False)
-    module = LM(peak)
+    module = LM(peak, vocab)
     trainer = pl.Trainer(
         max_steps=STEPS,
         callbacks=callbacks,
@@ -95,12 +95,10 @@ def _fit(peak: float, callbacks: list[Any], root: Any) -> tuple[pl.Trainer, LM, 
         enable_model_summary=False,
         default_root_dir=str(root),
     )
-    loader = DataLoader(
-        TensorDataset(_markov(2048, 0)), batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0)
-    )
-    trainer.fit(module, loader)
+    data = TensorDataset(_markov(2048, 0, vocab))
+    trainer.fit(module, DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(0)))
     with torch.no_grad():
-        final = float(module.loss(_markov(512, 1)))  # held-out sequences of the same chain
+        final = float(module.loss(_markov(512, 1, vocab)))  # held-out sequences of the same chain
     return trainer, module, final
 
 
