@@ -26,17 +26,7 @@ import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from lightning_nanguard.policies.probe_yardstick import RecentScores
-
-__all__ = [
-    "PROBE_LEARNED",
-    "PROBE_LOST_PROGRESS",
-    "PROBE_OF_BATCH",
-    "PROBE_ROSE_FACTOR",
-    "PROBE_ROSE_FLOOR",
-    "ProbeBook",
-    "ProbeVerdict",
-]
+__all__ = ["PROBE_OF_BATCH", "PROBE_ROSE_FACTOR", "PROBE_ROSE_FLOOR", "ProbeBook", "ProbeVerdict"]
 
 # A rise of the probe's loss this large (a ratio) is the weights going wrong: one update on a hard or new batch moves
 # the probe's loss by a few percent; a divergence multiplies it.
@@ -45,12 +35,6 @@ PROBE_ROSE_FACTOR = 2.0
 PROBE_ROSE_FLOOR = 0.05
 # ... and the probe doing at least this share as badly as the spiking batch (a new domain's batch loses far more).
 PROBE_OF_BATCH = 0.5
-# Against the probe's recent level (its score at a spike it held: ``policies.probe_yardstick``), a rise is a probe
-# loss back this share of the way to its untrained level: early in a fit (the loss not yet halved) even weights that
-# lost everything they learned cannot double it.
-PROBE_LOST_PROGRESS = 0.75
-# ... where the probe had come down at least this share of its untrained level (less is no progress to lose: noise).
-PROBE_LEARNED = 0.25
 
 
 @dataclass(frozen=True)
@@ -69,9 +53,6 @@ class ProbeVerdict:
         factor: the ratio that counts as a rise.
         same_moment: ``before`` is the reference snapshot's weights scored at the spike, beside ``after`` (False:
             its score when it was taken).
-        recent: the probe's level in the recent past (``policies.probe_yardstick``: its lowest score at a spike it
-            held, scaled by the objective's own change since; ``None``: none). Undoing half of what the probe had
-            learned by then (``ProbeBook.lost_back``) is a rise too.
     """
 
     step: int
@@ -83,7 +64,6 @@ class ProbeVerdict:
     unsound: tuple[int, ...] = ()
     factor: float = PROBE_ROSE_FACTOR
     same_moment: bool = False
-    recent: float | None = None
 
     @property
     def ratio(self) -> float:
@@ -92,8 +72,6 @@ class ProbeVerdict:
     def summary(self) -> str:
         """``"probe loss 0.0213 at the snapshot of step 100 -> 0.87 at step 131 (40.8x; the batch's loss 1.2)"``."""
         batch = "" if self.batch_loss is None else f"; the spiking batch's loss {self.batch_loss:.3g}"
-        if self.recent is not None:
-            batch += f"; its recent level {self.recent:.3g}"
         if self.before_step is None:
             return f"probe loss {self.after:.3g} at step {self.step}, no snapshot scored to compare with{batch}"
         if self.same_moment:
@@ -113,7 +91,6 @@ class ProbeVerdict:
             "probe_after": self.after,
             "probe_ratio": self.ratio,
             "probe_same_moment": self.same_moment,
-            "probe_recent": self.recent,
             "batch_loss": self.batch_loss,
             "unsound_snapshots": list(self.unsound),
         }
@@ -127,20 +104,16 @@ class ProbeBook:
         factor: the ratio of probe losses that counts as a rise.
         floor: the least rise that counts, as a share of the probe's loss at the first snapshot.
         of_batch: the least share of the spiking batch's loss the probe must reach.
-        lost: the share of the way back from the probe's recent level to its first snapshot's loss that is a rise.
     """
 
     factor: float = PROBE_ROSE_FACTOR
     floor: float = PROBE_ROSE_FLOOR
     of_batch: float = PROBE_OF_BATCH
-    lost: float = PROBE_LOST_PROGRESS
     scores: dict[int, float] = field(default_factory=dict)  # snapshot step -> probe loss
     first: float | None = None  # the probe's loss at the first snapshot scored (its untrained level)
-    recent: RecentScores = field(default_factory=RecentScores)  # the probe's loss at the spikes it held
 
     def reset(self) -> None:
         self.scores.clear()
-        self.recent.reset()
         self.first = None
 
     def record(self, step: int, loss: float) -> None:
@@ -155,14 +128,6 @@ class ProbeBook:
         if not math.isfinite(now):
             return True
         return now > self.factor * before and now - before > self.floor * (self.first or 0.0)
-
-    def lost_back(self, now: float, lately: float) -> bool:
-        """``now`` undoes more than ``lost`` of what the probe had learned by its recent level ``lately``: back that
-        share of the way to its loss at the first snapshot, where ``lately`` had come a long way down from it."""
-        if not math.isfinite(now):
-            return True
-        first = self.first or 0.0
-        return first - lately > PROBE_LEARNED * first and now - lately > self.lost * (first - lately)
 
     def risen(self, step: int) -> bool:
         """The snapshot of ``step`` was taken during a climb: its probe loss rose over the lowest of the snapshots
@@ -188,34 +153,19 @@ class ProbeBook:
         sound snapshot among ``kept`` (the snapshots a rollback can restore). ``reference_now``: that snapshot's
         weights scored now, on the same rows under the same objective (like with like: a loss whose definition
         changed since the snapshot, a curriculum stage or a ramped weight, changes both scores alike); ``None``:
-        not scored, its score when it was taken stands in. The probe's lowest score at the spikes it held in the
-        recent past (``probe_yardstick``), scaled by how much the reference's score moved since it was taken (the
-        objective's own change), is a second yardstick: ``now`` undoing half of what the probe had learned by then
-        (``lost_back``) is a rise too (the newest sound snapshot can be the untrained model). A verdict that is no
-        rise is kept as such a score. With no snapshot scored, nothing can be compared: no rise."""
+        not scored, its score when it was taken stands in. With no snapshot scored, nothing can be compared: no
+        rise."""
         scored = sorted((s for s in kept if s in self.scores), reverse=True)
         sound = self.reference(kept)
         if sound is None:
             return ProbeVerdict(step, math.nan, None, now, batch_loss, rose=False, factor=self.factor)
         same_moment = reference_now is not None and math.isfinite(reference_now)
         before = reference_now if same_moment and reference_now is not None else self.scores[sound]
-        held = self.recent.best(step)
-        then = self.scores[sound]
-        lately = held[1] * before / then if held is not None and then > 0 else None
         like_batch = batch_loss is None or not math.isfinite(now) or now >= self.of_batch * batch_loss
-        by_ref = self.rise(now, before) and like_batch
-        by_recent = (
-            not by_ref and lately is not None and held is not None and self.lost_back(now, lately) and like_batch
-        )
-        rose = by_ref or by_recent
-        # Risen against the recent past: every snapshot taken since the held spike is suspect too.
-        since = held[0] if by_recent and held is not None else sound
-        unsound = tuple(s for s in scored if s > since) if rose else ()
-        if not rose and math.isfinite(now):
-            self.recent.add(step, now)
-        return ProbeVerdict(step, before, sound, now, batch_loss, rose, unsound, self.factor, same_moment, lately)
+        rose = self.rise(now, before) and like_batch
+        unsound = tuple(s for s in scored if s > sound) if rose else ()
+        return ProbeVerdict(step, before, sound, now, batch_loss, rose, unsound, self.factor, same_moment)
 
     def restored(self, step: int) -> None:
         """The state of ``step`` was restored: the scores of later snapshots belong to the abandoned trajectory."""
         self.scores = {s: v for s, v in self.scores.items() if s <= step}
-        self.recent.restored(step)

@@ -75,28 +75,3 @@ def test_the_reference_scored_now_is_the_yardstick_like_with_like() -> None:
     assert "under the weights of the snapshot of step 50, 2.5 under the current weights" in verdict.summary()
     assert book.judge(60, 2.5, kept=[0, 50], batch_loss=3.0, reference_now=0.9).rose  # the weights did get worse
     assert book.judge(60, 2.5, kept=[0, 50], batch_loss=3.0).rose  # not scored now: its old score stands in
-
-
-def test_early_in_a_fit_a_probe_back_at_its_untrained_level_is_a_rise_against_its_recent_past() -> None:
-    # The only snapshot is the untrained model (4.3); a spike at step 10 was held with the probe at 2.3. At step 39
-    # the probe is back at 4.34: not 2x the snapshot's (the untrained level cannot be doubled), but it undid all that
-    # the probe had learned by step 10: a rise, and every snapshot since the held spike is suspect.
-    book = _book({0: 4.3})
-    assert not book.judge(10, 2.3, kept=[0], batch_loss=2.6).rose  # held: kept as the recent past
-    assert book.recent.best(39) == (10, 2.3)
-    assert not book.judge(36, 3.25, kept=[0], batch_loss=2.6).rose  # half way back: not yet
-    verdict = book.judge(39, 4.34, kept=[0], batch_loss=3.1, reference_now=4.3)
-    assert verdict.rose
-    assert verdict.recent == 2.3
-    assert "its recent level 2.3" in verdict.summary()
-    assert not book.judge(90, 4.34, kept=[0], batch_loss=3.1).rose  # the held spike is 80 steps back: no yardstick
-    book.restored(0)
-    assert book.recent.scores == {}  # the abandoned trajectory's scores are forgotten
-
-
-def test_the_recent_yardstick_follows_a_change_of_the_objective() -> None:
-    # A stage switch since: the reference snapshot's weights lose 30x more now than when it was taken, so the probe's
-    # recent level (0.2 under the old objective) counts as 6.0: 5.0 is no loss of what was learned.
-    book = _book({0: 4.0, 50: 0.3})
-    book.judge(60, 0.2, kept=[0, 50], batch_loss=0.25)
-    assert not book.judge(70, 5.0, kept=[0, 50], batch_loss=6.0, reference_now=9.0).rose
