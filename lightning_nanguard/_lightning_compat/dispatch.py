@@ -68,8 +68,9 @@ def written_inputs(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 
 def storage_key(t: Tensor) -> int:
     """The address of the memory a tensor's elements live in (shared by its views); 0 where it has none a write
-    could be traced to (an empty tensor, a tensor subclass without storage)."""
+    could be traced to (an empty tensor, a tensor subclass without storage, a lazy module's uninitialized parameter,
+    whose access raises ``ValueError``)."""
     try:
         return int(t.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError, TypeError):
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
         return 0
