@@ -164,3 +164,21 @@ def test_the_checks_see_an_upward_import_and_a_cycle() -> None:
     graph = {"signals.a": {"engine.b"}, "engine.b": {"engine.c"}, "engine.c": {"engine.b"}}
     assert upward_imports(graph) == [f"signals.a ({LAYERS[3]}) imports engine.b ({LAYERS[8]})"]
     assert cycles(graph) == [{"engine.b", "engine.c"}]
+
+
+def test_one_way_to_take_part_in_a_step() -> None:
+    # Every nanguard callback is a NanGuardCallback, and none overrides a Lightning per-batch hook: the driver's are
+    # the engine's own methods, and a feature's per-step work is its part's (engine/parts.py, ARCHITECTURE.md "Parts").
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_nanguard.callbacks._base import _PER_BATCH_HOOKS, NanGuardCallback
+    from lightning_nanguard.preset import CALLBACKS
+
+    assert [cls.__name__ for cls in CALLBACKS if not issubclass(cls, NanGuardCallback)] == []
+    overriding = [
+        f"{cls.__name__}.{name}"
+        for cls in (NanGuardCallback, *CALLBACKS)
+        for name in _PER_BATCH_HOOKS
+        if getattr(cls, name) is not getattr(Callback, name)
+    ]
+    assert overriding == []

@@ -129,16 +129,16 @@ class AutoRollback(NanGuardCallback):
         engine.set_restorer(self)
         engine.bus.subscribe(EventHandled, self._on_event)
         engine.add_metrics(self._metrics)
+        engine.add_part(self)
 
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    # ------------------------------------------------------------------ its part (engine/parts.py)
+    def train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.config.source == "disk":
             require_checkpoint_dir(trainer, self.config.checkpoint_dir, "AutoRollback(source='disk')")
         else:  # every slot allocated now, outside the training steps
             self.ring.prepare(trainer, pl_module, trainer.optimizers)
         guard = self._engine.registry.guard if self._engine is not None else None
         self.probe.start(trainer, self.config.source == "memory" and guard is not None and guard.on_spike == "probe")
-        super().on_train_start(trainer, pl_module)
 
     @override
     def _uninstall(self, trainer: pl.Trainer) -> None:

@@ -103,8 +103,8 @@ class GradNormMonitor(NanGuardCallback):
         return sorted(self._quarantine.samples) if self._quarantine is not None else []
 
     # ------------------------------------------------------------------ lifecycle
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Its part's (engine/parts.py): what the installed callbacks leave this guard unable to do, said once."""
         if (
             self.config.on_spike == "rollback"
             and self.config.spike_zscore is not None
@@ -123,7 +123,6 @@ class GradNormMonitor(NanGuardCallback):
                 f"{type(self).__name__}(on_spike='probe'): the probe batch is AutoRollback's, which is not installed: "
                 "spikes are only counted."
             )
-        super().on_train_start(trainer, pl_module)
 
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
         # A new fit starts from nothing (a callback reused for another Trainer); a resume's ``load_state_dict``
@@ -132,6 +131,7 @@ class GradNormMonitor(NanGuardCallback):
         pending, self._pending_blames, self._blames_state = self._pending_blames, None, {}
         if pending is not None and self._quarantine is not None:  # loaded before this fit's setup
             engine.incidents.blames.load_state_dict(pending)
+        engine.add_part(self)
         if _deepspeed.is_deepspeed(trainer):  # DeepSpeed's engine owns the step: its outcome is read after it
             probing = self.config.on_spike == "probe" and self.config.spike_zscore is not None
             if probing:  # the preset's setting: spikes go unprobed there rather than the preset being refused

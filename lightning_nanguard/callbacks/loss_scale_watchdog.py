@@ -101,6 +101,7 @@ class LossScaleWatchdog(NanGuardCallback):
     # ------------------------------------------------------------------ lifecycle
     @override
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
+        engine.add_part(self)
         # Each fit its own counts (a callback reused by another Trainer); a resume's load_state_dict comes after.
         self._policy = CollapsePolicy(
             self.config.floor_patience, self.config.max_overflow_streak, self.config.max_collapses, self.config.window
@@ -127,8 +128,8 @@ class LossScaleWatchdog(NanGuardCallback):
         engine.bus.subscribe(StateRestored, self._on_restored)
         engine.add_metrics(self._metrics)
 
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Its part's (engine/parts.py): DeepSpeed's scaler taken over, or the restored scale held to the floor."""
         if self._deepspeed is not None:
             self._deepspeed.train_start(trainer)
             self._active = self._deepspeed.active
@@ -142,7 +143,6 @@ class LossScaleWatchdog(NanGuardCallback):
                     f"{type(self).__name__}(on_collapse='rollback') hands a collapse to AutoRollback, which is not "
                     "installed: a collapse will stop training instead. Add AutoRollback(), or use on_collapse='auto'."
                 )
-        super().on_train_start(trainer, pl_module)
 
     @override
     def _uninstall(self, trainer: pl.Trainer) -> None:
