@@ -15,7 +15,7 @@ from lightning_nanguard.checkpointing.install import install_verifying_io, remov
 from lightning_nanguard.checkpointing.lineage import Lineage
 from lightning_nanguard.checkpointing.verifying_io import VerifyingCheckpointIO
 from lightning_nanguard.config import CheckpointGuardConfig, arguments_from
-from lightning_nanguard.contract import Action, Cause
+from lightning_nanguard.contract import Action, Cause, Notice
 from lightning_nanguard.engine import Engine, get_engine
 from lightning_nanguard.signals.model_tensors import intended_infinities, record_intended_infinities
 
@@ -219,7 +219,7 @@ class CheckpointGuard(NanGuardCallback):
         saving = event.kind == "refused_save"
         incident = make_incident(
             trainer,
-            trigger="nonfinite_checkpoint" if saving else "checkpoint_verification_failed",
+            trigger=Notice.NONFINITE_CHECKPOINT if saving else Notice.CHECKPOINT_VERIFICATION_FAILED,
             action=Action.FALLBACK if event.kind == "fallback" else Action.REFUSE,
             source=type(self).__name__,
             values=incident_values(event),
@@ -228,4 +228,4 @@ class CheckpointGuard(NanGuardCallback):
             cause=(Cause.CORRUPT_STATE if saving else Cause.CORRUPT_CHECKPOINT).value,
             where=", ".join(event.tensors[:3]) if event.tensors else event.path,
         )
-        get_engine(trainer).sink.record(trainer, incident)
+        get_engine(trainer).incidents.report(trainer, incident)

@@ -162,9 +162,9 @@ class FP32Evaluation(NanGuardCallback):
         pending, self._eval.pending = self._eval.pending, []
         groups = group_reruns(_distributed.all_gather_objects(trainer, pending))  # type: ignore[arg-type]
         half = self._precision.dtype_name
-        sink = get_engine(trainer).sink
+        incidents = get_engine(trainer).incidents
         for group in groups:  # one incident per outcome and epoch, with the count and the batches
-            sink.record(trainer, rerun_incident(trainer, group, half, type(self).__name__))
+            incidents.report(trainer, rerun_incident(trainer, group, half, type(self).__name__))
         count = sum(len(group.batches) for group in groups)
         self.fp32_reruns += count
         if trainer.sanity_checking:

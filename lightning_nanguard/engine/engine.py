@@ -244,9 +244,7 @@ class Engine(StepFlow):
         if not self.train_ended:
             self.train_ended = True
             # A collective: every rank reaches on_train_end.
-            final_check(
-                trainer, pl_module, self.registry.restorer, self.ledger, self.sink, self.bus, self.incidents.tried()
-            )
+            final_check(trainer, pl_module, self.registry.restorer, self.ledger, self.incidents, self.incidents.tried())
             for stages in self.parts.with_stage("train_end"):
                 assert stages.train_end is not None
                 stages.train_end(trainer, pl_module)
@@ -273,8 +271,7 @@ class Engine(StepFlow):
                 pl_module,
                 self.registry.restorer,
                 self.ledger,
-                self.sink,
-                self.bus,
+                self.incidents,
                 self.incidents.tried(),
                 again=True,
             )

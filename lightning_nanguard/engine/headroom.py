@@ -27,7 +27,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_nanguard import _distributed, _lightning_compat
-from lightning_nanguard.contract import Action
+from lightning_nanguard.contract import Action, Notice
 from lightning_nanguard.engine.op_sampling import OpSampling
 from lightning_nanguard.engine.reading import HostMirror
 from lightning_nanguard.engine.scaled_gradient import ENTRIES, ScaledGradient
@@ -296,7 +296,8 @@ class HeadroomWatch:
             "margin_bits": self.settings.margin_bits,
             "horizon_steps": self.settings.horizon_steps,
         }
-        engine.sink.record(trainer, self._incident(trainer, "headroom_forecast", Action.PROMOTE, name, text, values))
+        incident = self._incident(trainer, Notice.HEADROOM_FORECAST, Action.PROMOTE, name, text, values)
+        engine.incidents.report(trainer, incident)
 
     def _demote(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine, name: str) -> None:
         promoter = engine.registry.promoter
@@ -314,10 +315,11 @@ class HeadroomWatch:
             "again it is promoted again, for good."
         )
         values: dict[str, object] = {"module": name, "history": [[s, round(b, 3)] for s, b in bits]}
-        engine.sink.record(trainer, self._incident(trainer, "headroom_recovered", Action.DEMOTE, name, text, values))
+        incident = self._incident(trainer, Notice.HEADROOM_RECOVERED, Action.DEMOTE, name, text, values)
+        engine.incidents.report(trainer, incident)
 
     def _incident(
-        self, trainer: pl.Trainer, trigger: str, action: Action, where: str, message: str, values: dict[str, object]
+        self, trainer: pl.Trainer, trigger: Notice, action: Action, where: str, message: str, values: dict[str, object]
     ) -> Incident:
         return Incident(
             step=int(trainer.global_step),

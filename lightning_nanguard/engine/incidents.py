@@ -25,7 +25,6 @@ from lightning_nanguard.engine.capabilities import DEFAULT_MAX_QUARANTINED_FRACT
 from lightning_nanguard.engine.decide import note_plan, remedy_facts
 from lightning_nanguard.engine.diagnose import diagnose, trigger_note, write_incident_bundle
 from lightning_nanguard.engine.events import AfterStep, EventFacts, PendingEvent
-from lightning_nanguard.engine.final_check import divergence_diagnosis
 from lightning_nanguard.engine.micro_batches import MicroBatch, locate
 from lightning_nanguard.engine.reading import Reading
 from lightning_nanguard.engine.registry import Registry
@@ -38,6 +37,7 @@ from lightning_nanguard.exceptions import (
     RankDivergenceError,
     RecoveryBudgetExhausted,
 )
+from lightning_nanguard.policies.diagnosis import divergence_diagnosis
 from lightning_nanguard.policies.remedy import plan_after_step, plan_remedy
 from lightning_nanguard.reporting import messages
 from lightning_nanguard.reporting.incidents import Incident
@@ -246,6 +246,13 @@ class IncidentPath:
         if (warn or Action.WARN in plan.actions) and not repeat:  # a recurring incident warns the first time
             _notices.warn(incident.message)
         self.bus.emit(trainer, EventHandled(incident.step, incident))
+
+    def report(self, trainer: pl.Trainer, incident: Incident) -> bool:
+        """Keep the record of what was decided where it was seen, outside a training step's event (a preflight
+        finding, a checkpoint refused, a headroom promotion, an evaluation re-run, the end-of-fit restore): the one
+        way into the sink beside ``handle``'s. No ``EventHandled``: no remedy's bookkeeping follows it. Rank-local
+        ones (a checkpoint refused on rank 0) never feed a decision. True for a repeat of an earlier record."""
+        return self.sink.record(trainer, incident)
 
     def tried(self) -> str:
         """What the run has tried so far, from the records' actions."""
