@@ -31,6 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("recovery", "forensics"),  # the mechanisms that act; the replay that investigates
     ("reporting",),  # keys, sentences, records, summary
     ("engine",),  # the per-Trainer engine
+    ("parts",),  # the features' parts: driven by the engine's stages, configured by their callbacks
     ("callbacks",),  # the thin Lightning adapters
     ("preset", "testing"),
     ("",),

@@ -14,8 +14,8 @@ from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._common import check_strategy_supported
 from lightning_nanguard.config import PrecisionHeadroomConfig, arguments_from
 from lightning_nanguard.engine import Engine
-from lightning_nanguard.engine.headroom import HeadroomWatch
 from lightning_nanguard.exceptions import UnsupportedSetupError
+from lightning_nanguard.parts.headroom import HeadroomWatch
 from lightning_nanguard.policies.headroom import HeadroomSettings
 
 __all__ = ["PrecisionHeadroom"]

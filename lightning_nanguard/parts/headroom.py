@@ -12,7 +12,7 @@ One sample, over two steps, with no host read of device memory on the step path:
    close to the limit and falling.
 
 Under ``16-mixed`` the sampled step's largest gradient times its loss scale rides on the same vector, and its read
-may lower the scale before the step (``engine.scaled_gradient``).
+may lower the scale before the step (``parts.scaled_gradient``).
 
 Between samples a step costs one integer comparison at its batch start. Decisions come from the rank-reduced vector:
 every rank promotes the same module, and lowers the scale alike, at the same step.
@@ -28,9 +28,9 @@ import torch
 
 from lightning_nanguard import _distributed, _lightning_compat
 from lightning_nanguard.contract import Action, Notice
-from lightning_nanguard.engine.op_sampling import OpSampling
 from lightning_nanguard.engine.reading import HostMirror
-from lightning_nanguard.engine.scaled_gradient import ENTRIES, ScaledGradient
+from lightning_nanguard.parts.op_sampling import OpSampling
+from lightning_nanguard.parts.scaled_gradient import ENTRIES, ScaledGradient
 from lightning_nanguard.policies.headroom import HeadroomBook, HeadroomSettings, decide
 from lightning_nanguard.precision import FULL_PRECISION, Precision, classify_precision
 from lightning_nanguard.recovery.eval_precision import autocast_device
