@@ -183,3 +183,16 @@ def test_one_way_to_take_part_in_a_step() -> None:
         if getattr(cls, name) is not getattr(Callback, name)
     ]
     assert overriding == []
+
+
+def test_callbacks_are_thin() -> None:
+    # A callback configures its part and adapts Lightning: at most 250 lines a file (ARCHITECTURE.md, "Add a callback").
+    folder = os.path.join(ROOT, "callbacks")
+    long = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                lines = len(f.readlines())
+            if lines > 250:
+                long[name] = lines
+    assert long == {}
