@@ -14,8 +14,8 @@ from lightning_nanguard.callbacks._state import warn_unloaded_quarantine
 from lightning_nanguard.config import GradNormMonitorConfig, arguments_from
 from lightning_nanguard.engine import Engine, get_engine
 from lightning_nanguard.engine.grad_metrics import grad_metrics, layers_due
-from lightning_nanguard.engine.withdrawal import Blames
 from lightning_nanguard.exceptions import CheckpointVerificationError
+from lightning_nanguard.policies.withdrawal import Blames
 from lightning_nanguard.recovery.quarantine import Quarantine
 
 __all__ = ["GradNormMonitor"]
@@ -88,7 +88,7 @@ class GradNormMonitor(NanGuardCallback):
         self._quarantine = Quarantine(self.config.quarantine_file) if quarantine else None
         self._restored_skips = 0
         self._spike_state: dict[str, Any] = {}
-        self._blames_state: dict[str, Any] = {}  # the chains of data hypotheses, between fits (``engine.withdrawal``)
+        self._blames_state: dict[str, Any] = {}  # the chains of data hypotheses, between fits (``policies.withdrawal``)
         self._pending_blames: dict[str, Any] | None = None  # loaded before a fit's setup: applied there
         self._engine: Engine | None = None
 

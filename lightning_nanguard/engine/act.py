@@ -14,6 +14,7 @@ from lightning_nanguard.engine.capabilities import Restored
 from lightning_nanguard.engine.decide import repairable_buffers
 from lightning_nanguard.engine.events import EventFacts
 from lightning_nanguard.engine.registry import Registry
+from lightning_nanguard.recovery.quarantine import Added
 
 __all__ = ["Outcome", "carry_out", "restored_text"]
 
@@ -28,6 +29,7 @@ class Outcome:
     values: dict[str, object] = field(default_factory=dict)
     restored: bool = False
     checkpoint: str = ""  # a verified checkpoint saved before a stop
+    quarantined: Added | None = None  # what the quarantine added
 
 
 def carry_out(
@@ -54,9 +56,8 @@ def carry_out(
         if diagnosis.rank_rows and rank < len(diagnosis.rank_rows):
             rows = diagnosis.rank_rows[rank]  # this rank's own rows: row 3 of another rank is another sample
             take = bool(rows)
-        out.details[Action.QUARANTINE] = registry.quarantine.add(
-            trainer, facts.batch, rows, facts.step, take=take, samples=facts.samples
-        )
+        added = registry.quarantine.add(trainer, facts.batch, rows, facts.step, take=take, samples=facts.samples)
+        out.details[Action.QUARANTINE], out.quarantined = added.message, added
     restorer = registry.restorer
     if Action.ROLLBACK in acts and restorer is not None:
         repair = repairable_buffers(diagnosis, pl_module)

@@ -27,12 +27,12 @@ from lightning_nanguard.engine.events import EventFacts
 from lightning_nanguard.engine.registry import Registry
 from lightning_nanguard.engine.state_growth import LocalGrowth, local_growth
 from lightning_nanguard.engine.state_growth import merge as merge_growth
-from lightning_nanguard.engine.withdrawal import Blames
 from lightning_nanguard.forensics import ReplayRequest, investigate
 from lightning_nanguard.forensics.bundle import DEFAULT_BUDGET_MB, write_bundle
 from lightning_nanguard.policies.causes import CAUSES
 from lightning_nanguard.policies.diagnosis import classify, needs_replay
 from lightning_nanguard.policies.findings import Findings
+from lightning_nanguard.policies.withdrawal import Blames
 from lightning_nanguard.signals.batch import BatchFindings, read_batch
 from lightning_nanguard.signals.history import read_history
 from lightning_nanguard.signals.model_tensors import nonfinite_names

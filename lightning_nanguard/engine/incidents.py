@@ -17,9 +17,9 @@ import lightning.pytorch as pl
 from torch import Tensor
 
 from lightning_nanguard import _distributed, _notices
-from lightning_nanguard.contract import Action, Plan, Signal, StopReason
+from lightning_nanguard.contract import Action, Diagnosis, Plan, Signal, StopReason
 from lightning_nanguard.engine.accounting import FitLedger
-from lightning_nanguard.engine.act import carry_out
+from lightning_nanguard.engine.act import Outcome, carry_out
 from lightning_nanguard.engine.bus import EventBus
 from lightning_nanguard.engine.capabilities import DEFAULT_MAX_QUARANTINED_FRACTION
 from lightning_nanguard.engine.decide import note_plan, remedy_facts
@@ -30,7 +30,6 @@ from lightning_nanguard.engine.reading import Reading
 from lightning_nanguard.engine.registry import Registry
 from lightning_nanguard.engine.sink import IncidentSink
 from lightning_nanguard.engine.state_check import state_before_update, state_verdict
-from lightning_nanguard.engine.withdrawal import Blames
 from lightning_nanguard.exceptions import (
     NanGuardError,
     NonFiniteTrainingError,
@@ -39,6 +38,8 @@ from lightning_nanguard.exceptions import (
 )
 from lightning_nanguard.policies.diagnosis import divergence_diagnosis
 from lightning_nanguard.policies.remedy import plan_after_step, plan_remedy
+from lightning_nanguard.policies.withdrawal import Blames
+from lightning_nanguard.recovery.quarantine import Quarantine
 from lightning_nanguard.reporting import messages
 from lightning_nanguard.reporting.incidents import Incident
 from lightning_nanguard.signals.model_tensors import nonfinite_names
@@ -105,7 +106,11 @@ class IncidentPath:
         self.ledger = ledger
         self.sink = sink
         self.bus = bus
-        self.blames = Blames()  # the fit's data hypotheses and their quarantines (``withdrawal``)
+
+    @property
+    def blames(self) -> Blames:
+        """The fit's data hypotheses and their quarantines (kept in the ledger)."""
+        return self.ledger.blames
 
     def handle(
         self,
@@ -167,7 +172,8 @@ class IncidentPath:
         fraction = (
             registry.guard.max_quarantined_fraction if registry.guard is not None else DEFAULT_MAX_QUARANTINED_FRACTION
         )
-        self.blames.settle(registry.quarantine, diagnosis, step, out.details, fraction)
+        if registry.quarantine is not None:
+            _settle_blames(self.blames, registry.quarantine, diagnosis, step, out, fraction)
         restore_failed = Action.ROLLBACK in plan.actions and not out.restored and plan.stop is None
         if restore_failed and (not facts.state_ok or diagnosis.state_damaged):
             plan = Plan(
@@ -305,6 +311,26 @@ class IncidentPath:
         if r.guard is not None:
             return max(0, r.guard.max_consecutive_skips - self.ledger.skip_streak)
         return -1
+
+
+def _settle_blames(
+    blames: Blames, quarantine: Quarantine, d: Diagnosis, step: int, out: Outcome, fraction: float
+) -> None:
+    """After the actions: release what a withdrawn chain held; add this incident's quarantine to its chain, and
+    withdraw (and release) the chain whose records pass the quarantined-share budget (``policies.withdrawal``)."""
+    for due in blames.releases_due():
+        quarantine.release(due.samples, due.prints, step)
+    added = out.quarantined
+    if Action.QUARANTINE not in out.details or added is None:
+        return
+    chain = blames.add(d, step, added.samples, added.prints)
+    size = quarantine.dataset_size() or 0
+    held = blames.past_share(size, fraction) if chain is not None else None
+    if chain is None or held is None:
+        return
+    released = quarantine.release(chain.samples, chain.prints, step)
+    line = blames.withdraw(chain, d, step, held, size, fraction, released)
+    out.details[Action.QUARANTINE] += f"; then {line.split(': ', 1)[1]}"
 
 
 def _bad_ranks(
