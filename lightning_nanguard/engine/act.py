@@ -5,14 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import lightning.pytorch as pl
-
 from lightning_nanguard.contract import Action, Diagnosis, Plan, RestoreSource, Signal, StateRestored
-from lightning_nanguard.engine.accounting import FitLedger
-from lightning_nanguard.engine.bus import EventBus
 from lightning_nanguard.engine.capabilities import Restored
+from lightning_nanguard.engine.context import IncidentContext
 from lightning_nanguard.engine.decide import repairable_buffers
-from lightning_nanguard.engine.events import EventFacts
 from lightning_nanguard.engine.registry import Registry
 from lightning_nanguard.recovery.quarantine import Added
 
@@ -32,16 +28,10 @@ class Outcome:
     quarantined: Added | None = None  # what the quarantine added
 
 
-def carry_out(
-    trainer: pl.Trainer,
-    pl_module: pl.LightningModule,
-    plan: Plan,
-    diagnosis: Diagnosis,
-    facts: EventFacts,
-    registry: Registry,
-    ledger: FitLedger,
-    bus: EventBus,
-) -> Outcome:
+def carry_out(ctx: IncidentContext, plan: Plan, diagnosis: Diagnosis) -> Outcome:
+    """Carry ``plan`` out with the capabilities; what each action did."""
+    trainer, pl_module, facts, registry, ledger = ctx.trainer, ctx.pl_module, ctx.facts, ctx.registry, ctx.ledger
+    bus = ctx.bus
     out = Outcome()
     acts = set(plan.actions)
     if Action.WARN in acts:

@@ -26,9 +26,8 @@ from torch import Tensor
 
 from lightning_nanguard import _distributed
 from lightning_nanguard.contract import Diagnosis, Evidence, EvidenceKind
-from lightning_nanguard.engine.accounting import FitLedger
+from lightning_nanguard.engine.context import IncidentContext
 from lightning_nanguard.engine.events import EventFacts
-from lightning_nanguard.engine.registry import Registry
 from lightning_nanguard.forensics.replay import run_pass
 from lightning_nanguard.policies.counterfactual import redecide, untested
 from lightning_nanguard.policies.findings import Findings, PassResult
@@ -82,16 +81,9 @@ def _why_not(pl_module: pl.LightningModule, facts: EventFacts, findings: Finding
     return ""
 
 
-def test_blame(
-    trainer: pl.Trainer,
-    pl_module: pl.LightningModule,
-    facts: EventFacts,
-    findings: Findings,
-    d: Diagnosis,
-    registry: Registry,
-    ledger: FitLedger,
-) -> Diagnosis:
+def test_blame(ctx: IncidentContext, findings: Findings, d: Diagnosis) -> Diagnosis:
     """``d``, its data blame tested (see the module's docstring). Every rank calls it with the same ``d``."""
+    trainer, pl_module, facts, registry, ledger = ctx.trainer, ctx.pl_module, ctx.facts, ctx.registry, ctx.ledger
     if not d.caused_by_data or registry.quarantine is None or not facts.state_ok or d.state_damaged or not d.rows:
         return d
     mine = _my_rows(trainer, d)

@@ -22,7 +22,8 @@ from lightning_nanguard.engine.accounting import FitLedger
 from lightning_nanguard.engine.act import Outcome, carry_out
 from lightning_nanguard.engine.bus import EventBus
 from lightning_nanguard.engine.capabilities import DEFAULT_MAX_QUARANTINED_FRACTION
-from lightning_nanguard.engine.decide import note_plan, remedy_facts
+from lightning_nanguard.engine.context import IncidentContext
+from lightning_nanguard.engine.decide import count_event, note_plan, remedy_facts
 from lightning_nanguard.engine.diagnose import diagnose, trigger_note, write_incident_bundle
 from lightning_nanguard.engine.events import AfterStep, EventFacts, PendingEvent
 from lightning_nanguard.engine.micro_batches import MicroBatch, locate
@@ -158,16 +159,17 @@ class IncidentPath:
             batch, samples = micro[0].batch, micro[0].samples
         ranks, batch_idx = _bad_ranks(trainer, event, batch_idx, micro)
         facts = EventFacts(event, step, batch, batch_idx, state_ok, tuple(names), ranks, samples)
+        ctx = IncidentContext(trainer, pl_module, facts, registry, ledger, self.bus, self.sink.run_dir)
         if event.signal is Signal.RANK_DIVERGENCE:
             diagnosis = divergence_diagnosis(state_verdict(trainer, pl_module).diverged)
         else:
-            diagnosis = diagnose(trainer, pl_module, facts, registry, ledger, self.blames)
+            diagnosis = diagnose(ctx)
         # Forensics: the incident bundle, before any action changes the weights or the random state.
-        bundle = write_incident_bundle(trainer, pl_module, facts, diagnosis, registry, ledger, self.sink.run_dir)
-        decided = remedy_facts(trainer, facts, diagnosis, registry, ledger)
+        bundle = write_incident_bundle(ctx, diagnosis)
+        decided = remedy_facts(ctx, diagnosis, count_event(ctx, diagnosis))
         plan = plan_remedy(decided)
         note_plan(decided, plan, ledger, step)
-        out = carry_out(trainer, pl_module, plan, diagnosis, facts, registry, ledger, self.bus)
+        out = carry_out(ctx, plan, diagnosis)
         trigger_note(out.details, diagnosis)  # forensics: a formula bug's trigger, quarantined, is said to be one
         fraction = (
             registry.guard.max_quarantined_fraction if registry.guard is not None else DEFAULT_MAX_QUARANTINED_FRACTION
