@@ -13,8 +13,8 @@ from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._state import warn_unloaded_quarantine
 from lightning_nanguard.config import GradNormMonitorConfig, arguments_from
 from lightning_nanguard.engine import Engine, get_engine
-from lightning_nanguard.engine.grad_metrics import grad_metrics, layers_due
 from lightning_nanguard.exceptions import CheckpointVerificationError
+from lightning_nanguard.parts.grad_metrics import grad_metrics, layers_due
 from lightning_nanguard.policies.withdrawal import Blames
 from lightning_nanguard.recovery.quarantine import Quarantine
 

@@ -1,7 +1,7 @@
 """LossScaleWatchdog: the loss scale on the dashboard, a floor it lacks, and a collapse met by a remedy.
 
 The GradScaler (``16-mixed``) is watched through the engine's step reading; DeepSpeed's own fp16 loss scaler
-(``DeepSpeedStrategy``) after DeepSpeed's step, by ``engine/deepspeed_sensing.py``.
+(``DeepSpeedStrategy``) after DeepSpeed's step, by ``parts/deepspeed_sensing.py``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from lightning_nanguard.callbacks._deepspeed import install_scale_watch, is_deep
 from lightning_nanguard.config import LossScaleWatchdogConfig, arguments_from
 from lightning_nanguard.contract import StateRestored
 from lightning_nanguard.engine import Engine, get_engine
-from lightning_nanguard.engine.deepspeed_sensing import DeepSpeedScaleWatch, ScaleSettings
 from lightning_nanguard.engine.reading import Reading
+from lightning_nanguard.parts.deepspeed_sensing import DeepSpeedScaleWatch, ScaleSettings
 from lightning_nanguard.policies.loss_scale import CollapseFacts, CollapsePolicy
 from lightning_nanguard.reporting import keys
 from lightning_nanguard.signals.loss_scale import ScaleHistory

@@ -10,7 +10,7 @@ group, updates its loss scaler, and drops the update when it overflowed; otherwi
 is already identical on every rank: the overflow flag and the norm are DeepSpeed's reduced values, and the loss
 scaler runs the same update on every rank.
 
-Pure adapters and texts, no Trainer: the engine's DeepSpeed watches (``engine/deepspeed_sensing.py``) call them once
+Pure adapters and texts, no Trainer: the engine's DeepSpeed watches (``parts/deepspeed_sensing.py``) call them once
 per step, and the incident path writes an event's message with the ``*_message`` functions, given the plan.
 """
 
