@@ -196,3 +196,17 @@ def test_callbacks_are_thin() -> None:
             if lines > 250:
                 long[name] = lines
     assert long == {}
+
+
+def test_the_engine_holds_only_what_it_runs() -> None:
+    # engine/ is the step's orchestration: every module there is one the engine itself imports (from the package's
+    # __init__, get_engine, down); a feature's machinery the engine never calls is a part (parts/).
+    graph = import_graph()
+    seen: set[str] = set()
+    todo = ["engine"]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += [t for t in graph.get(module, ()) if t.split(".")[0] == "engine"]
+    assert sorted(m for m in graph if m.split(".")[0] == "engine" and m not in seen) == []
