@@ -21,6 +21,7 @@ from enum import Enum
 import torch
 
 __all__ = [
+    "SPIKES",
     "Action",
     "Basis",
     "Cause",
@@ -83,6 +84,10 @@ class Signal(_Value):
     DIVERGING = "diverging"  # the state just snapshotted was taken mid-divergence (loss and grad norm far up)
     PROBE_ROSE = "probe_rose"  # a spike, and the probe batch's loss under the current weights rose with it
     LOSS_SCALE_COLLAPSE = "loss_scale_collapse"
+
+
+# The signals of a spike (finite, far from the run's statistics), as against a non-finite step or state.
+SPIKES = frozenset({Signal.LOSS_SPIKE, Signal.GRAD_NORM_SPIKE, Signal.LOSS_AND_GRAD_NORM_SPIKE})
 
 
 class Notice(_Value):

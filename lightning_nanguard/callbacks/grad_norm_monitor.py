@@ -12,6 +12,7 @@ from lightning_nanguard.callbacks import _deepspeed
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._state import warn_unloaded_quarantine
 from lightning_nanguard.config import GradNormMonitorConfig, arguments_from
+from lightning_nanguard.config.grad_norm_monitor import MAX_REPLAY_STEPS
 from lightning_nanguard.engine import Engine, get_engine
 from lightning_nanguard.exceptions import CheckpointVerificationError
 from lightning_nanguard.parts.grad_metrics import grad_metrics, layers_due
@@ -77,7 +78,7 @@ class GradNormMonitor(NanGuardCallback):
         quarantine: bool = True,
         quarantine_file: str | None = None,
         forensics: Literal["first", "every", "off"] = "first",
-        max_replay_steps: float = 20.0,
+        max_replay_steps: float = MAX_REPLAY_STEPS,
         max_dropped_fraction: float | None = 0.05,
         dropped_window: int = 1000,
         on_dropped_budget: Literal["stop", "warn"] = "stop",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lightning_nanguard.contract import Action, Diagnosis, Plan, RestoreSource, Signal, StateRestored
+from lightning_nanguard.contract import SPIKES, Action, Diagnosis, Plan, RestoreSource, Signal, StateRestored
 from lightning_nanguard.engine.capabilities import Restored
 from lightning_nanguard.engine.context import IncidentContext
 from lightning_nanguard.engine.decide import repairable_buffers
@@ -13,8 +13,6 @@ from lightning_nanguard.engine.registry import Registry
 from lightning_nanguard.recovery.quarantine import Added
 
 __all__ = ["Outcome", "carry_out", "restored_text"]
-
-_SPIKES = (Signal.LOSS_SPIKE, Signal.GRAD_NORM_SPIKE, Signal.LOSS_AND_GRAD_NORM_SPIKE)
 
 
 @dataclass
@@ -99,7 +97,7 @@ def _warned(out: Outcome, signal: Signal, registry: Registry) -> None:
         budget = "" if left is None else f"; {left} more collapses allowed"
         out.details[Action.WARN] = f"kept training (on_collapse={watch.on_collapse!r}{budget})"
     elif guard is not None:
-        setting = "on_spike" if signal in _SPIKES else "on_nonfinite"
+        setting = "on_spike" if signal in SPIKES else "on_nonfinite"
         value = guard.on_spike if setting == "on_spike" else guard.on_nonfinite
         out.details[Action.WARN] = f"let the update through ({setting}={value!r})"
 

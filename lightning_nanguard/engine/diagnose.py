@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_nanguard import _distributed
+from lightning_nanguard.config.grad_norm_monitor import MAX_REPLAY_STEPS
 from lightning_nanguard.contract import Action, Diagnosis, Divergence, Signal
 from lightning_nanguard.engine.context import IncidentContext
 from lightning_nanguard.engine.counterfactual import test_blame
@@ -52,7 +53,7 @@ def diagnose(ctx: IncidentContext) -> Diagnosis:
             facts.batch_idx,
             facts.step,
             mode=guard.forensics if guard is not None else "first",
-            max_replay_steps=guard.max_replay_steps if guard is not None else 20.0,
+            max_replay_steps=guard.max_replay_steps if guard is not None else MAX_REPLAY_STEPS,
             has_step=bool(facts.readings),
             update_applied=bool(facts.readings) and not all(r.dropped for r in facts.readings),
         )

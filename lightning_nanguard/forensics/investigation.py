@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import lightning.pytorch as pl
 
 from lightning_nanguard import _distributed, _lightning_compat
+from lightning_nanguard.config.grad_norm_monitor import MAX_REPLAY_STEPS
 from lightning_nanguard.forensics.origin_events import batch_fields
 from lightning_nanguard.forensics.replay import TracedPass, run_pass, trace_pass
 from lightning_nanguard.policies.diagnosis import replay_steps, signature
@@ -64,7 +65,7 @@ class ReplayRequest:
     batch_idx: int
     step: int
     mode: str = "first"
-    max_replay_steps: float = 20.0
+    max_replay_steps: float = MAX_REPLAY_STEPS
     has_step: bool = True
     update_applied: bool = False
 
