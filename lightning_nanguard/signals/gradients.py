@@ -34,6 +34,7 @@ __all__ = [
     "layer_of",
     "loss_sum",
     "norms_with",
+    "step_vector",
     "weighted_squares",
     "wrapper_prefixes",
 ]
@@ -258,16 +259,25 @@ def norms_with(index: ParamIndex, tail: Sequence[Tensor]) -> tuple[GradNorms, Te
     for an index ``inline_applies`` to, every gradient present. The total norm is then summed on the host from the
     per-tensor norms (two fewer device ops than a ``vector_norm`` and a second ``stack``; the per-tensor norms are
     sliced out of the vector only where they are used). ``None`` where a gradient is missing (``grad_norms`` then)."""
-    grads = [p.grad for p in index.params]
-    for g in grads:
-        if g is None:
-            return None
     try:
-        vec = torch.stack([*_foreach_norm_fp32(grads), *tail])  # type: ignore[arg-type]
+        vec = step_vector(index.params, tail)
     except NotImplementedError:  # a sparse gradient that was not there when the index was built: ``grad_norms``
         index.sparse = True
         return None
-    return GradNorms(present=None, vec=vec, count=index.count), vec
+    return None if vec is None else (GradNorms(present=None, vec=vec, count=index.count), vec)
+
+
+def step_vector(params: Sequence[Tensor], tail: Sequence[Tensor]) -> Tensor | None:
+    """``[norm_0, ..., norm_k-1, *tail]``: each parameter's gradient 2-norm (one fused pass, accumulated in float32
+    or wider) and ``tail``, in one ``stack``: the healthy step's two device ops (``norms_with``, ``Sensor.quick``).
+    ``None`` where a gradient is missing; raises as the ops do (a sparse gradient, a tail on another device)."""
+    grads: list[Tensor] = []
+    for p in params:
+        g = p.grad
+        if g is None:
+            return None
+        grads.append(g)
+    return torch.stack([*_foreach_norm_fp32(grads), *tail])
 
 
 def _grouped_norms(index: ParamIndex, grads: list[Tensor | None], present: list[int]) -> list[Tensor]:
