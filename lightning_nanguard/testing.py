@@ -24,6 +24,7 @@ from typing_extensions import override
 from lightning_nanguard._lightning_compat import first_element, host_buffer_marked
 from lightning_nanguard._validation import check_choice, check_int
 from lightning_nanguard.exceptions import NanGuardConfigError, brief
+from lightning_nanguard.signals.tensors import iter_tensors
 
 __all__ = ["FaultInjector", "HostReadCounter"]
 
@@ -133,7 +134,7 @@ class FaultInjector(Callback):
             self._note(trainer)
         elif self._due(trainer, "input"):
             with torch.no_grad():
-                for t in _tensors(batch):
+                for t in iter_tensors(batch):
                     if t.is_floating_point():
                         t.mul_(self.value)
             self._note(trainer)
@@ -152,16 +153,6 @@ class FaultInjector(Callback):
             assert grad is not None
             self._poison(grad)
             self._note(trainer)
-
-
-def _tensors(batch: Any) -> list[Tensor]:
-    if isinstance(batch, Tensor):
-        return [batch]
-    if isinstance(batch, dict):
-        return [t for v in batch.values() for t in _tensors(v)]
-    if isinstance(batch, (list, tuple)):
-        return [t for v in batch for t in _tensors(v)]
-    return []
 
 
 _HOST_READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")

@@ -62,12 +62,12 @@ from lightning_nanguard.forensics.origin_events import (
     chain_of,
     check,
     copy_args,
-    flat,
     float_tensors,
     nonfinite_scalar,
     to_origin,
 )
 from lightning_nanguard.policies.origin import Origin, SourceFrame, Stat
+from lightning_nanguard.signals.tensors import iter_tensors
 
 __all__ = ["OriginTracer"]
 
@@ -343,7 +343,7 @@ class OriginTracer:
         """The op's inputs, copied, for an op-level offline replay (not an in-place op's: its input is overwritten)."""
         if op_is_mutable(func):
             return None
-        tensors = [t for t in flat((args, kwargs)) if isinstance(t, Tensor)]
+        tensors = list(iter_tensors((args, kwargs)))
         size = sum(t.numel() * t.element_size() for t in tensors)
         if size > self._keep_left or any(type(t) not in (Tensor, nn.Parameter) for t in tensors):
             return None

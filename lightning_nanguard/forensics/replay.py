@@ -34,24 +34,15 @@ from lightning_nanguard.forensics.origin import OriginTracer
 from lightning_nanguard.forensics.step_view import seen_at
 from lightning_nanguard.policies.findings import PassResult
 from lightning_nanguard.policies.origin import Origin
+from lightning_nanguard.signals.tensors import iter_tensors
 
 __all__ = ["TracedPass", "preserved_state", "run_pass", "trace_pass"]
 
 _GRAD_PARAMS_LISTED = 8
 
 
-def _tensors(obj: Any) -> list[Tensor]:
-    if isinstance(obj, Tensor):
-        return [obj]
-    if isinstance(obj, Mapping):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
-
-
-def _floats(obj: Any) -> list[Tensor]:
-    return [t for t in _tensors(obj) if t.is_floating_point()]
+def _floats(obj: object) -> list[Tensor]:
+    return [t for t in iter_tensors(obj) if t.is_floating_point()]
 
 
 def _finite(t: Tensor) -> bool:

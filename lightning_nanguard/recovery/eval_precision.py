@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -42,6 +42,7 @@ from lightning_nanguard._lightning_compat import (
     MetricStates,
     takes_dataloader_iter,
 )
+from lightning_nanguard.signals.tensors import iter_tensors
 
 __all__ = [
     "DeferredLog",
@@ -174,17 +175,9 @@ class DeferredLog:
         self.calls = []
 
 
-def floating_tensors(obj: Any) -> Iterator[Tensor]:
-    """Every floating-point tensor in a step output (a tensor, a mapping, a list/tuple, nested)."""
-    if isinstance(obj, Tensor):
-        if obj.is_floating_point() or obj.is_complex():
-            yield obj
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            yield from floating_tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from floating_tensors(v)
+def floating_tensors(obj: object) -> Iterator[Tensor]:
+    """Every floating-point (or complex) tensor in a step output, nested (``signals.tensors.iter_tensors``)."""
+    return (t for t in iter_tensors(obj) if t.is_floating_point() or t.is_complex())
 
 
 def nonfinite_flag(*collections: Any) -> Tensor | bool:
