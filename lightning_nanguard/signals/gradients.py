@@ -231,7 +231,7 @@ def grad_norms(index: ParamIndex, scale: Tensor | None = None) -> GradNorms | No
         if not grads:
             return None
         try:
-            norms = _foreach_norm_fp32(grads)  # type: ignore[arg-type]
+            norms = _norms_fp32(grads)  # type: ignore[arg-type]
         except NotImplementedError:  # a sparse gradient that was not there when the index was built
             index.sparse = True
     if norms is None:
@@ -277,7 +277,7 @@ def step_vector(params: Sequence[Tensor], tail: Sequence[Tensor]) -> Tensor | No
         if g is None:
             return None
         grads.append(g)
-    return torch.stack([*_foreach_norm_fp32(grads), *tail])
+    return torch.stack([*_norms_fp32(grads), *tail])
 
 
 def _grouped_norms(index: ParamIndex, grads: list[Tensor | None], present: list[int]) -> list[Tensor]:
@@ -294,7 +294,7 @@ def _grouped_norms(index: ParamIndex, grads: list[Tensor | None], present: list[
     out: dict[int, Tensor] = {}
     device = dense[present[0]].device
     for positions in by_key.values():
-        for i, n in zip(positions, _foreach_norm_fp32([dense[i] for i in positions]), strict=True):
+        for i, n in zip(positions, _norms_fp32([dense[i] for i in positions]), strict=True):
             out[i] = n if n.device == device else n.to(device)
     return [out[i] for i in present]
 
@@ -335,13 +335,9 @@ def weighted_squares(index: ParamIndex, norms: GradNorms | None, device: torch.d
     return out.index_copy_(0, where, squares)
 
 
-def _foreach_norm_fp32(tensors: list[Tensor]) -> Iterable[Tensor]:
-    """Per-tensor 2-norms of one (device, dtype) group, accumulated in float32."""
-    if tensors[0].dtype in (torch.float32, torch.float64):
-        return _lightning_compat.foreach_norm(
-            tensors, 2
-        )  # already accumulates in float32; dtype= would cost a conversion
-    try:
-        return _lightning_compat.foreach_norm(tensors, 2, dtype=torch.float32)
-    except (TypeError, RuntimeError):  # older torch without dtype=; correct but may overflow for huge fp16 grads
-        return [n.float() for n in _lightning_compat.foreach_norm(tensors, 2)]
+def _norms_fp32(tensors: list[Tensor]) -> list[Tensor] | tuple[Tensor, ...]:
+    """Per-tensor 2-norms of one (device, dtype) group, accumulated in float32 (float32/float64: their own)."""
+    return _lightning_compat.foreach_norms(tensors, 2, dtypes=_F32, cast=torch.float32)
+
+
+_F32 = (torch.float32,)

@@ -13,7 +13,6 @@ import torch
 from torch import Tensor
 
 from lightning_nanguard import _lightning_compat
-from lightning_nanguard.signals.gradients import _foreach_norm_fp32
 from lightning_nanguard.signals.stored import stored_values
 
 __all__ = ["all_finite", "at_path", "fingerprint", "iter_tensors"]
@@ -86,10 +85,11 @@ def all_finite(tensors: Sequence[Tensor], *, wide: bool = False) -> Tensor:
     if not groups:
         return torch.tensor(True)
     device = next(iter(groups))[0]
-    norm = _foreach_norm_wide if wide else _foreach_norm_fp32
-    norms = [n.to(device) for group in groups.values() for n in norm(group)]
+    dtypes = (torch.float64, torch.float32) if wide else (torch.float32,)  # no float64 on MPS
+    cast = None if wide else torch.float32
+    norms = [
+        n.to(device)
+        for group in groups.values()
+        for n in _lightning_compat.foreach_norms(group, 2, dtypes=dtypes, cast=cast)
+    ]
     return torch.isfinite(torch.stack(norms)).all()
-
-
-def _foreach_norm_wide(tensors: list[Tensor]) -> list[Tensor]:
-    return _lightning_compat.foreach_norms(tensors, 2, dtypes=(torch.float64, torch.float32))  # no float64 on MPS
