@@ -127,7 +127,7 @@ class FaultInjector(Callback):
 
     @override
     def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int
     ) -> None:
         if self._due(trainer, "param"):
             self._poison(self._param(pl_module, need_grad=False))
@@ -187,13 +187,13 @@ class HostReadCounter:
             setattr(torch.Tensor, name, self._counted(original))
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for name, original in self._saved.items():
             setattr(torch.Tensor, name, original)
         self._saved.clear()
 
     def _counted(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def counted(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
+        def counted(tensor: Tensor, *args: object, **kwargs: object) -> object:
             if not self.paused and not host_buffer_marked(tensor):
                 self.count += 1
             return original(tensor, *args, **kwargs)
@@ -201,7 +201,7 @@ class HostReadCounter:
         return counted
 
 
-def _int_list(owner: str, name: str, value: Any) -> list[Any]:
+def _int_list(owner: str, name: str, value: object) -> list[Any]:
     """One int (Python or numpy) or an iterable of them, each >= 0 (a string is not an iterable of ints here)."""
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         items: list[Any] = [value]

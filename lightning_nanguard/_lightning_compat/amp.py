@@ -103,7 +103,7 @@ def set_found_inf(optimizer: Optimizer, flag: Tensor) -> None:
     optimizer.found_inf = flag.to(torch.float32)  # type: ignore[attr-defined]
 
 
-def found_inf_per_device(scaler: Any, optimizer: Optimizer) -> dict[torch.device, Tensor] | None:
+def found_inf_per_device(scaler: object, optimizer: Optimizer) -> dict[torch.device, Tensor] | None:
     """The GradScaler's ``found_inf`` tensors for ``optimizer`` (filled by ``unscale_``), or ``None`` before it ran
     (a fused optimizer unscales inside its step)."""
     state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
@@ -133,7 +133,7 @@ def set_found_inf_where_nonfinite(optimizer: Optimizer, values: Tensor) -> None:
     optimizer.found_inf = found  # type: ignore[attr-defined]
 
 
-def or_nonfinite_into_found_inf(scaler: Any, optimizer: Optimizer, values: Tensor) -> None:
+def or_nonfinite_into_found_inf(scaler: object, optimizer: Optimizer, values: Tensor) -> None:
     """``or_into_found_inf`` with the verdict "``values`` holds a NaN or an inf": straight into the scaler's
     ``found_inf`` (one op) where it lives on the device of ``values``."""
     found = found_inf_per_device(scaler, optimizer)
@@ -150,7 +150,7 @@ def clear_found_inf(optimizer: Optimizer) -> None:
         del optimizer.found_inf  # type: ignore[attr-defined]
 
 
-def or_into_found_inf(scaler: Any, optimizer: Optimizer, flag: Tensor) -> None:
+def or_into_found_inf(scaler: object, optimizer: Optimizer, flag: Tensor) -> None:
     """Make the GradScaler drop this optimizer's update (and back off its scale) when ``flag`` is true, on the device.
 
     Non-fused optimizers: ``unscale_`` has filled ``found_inf_per_device`` before ``on_before_optimizer_step``; the

@@ -97,7 +97,7 @@ def _imported_class(module: str, name: str) -> Any:
     return getattr(sys.modules.get(module), name, None)
 
 
-def local_shards(obj: Any) -> list[Tensor] | None:
+def local_shards(obj: object) -> list[Tensor] | None:
     """This rank's local shards of a ``ShardedTensor`` (FSDP1's sharded state dict), or ``None`` for anything else."""
     # FSDP1's SHARDED_STATE_DICT holds ShardedTensors (without a device mesh); absent from some torch builds
     sharded_tensor = _imported_class("torch.distributed._shard.sharded_tensor.api", "ShardedTensor")

@@ -64,7 +64,7 @@ from lightning_nanguard.signals.sharded import is_sharded, local_tensor
 __all__ = ["LoadDecision", "decide_load", "install", "saves_directories"]
 
 
-def saves_directories(strategy: Any) -> bool:
+def saves_directories(strategy: object) -> bool:
     """``ModelParallelStrategy(save_distributed_checkpoint=...)``, ``FSDPStrategy(state_dict_type=...)``: does it
     save directories?"""
     if is_fsdp1(strategy):  # "sharded": a directory of torch.distributed.checkpoint shards; "full" (default): a file

@@ -36,7 +36,7 @@ def writes_one_file(io: CheckpointIO) -> bool:
 
 
 def write_through_tmp(
-    io: CheckpointIO, checkpoint: dict[str, Any], target: str, storage_options: Any, writing: set[str]
+    io: CheckpointIO, checkpoint: dict[str, Any], target: str, storage_options: object, writing: set[str]
 ) -> str:
     """Write through a temporary name and rename it onto ``target``; returns the file's sha256."""
     tmp = tmp_name(target)

@@ -36,7 +36,7 @@ from lightning_nanguard.signals.tensors import iter_tensors
 __all__ = ["test_blame", "without_rows"]
 
 
-def without_rows(batch: Any, rows: tuple[int, ...]) -> Any:
+def without_rows(batch: object, rows: tuple[int, ...]) -> object:
     """``batch`` without ``rows`` along the batch dimension (every tensor whose first dimension is the batch's), or
     ``None`` where it cannot be cut (no tensor, no row left, a row out of range)."""
     sizes = [t.shape[0] for t in iter_tensors(batch) if t.dim() > 0]
@@ -47,7 +47,7 @@ def without_rows(batch: Any, rows: tuple[int, ...]) -> Any:
     if not keep or any(r < 0 or r >= size for r in rows):
         return None
 
-    def cut(obj: Any) -> Any:
+    def cut(obj: object) -> Any:
         if isinstance(obj, Tensor):
             return obj[torch.tensor(keep, device=obj.device)] if obj.dim() > 0 and obj.shape[0] == size else obj
         if isinstance(obj, Mapping):

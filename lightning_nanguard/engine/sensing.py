@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import lightning.pytorch as pl
 import torch
@@ -292,7 +292,7 @@ class Sensor:
         head: Tensor,
         layout: Layout,
         optimizer: Optimizer,
-        scaler: Any,
+        scaler: object,
         plan: StepPlan,
         *,
         host_only: bool,

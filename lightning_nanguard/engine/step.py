@@ -17,7 +17,6 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import Any
 
 import lightning.pytorch as pl
 from torch import Tensor
@@ -126,7 +125,7 @@ class StepFlow:
         if not self._starts:
             self._batch_began = 0.0  # timed end to end: the first batch of an epoch would count the epoch's turnover
 
-    def batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int) -> None:
         self._batch, self._batch_idx = batch, batch_idx
         self._batch_began = time.perf_counter()
         self._drop = None
@@ -256,7 +255,7 @@ class StepFlow:
             reading.dropped = True
 
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: object, batch: object, batch_idx: int
     ) -> None:
         """``batch_end`` with the hook's signature (the driver's hook, bound directly: ``_base.bind_hooks``).
 

@@ -218,7 +218,7 @@ def _dtype(precision: str) -> torch.dtype | None:
     return {"16-true": torch.float16, "bf16-true": torch.bfloat16, "64-true": torch.float64}.get(precision)
 
 
-def _cast(obj: Any, dtype: torch.dtype) -> Any:
+def _cast(obj: object, dtype: torch.dtype) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.to(dtype) if obj.is_floating_point() else obj
     if isinstance(obj, dict):
@@ -230,7 +230,7 @@ def _cast(obj: Any, dtype: torch.dtype) -> Any:
     return obj
 
 
-def _no_log(*args: Any, **kwargs: Any) -> None:
+def _no_log(*args: object, **kwargs: object) -> None:
     """``self.log`` in an offline replay: no Trainer, no logger."""
 
 

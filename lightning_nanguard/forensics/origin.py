@@ -94,7 +94,7 @@ class OriginTracer:
     def __init__(
         self,
         root: nn.Module | None = None,
-        batch: Any = None,
+        batch: object = None,
         *,
         max_ops: int = 200_000,
         time_budget_s: float = 60.0,
@@ -289,7 +289,7 @@ class OriginTracer:
         real = [s for s in pool if s.tag is not None and self._events[s.tag].kind != "intended"]
         return (real or pool)[0].tag
 
-    def _first_use(self, tag: int | None, func: Any) -> None:
+    def _first_use(self, tag: int | None, func: object) -> None:
         if tag is None:
             return
         ev = self._events[tag]
@@ -298,7 +298,7 @@ class OriginTracer:
             ev.frame = frame_from_stack()
             ev.module = module_from_stack(self._names) or ""
 
-    def _absorbed(self, func: Any, bad: list[Status]) -> None:
+    def _absorbed(self, func: object, bad: list[Status]) -> None:
         """A finite output from non-finite inputs: the op masked them away (kept on every real ancestor event)."""
         frame: SourceFrame | None = None
         for s in bad:

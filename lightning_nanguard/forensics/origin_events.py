@@ -68,7 +68,7 @@ def float_tensors(obj: object) -> list[Tensor]:
     return [t for t in iter_tensors(obj) if type(t) in (Tensor, nn.Parameter) and t.is_floating_point()]
 
 
-def batch_fields(batch: Any, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
+def batch_fields(batch: object, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
     if isinstance(batch, Tensor):
         yield prefix or "batch", batch
     elif isinstance(batch, Mapping):
@@ -107,7 +107,7 @@ def _leaves(obj: object) -> Iterator[object]:
         yield obj
 
 
-def nonfinite_scalar(obj: Any) -> bool:
+def nonfinite_scalar(obj: object) -> bool:
     return any(isinstance(v, float) and not math.isfinite(v) for v in _leaves(obj))
 
 
@@ -127,7 +127,7 @@ def check(tensors: Sequence[Tensor]) -> list[tuple[bool, bool]]:
     return [(math.isfinite(lo) and math.isfinite(hi), math.isnan(lo) or math.isnan(hi)) for lo, hi in values]
 
 
-def copy_args(obj: Any) -> Any:
+def copy_args(obj: object) -> Any:
     """``obj`` with every tensor detached and copied."""
     if isinstance(obj, Tensor):
         return obj.detach().clone()

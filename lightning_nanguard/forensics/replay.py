@@ -49,7 +49,7 @@ def _finite(t: Tensor) -> bool:
     return bool(torch.isfinite(t.detach()).all())
 
 
-def _to_float32(obj: Any) -> Any:
+def _to_float32(obj: object) -> Any:
     if isinstance(obj, Tensor):
         return obj.float() if obj.is_floating_point() else obj
     if isinstance(obj, Mapping):
@@ -111,11 +111,11 @@ class _Recorder:
         # Per gradient, in backward order: ("out" | "in", module, all finite).
         self._backward: list[tuple[str, str, Tensor]] = []
 
-    def forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+    def forward_hook(self, module: nn.Module, args: object, output: object) -> None:
         with self.aside():
             self._forward_hook(module, args, output)
 
-    def _forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _forward_hook(self, module: nn.Module, args: object, output: object) -> None:
         outs = _floats(output)
         if not outs:
             return
@@ -188,7 +188,7 @@ def _range(tensors: list[Tensor]) -> tuple[float | None, float | None]:
     return lo, hi
 
 
-def _loss_of(out: Any) -> Tensor | None:
+def _loss_of(out: object) -> Tensor | None:
     if isinstance(out, Tensor):
         return out
     if isinstance(out, Mapping) and isinstance(out.get("loss"), Tensor):
@@ -212,7 +212,7 @@ class TracedPass(NamedTuple):
 def run_pass(
     trainer: pl.Trainer,
     pl_module: pl.LightningModule,
-    batch: Any,
+    batch: object,
     batch_idx: int,
     *,
     float32: bool,
@@ -228,9 +228,9 @@ def run_pass(
 
 
 def trace_pass(
-    trainer: Any,
+    trainer: object,
     pl_module: pl.LightningModule,
-    batch: Any,
+    batch: object,
     batch_idx: int,
     *,
     float32: bool = False,

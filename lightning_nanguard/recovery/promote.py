@@ -92,7 +92,7 @@ def demote(module: nn.Module) -> bool:
     return True
 
 
-def _to_float32(value: Any) -> Any:
+def _to_float32(value: object) -> Any:
     if isinstance(value, Tensor) and value.is_floating_point() and value.dtype != torch.float32:
         return value.float()
     return value

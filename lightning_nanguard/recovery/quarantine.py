@@ -81,7 +81,7 @@ class Quarantine:
         """The quarantined sample indices, over every loader."""
         return set().union(*self._record.samples.values()) if self._record.samples else set()
 
-    def samples_of(self, batch: Any, rows: list[int]) -> set[int]:
+    def samples_of(self, batch: object, rows: list[int]) -> set[int]:
         """The dataset indices behind ``rows`` of the current ``batch``, where they are known."""
         picked, _ = samples_of_rows(batch, rows, self._loaders, self.current)
         return {int(i) for _, i in picked}
@@ -180,7 +180,7 @@ class Quarantine:
             queue = hook.queue
             current[key] = queue.popleft()[1] if queue else None
 
-    def begin_batch(self, batch: Any, trainer: pl.Trainer | None = None) -> bool:
+    def begin_batch(self, batch: object, trainer: pl.Trainer | None = None) -> bool:
         """Called at every batch start while the batch start is shown. True when this batch is quarantined: drop its
         update, no incident. Under DDP (``trainer`` given) the ranks agree: one reduction, only while something is
         quarantined, and every rank makes it (the quarantine is identical on every rank)."""
@@ -205,7 +205,7 @@ class Quarantine:
     def add(
         self,
         trainer: pl.Trainer,
-        batch: Any,
+        batch: object,
         rows: Sequence[int],
         step: int,
         *,

@@ -18,7 +18,7 @@ from lightning_nanguard.signals.stored import stored_values
 __all__ = ["all_finite", "at_path", "fingerprint", "iter_tensors"]
 
 
-def iter_tensors(obj: Any) -> Iterator[Tensor]:
+def iter_tensors(obj: object) -> Iterator[Tensor]:
     """Every tensor of a (nested) batch, depth first, in a stable order: tensors, mappings (in their order), lists
     and tuples (named tuples too) and dataclass instances (in field order), as Lightning's ``apply_to_collection``
     walks them. Anything else (strings, numbers, ``None``) holds no tensor."""
@@ -35,7 +35,7 @@ def iter_tensors(obj: Any) -> Iterator[Tensor]:
             yield from iter_tensors(getattr(obj, f.name, None))
 
 
-def at_path(obj: Any, path: Sequence[Any]) -> Any:
+def at_path(obj: object, path: Sequence[Any]) -> object:
     """The part of a nested batch at ``path`` (mapping keys and sequence positions, outermost first); ``None`` where
     the batch has no such part. ``()`` is the batch itself."""
     for part in path:
@@ -48,7 +48,7 @@ def at_path(obj: Any, path: Sequence[Any]) -> Any:
     return obj
 
 
-def fingerprint(batch: Any) -> str:
+def fingerprint(batch: object) -> str:
     """A digest of a batch's tensors (shapes and a few reductions, read to the host once): the quarantine's key for
     a batch without sample indices."""
     tensors = [torch.view_as_real(t) if t.is_complex() else t for t in iter_tensors(batch)]
