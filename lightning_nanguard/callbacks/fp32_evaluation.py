@@ -160,7 +160,7 @@ class FP32Evaluation(NanGuardCallback):
             return
         # Every rank reaches the epoch end, whatever its number of batches: the one collective of the evaluation.
         pending, self._eval.pending = self._eval.pending, []
-        groups = group_reruns(_distributed.all_gather_objects(trainer, pending))  # type: ignore[arg-type]
+        groups = group_reruns(_distributed.all_gather_objects(trainer, pending))
         half = self._precision.dtype_name
         incidents = get_engine(trainer).incidents
         for group in groups:  # one incident per outcome and epoch, with the count and the batches

@@ -76,7 +76,7 @@ def final_check(
         add = "add AutoRollback() so the last state verified identical on every rank is restored"
     else:
         gathered = _distributed.all_gather_objects(trainer, nonfinite_names(pl_module))
-        names = sorted({n for part in gathered for n in part})  # type: ignore[attr-defined]
+        names = sorted({n for part in gathered for n in part})
         signal = Signal.NONFINITE_STATE
         diagnosis = Diagnosis(
             Cause.CORRUPT_STATE, where=listed_names(names), state_tensors=tuple(names), state_damaged=True

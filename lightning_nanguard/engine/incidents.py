@@ -354,9 +354,7 @@ def _bad_ranks(
     if not event.readings and event.signal is Signal.NONFINITE_STATE:
         # A state check (no step reading): the ranks whose own parameters or buffers are non-finite.
         any_bad = bool(nonfinite_names(trainer.lightning_module, limit=1))
-    gathered = [
-        cast(tuple[bool, bool, int], g) for g in _distributed.all_gather_objects(trainer, (loss_bad, any_bad, found))
-    ]
+    gathered = _distributed.all_gather_objects(trainer, (loss_bad, any_bad, found))
     ranks = [i for i, g in enumerate(gathered) if g[0]] or [i for i, g in enumerate(gathered) if g[1]]
     ranks = ranks or list(range(trainer.world_size))
     named = next((gathered[r][2] for r in ranks if gathered[r][2] >= 0), -1)

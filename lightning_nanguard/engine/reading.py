@@ -142,7 +142,7 @@ class HostMirror:
         event = self.event
         if event is not None and not event.query():  # type: ignore[no-untyped-call]
             event.synchronize()  # old work only: the step it belongs to has been queued long ago
-        return self.array[:n].tolist()  # type: ignore[no-any-return]
+        return self.array[:n].tolist()
 
 
 class Pending(NamedTuple):

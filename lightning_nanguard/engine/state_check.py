@@ -137,4 +137,4 @@ def state_before_update(trainer: pl.Trainer, pl_module: pl.LightningModule) -> t
     if state_verdict(trainer, pl_module, optimizers).finite:
         return True, []
     gathered = _distributed.all_gather_objects(trainer, nonfinite_names(pl_module, optimizers))
-    return False, sorted({n for part in gathered for n in part})  # type: ignore[attr-defined]
+    return False, sorted({n for part in gathered for n in part})

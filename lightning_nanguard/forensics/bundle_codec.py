@@ -159,7 +159,7 @@ def capture_rng() -> dict[str, Any]:
     try:
         import numpy as np
 
-        name, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
+        name, keys, pos, has_gauss, cached = np.random.get_state()
         state["numpy"] = [name, torch.from_numpy(np.asarray(keys, dtype=np.int64)), pos, has_gauss, cached]
     except ImportError:
         pass

@@ -25,7 +25,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
@@ -208,9 +208,9 @@ def _prepared(bundle: Bundle, make: Callable[[], pl.LightningModule]) -> pl.Ligh
 
 def _plugin(precision: str, device: str) -> Any:
     if precision in ("16-mixed", "bf16-mixed"):
-        return MixedPrecision(precision, device)  # type: ignore[arg-type]
+        return MixedPrecision(cast(Literal["16-mixed", "bf16-mixed"], precision), device)
     if precision in ("16-true", "bf16-true"):
-        return HalfPrecision(precision)  # type: ignore[arg-type]
+        return HalfPrecision(cast(Literal["16-true", "bf16-true"], precision))
     return Precision()
 
 

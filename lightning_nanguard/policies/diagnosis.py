@@ -183,15 +183,15 @@ def offline_diagnosis(recorded: Mapping[str, Any], f: Findings) -> Diagnosis:
             Cause(str(recorded["cause"])),
             where=str(recorded.get("where", "")),
             hint=str(recorded.get("hint", "")),
-            rows=tuple(int(r) for r in recorded.get("rows") or ()),  # type: ignore[union-attr]
+            rows=tuple(int(r) for r in recorded.get("rows") or ()),
             caused_by_data=bool(recorded.get("caused_by_data")),
             note=f"decided by evidence a bundle does not hold ({basis.value}): as the incident named it",
             decided_by=basis,
         )
-    kinds = {str(e.get("kind")) for e in recorded.get("evidence") or () if isinstance(e, Mapping)}  # type: ignore[union-attr]
+    kinds = {str(e.get("kind")) for e in recorded.get("evidence") or () if isinstance(e, Mapping)}
     if EvidenceKind.HISTORY_RISING.value in kinds:
         f = replace(f, history=HistoryFindings(grad_norm_rising=True))
-    withdrawn = (recorded.get("counterfactual") or {}).get("quarantine") is False  # type: ignore[union-attr]
+    withdrawn = (recorded.get("counterfactual") or {}).get("quarantine") is False
     if withdrawn:
         return replace(classify(strip_rows(f)), caused_by_data=False, rows=(), rank_rows=())
     return classify(f)

@@ -16,7 +16,8 @@ and the kernels: the grouping by device and dtype, the names and the layer group
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -225,13 +226,13 @@ def grad_norms(index: ParamIndex, scale: Tensor | None = None) -> GradNorms | No
     if index.sharded:  # local shards only: a DTensor op could start a collective on this rank alone
         grads = local_grads(index.params, grads)
     # `is not None` per item: `None in grads` would call Tensor.__eq__ on every gradient.
-    norms: Iterable[Tensor] | None = None
+    norms: list[Tensor] | tuple[Tensor, ...] | None = None
     present: tuple[int, ...] | None = None
     if index.uniform and not index.sparse and all(g is not None for g in grads):
         if not grads:
             return None
         try:
-            norms = _norms_fp32(grads)  # type: ignore[arg-type]
+            norms = _norms_fp32(cast(list[Tensor], grads))  # every one present (checked above)
         except NotImplementedError:  # a sparse gradient that was not there when the index was built
             index.sparse = True
     if norms is None:
@@ -240,7 +241,7 @@ def grad_norms(index: ParamIndex, scale: Tensor | None = None) -> GradNorms | No
             return None
         norms = _grouped_norms(index, grads, present_list)
         present = tuple(present_list)
-    stacked = torch.stack(norms)  # type: ignore[arg-type]
+    stacked = torch.stack(norms)
     if scale is not None:
         stacked = stacked / scale.to(device=stacked.device, dtype=stacked.dtype)
     return GradNorms(tensor_norms=stacked, present=present)
