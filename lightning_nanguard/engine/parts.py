@@ -16,9 +16,10 @@ A part is any object; it takes part in the stages whose methods it defines, all 
 8. ``metrics(trainer) -> dict[str, float]``: each logging step, into the one logger call.
 9. ``summary_lines() -> list[str]``: the end-of-fit summary, after the incidents.
 
-Parts are called in the order they were added (the callbacks' ``setup`` order). A part that waits for nothing at a
-batch start says so with ``engaged`` (False): the engine then leaves the batch start to Lightning's dispatch only
-while something else needs it; a part whose ``engaged`` changes calls ``Engine.refresh_batch_start``. State stays with
+Parts are called in the order they were added (the callbacks' ``setup`` order). A part with nothing to do at a batch
+start for now says so with ``engaged`` (False): it is not called then, and the engine's batch start is left out of
+Lightning's dispatch while nothing else needs it; a part whose ``engaged`` changes calls
+``Engine.refresh_batch_start``. State stays with
 the part's callback (``state_dict``: Lightning saves it under the callback's name).
 """
 

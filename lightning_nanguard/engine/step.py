@@ -75,6 +75,7 @@ class StepFlow:
         self._window_losses: list[Tensor] = []
         self._monitors = False  # some member watches training steps (sensing runs)
         self._starters: list[Stages] = []  # the parts with a ``batch_start`` (set at the start of training)
+        self._engaged: list[Stages] = []  # those of them with work at a batch start now (``refresh_batch_start``)
         self._following: list[Stages] = []  # the parts taking part in the batch in flight (``engine/parts.py``)
         self._spikes: tuple[RunningZScore, RunningZScore] | None = None
         self._probes = False  # a spike is judged by re-scoring the probe batch (GradNormMonitor(on_spike="probe"))
@@ -105,15 +106,14 @@ class StepFlow:
         snapshots and triggers run there) and nothing quarantined (no batch can be dropped). Its bookkeeping (the
         batch, the quarantine's place in the batches, the step clock) is then done at the batch end. Shown again
         for good once something is quarantined (after an incident, before the next batch), and shown while a part is
-        ``engaged`` (a part whose ``engaged`` changes calls this)."""
+        ``engaged`` (a part whose ``engaged`` changes calls this); a part that is not is not called at a batch start."""
+        self._engaged = [stages for stages in self._starters if stages.engaged]
         switch = self.batch_start_switch
         if switch is None:
             return
         quarantine = self.registry.quarantine
         needed = (
-            self.registry.restorer is not None
-            or (quarantine is not None and quarantine.active)
-            or any(stages.engaged for stages in self._starters)
+            self.registry.restorer is not None or (quarantine is not None and quarantine.active) or bool(self._engaged)
         )
         if needed != self._starts:
             switch(needed)
@@ -149,9 +149,9 @@ class StepFlow:
                     self._drop = DropReason.STOPPING
             if restorer.skip_batch() and self._drop is None:
                 self._drop = DropReason.AFTER_ROLLBACK
-        if self._starters:  # the parts' batch start, after the engine's (``engine/parts.py``)
+        if self._engaged:  # the parts' batch start, after the engine's (``engine/parts.py``)
             following = []
-            for stages in self._starters:
+            for stages in self._engaged:
                 start = stages.batch_start
                 if start is not None and start(trainer, pl_module, batch, batch_idx):
                     following.append(stages)
