@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -32,6 +32,12 @@ __all__ = [
     "set_found_inf_where_nonfinite",
     "true_flag",
 ]
+
+
+class _FusedOptimizer(Protocol):
+    """A fused optimizer whose kernel skips the update where its ``found_inf`` is set (``accepts_found_inf``)."""
+
+    found_inf: Tensor
 
 
 def get_scaler(trainer: pl.Trainer) -> Any | None:
@@ -66,7 +72,7 @@ def scale_tensor(scaler: Any) -> Tensor | None:
     return None
 
 
-def scale_started(scaler: Any) -> bool:
+def scale_started(scaler: object) -> bool:
     """The scaler has made its scale tensor (at its first ``scale``); before that it starts from its initial one."""
     return isinstance(getattr(scaler, "_scale", None), torch.Tensor)
 
@@ -100,7 +106,7 @@ def accepts_found_inf(optimizer: Optimizer) -> bool:
 
 def set_found_inf(optimizer: Optimizer, flag: Tensor) -> None:
     """Hand a 0-d bool verdict to a fused optimizer: its kernel skips params, moments and step counts on 1.0."""
-    optimizer.found_inf = flag.to(torch.float32)  # type: ignore[attr-defined]
+    cast(_FusedOptimizer, optimizer).found_inf = flag.to(torch.float32)  # the fused kernel reads it
 
 
 def found_inf_per_device(scaler: object, optimizer: Optimizer) -> dict[torch.device, Tensor] | None:
@@ -130,7 +136,7 @@ def set_found_inf_where_nonfinite(optimizer: Optimizer, values: Tensor) -> None:
     """``set_found_inf`` with the verdict "``values`` holds a NaN or an inf", made on the device in two ops."""
     found = torch.zeros((), dtype=torch.float32, device=values.device)
     flag_nonfinite(found, values)
-    optimizer.found_inf = found  # type: ignore[attr-defined]
+    cast(_FusedOptimizer, optimizer).found_inf = found  # the fused kernel reads it
 
 
 def or_nonfinite_into_found_inf(scaler: object, optimizer: Optimizer, values: Tensor) -> None:
@@ -147,7 +153,7 @@ def or_nonfinite_into_found_inf(scaler: object, optimizer: Optimizer, values: Te
 def clear_found_inf(optimizer: Optimizer) -> None:
     """Remove what ``set_found_inf`` left (a later step outside nanguard must not read a stale verdict)."""
     if "found_inf" in vars(optimizer):
-        del optimizer.found_inf  # type: ignore[attr-defined]
+        delattr(optimizer, "found_inf")
 
 
 def or_into_found_inf(scaler: object, optimizer: Optimizer, flag: Tensor) -> None:

@@ -156,7 +156,7 @@ def write_bundle(
     left_out: list[str] = []
     pickled_batch: bytes | None = None
     try:
-        stored_batch: Any = encode(batch)
+        stored_batch: object = encode(batch)
     except Unencodable as err:
         stored_batch, pickled_batch = None, pickle.dumps(batch)
         left_out.append(f"the batch holds a {err}: stored with pickle (batch.pkl), read only with allow_pickle")

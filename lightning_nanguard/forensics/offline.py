@@ -206,7 +206,7 @@ def _prepared(bundle: Bundle, make: Callable[[], pl.LightningModule]) -> pl.Ligh
     return model
 
 
-def _plugin(precision: str, device: str) -> Any:
+def _plugin(precision: str, device: str) -> Precision:
     if precision in ("16-mixed", "bf16-mixed"):
         return MixedPrecision(cast(Literal["16-mixed", "bf16-mixed"], precision), device)
     if precision in ("16-true", "bf16-true"):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
@@ -101,7 +101,9 @@ class _Recorder:
 
     def __init__(self, root: nn.Module) -> None:
         self.root = root
-        self.aside: Any = contextlib.nullcontext  # an origin trace's ``aside``: the hooks' own ops are not traced
+        self.aside: Callable[[], contextlib.AbstractContextManager[object]] = (
+            contextlib.nullcontext
+        )  # an origin trace's ``aside``: the hooks' own ops are not traced
         self.names = {id(m): n for n, m in root.named_modules()}
         self.out_size: int | None = None
         self._root_ran = False
@@ -140,7 +142,7 @@ class _Recorder:
             if t.requires_grad:
                 t.register_hook(self._grad_hook("in", name))  # type: ignore[no-untyped-call]
 
-    def _grad_hook(self, kind: str, name: str) -> Any:
+    def _grad_hook(self, kind: str, name: str) -> Callable[[Tensor], None]:
         def hook(grad: Tensor) -> None:
             with self.aside():
                 self._backward.append((kind, name, _finite_flag([grad])))

@@ -58,7 +58,7 @@ class OfflineTrainer:
         self.training, self.sanity_checking, self.barebones = True, False, False
         self.world_size, self.num_devices, self.num_nodes = 1, 1, 1
         self.global_rank, self.local_rank, self.node_rank, self.is_global_zero = 0, 0, 0, True
-        self.logger: Any = None
+        self.logger: object = None
         self.loggers: list[Any] = []
 
     def __getattr__(self, name: str) -> Any:

@@ -127,7 +127,7 @@ class HeadroomWatch:
         self._reduced = None
 
     # ------------------------------------------------------------------ the step
-    def tick(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine, batch: Any = None) -> bool:
+    def tick(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine, batch: object = None) -> bool:
         """Batch start: read the last sample (if any), then arm the probe when a sample is due. True when armed.
 
         A sample is read one step after it was taken on a CPU (the copy was synchronous) and two steps after on an
@@ -148,7 +148,9 @@ class HeadroomWatch:
         self._armed_at = trainer.global_step
         return True
 
-    def _try_first_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine, batch: Any) -> None:
+    def _try_first_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine, batch: object
+    ) -> None:
         """The fit's first half-precision step, tried before its forward (``recovery.first_step_trial``): its ops'
         headroom into the book and decided on now, so a module that cannot run in float16 is promoted before the
         step overflows; where the scale can be cut, its gradient at the GradScaler's scale lowers the scale before

@@ -75,7 +75,7 @@ class ProbeBatch:
 
     def __init__(self, rows: int = PROBE_ROWS) -> None:
         self.rows = rows
-        self.batch: Any = None
+        self.batch: object = None
         self.samples: frozenset[int] = frozenset()  # the dataset indices of the probe's rows, where known
         self.disabled = ""  # why this fit is not probed ("" while it is)
 

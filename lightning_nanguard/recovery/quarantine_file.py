@@ -28,7 +28,7 @@ import json
 import os
 import string
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from lightning_nanguard.exceptions import NanGuardConfigError, brief
 
@@ -161,7 +161,7 @@ def _kind(value: object) -> str:
     return "null" if value is None else f"{type(value).__name__} {repr(value)[:40]}"
 
 
-def _no_constant(name: str) -> Any:
+def _no_constant(name: str) -> NoReturn:
     raise _Malformed(f"{name} is not a number JSON allows")
 
 

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_nanguard.contract import Action, Plan, StopReason
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 __all__ = [
     "MIN_SCALE_EXIT",
@@ -154,7 +157,7 @@ def read_step(ds_engine: Any) -> StepOutcome:
     optimizer = getattr(ds_engine, "optimizer", None)
     overflow = bool(getattr(optimizer, "overflow", False))
     applied = bool(ds_engine.was_step_applied())
-    norm: Any = None if overflow else ds_engine.get_global_grad_norm()
+    norm: float | Tensor | None = None if overflow else ds_engine.get_global_grad_norm()
     if overflow:
         grad_norm, known = math.inf, False
     elif norm is None:
