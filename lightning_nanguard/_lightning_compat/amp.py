@@ -62,7 +62,7 @@ def optimizer_handles_unscaling(optimizer: Optimizer) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
-def scale_tensor(scaler: Any) -> Tensor | None:
+def scale_tensor(scaler: torch.amp.GradScaler | None) -> Tensor | None:
     """The scaler's current scale as a device tensor, without the host read ``get_scale()`` does."""
     scale = getattr(scaler, "_scale", None)
     if isinstance(scale, torch.Tensor):

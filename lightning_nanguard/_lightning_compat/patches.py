@@ -71,7 +71,7 @@ def clipping_possible(trainer: pl.Trainer, pl_module: pl.LightningModule) -> boo
     return type(pl_module).configure_gradient_clipping is not LightningModule.configure_gradient_clipping
 
 
-def guard_clipping(trainer: pl.Trainer, allowed: Any) -> None:
+def guard_clipping(trainer: pl.Trainer, allowed: Callable[[], bool]) -> None:
     """Skip Lightning's gradient clipping for a step whose update nanguard dropped (``allowed()`` is False).
 
     Lightning clips after ``on_before_optimizer_step``; with every gradient set to None, ``clip_grad_value_`` raises

@@ -53,7 +53,7 @@ def write_through_tmp(
 
 
 def write_at_path(
-    io: CheckpointIO, checkpoint: dict[str, Any], path: Any, target: str, storage_options: Any
+    io: CheckpointIO, checkpoint: dict[str, Any], path: Any, target: str, storage_options: object
 ) -> str | None:
     """Hand ``io`` the caller's ``path``; the sha256 of the file it wrote at ``target``, or ``None`` when it wrote no
     new regular file there (a directory, another store, nothing: that save has no sidecar)."""

@@ -31,7 +31,7 @@ from lightning_nanguard.contract import Action, Notice
 from lightning_nanguard.engine.reading import HostMirror
 from lightning_nanguard.parts.op_sampling import OpSampling
 from lightning_nanguard.parts.scaled_gradient import ENTRIES, ScaledGradient
-from lightning_nanguard.policies.headroom import HeadroomBook, HeadroomSettings, decide
+from lightning_nanguard.policies.headroom import Forecast, HeadroomBook, HeadroomSettings, decide
 from lightning_nanguard.precision import FULL_PRECISION, Precision, classify_precision
 from lightning_nanguard.recovery.eval_precision import autocast_device
 from lightning_nanguard.recovery.promote import demote, is_promoted, promote_submodule
@@ -268,7 +268,7 @@ class HeadroomWatch:
             self._demote(trainer, pl_module, engine, name)
 
     def _promote(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine, name: str, why: str, fc: Any
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine, name: str, why: str, fc: Forecast
     ) -> None:
         device = autocast_device(trainer.precision_plugin)
         done, message = promote_submodule(pl_module, name, device, mixed=True, precision=str(trainer.precision))

@@ -34,9 +34,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
+import importlib.util
 import random
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import AbstractContextManager
+from types import ModuleType
 from typing import Any
 
 import lightning.pytorch as pl
@@ -52,10 +55,8 @@ from lightning_nanguard.recovery.probe_trace import untouched
 from lightning_nanguard.recovery.quarantine import Quarantine
 from lightning_nanguard.signals import fsdp1
 
-try:  # NumPy's global RNG is a training stream too where a training_step draws from it
-    import numpy as np
-except ImportError:  # pragma: no cover - torch installs it
-    np = None  # type: ignore[assignment]
+# NumPy's global RNG is a training stream too where a training_step draws from it (torch installs NumPy).
+np: ModuleType | None = importlib.import_module("numpy") if importlib.util.find_spec("numpy") is not None else None
 
 __all__ = ["PROBE_ROWS", "PROBE_SEED", "ProbeBatch", "SnapshotProbe", "WeightsOf"]
 
@@ -182,7 +183,7 @@ def _no_log(*args: object, **kwargs: object) -> None:
     return None
 
 
-def _private_copy(batch: Any) -> Any:
+def _private_copy(batch: object) -> Any:
     """A deep copy of the kept rows (their tensors and the containers holding them) for one scoring."""
     try:
         return copy.deepcopy(batch)

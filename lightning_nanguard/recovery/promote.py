@@ -33,7 +33,7 @@ _CLASSES: dict[type[nn.Module], type[nn.Module]] = {}  # original class -> its p
 class Float32Forward:
     """The first base of a promoted module's class: its forward runs with autocast off, on float32 inputs."""
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> Any:
         device = vars(self).get(_DEVICE, "cpu")
         with torch.autocast(device_type=device, enabled=False):
             args, kwargs = tree_map(_to_float32, (args, kwargs))
