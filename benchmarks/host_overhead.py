@@ -88,7 +88,7 @@ class EmptyCallback(pl.Callback):
 class TensorOpsOnly(pl.Callback):
     """The per-step check's tensor work and nothing else (the ``FLOOR_OPS`` row): one fused norm pass over the
     gradients, one ``stack`` with the loss, one host read. Per-batch hooks it does not use are hidden from Lightning's
-    dispatch, as nanguard's members do (``callbacks/_base.mute_idle_hooks``)."""
+    dispatch, as nanguard's members do (``callbacks/_base.bind_hooks``)."""
 
     def __init__(self) -> None:
         self.loss: torch.Tensor | None = None
@@ -96,9 +96,11 @@ class TensorOpsOnly(pl.Callback):
         self.values: list[float] = []
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from lightning_nanguard.callbacks._base import mute_idle_hooks
+        from lightning_nanguard.callbacks._base import _PER_BATCH_HOOKS
 
-        mute_idle_hooks(self, drives=True)
+        for name in _PER_BATCH_HOOKS:  # Callback's own no-ops, hidden from Lightning's dispatch
+            if getattr(type(self), name) is getattr(pl.Callback, name):
+                setattr(self, name, None)
         self.params = [p for p in pl_module.parameters() if p.requires_grad]
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:

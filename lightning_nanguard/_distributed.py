@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
+
+T = TypeVar("T")
 
 __all__ = [
     "all_gather_objects",
@@ -64,8 +68,8 @@ def barrier(trainer: pl.Trainer) -> None:
         trainer.strategy.barrier("nanguard")
 
 
-def broadcast_object(trainer: pl.Trainer, obj: object, src: int = 0) -> object:
-    """Rank ``src``'s ``obj`` on every rank."""
+def broadcast_object(trainer: pl.Trainer, obj: T, src: int = 0) -> T:
+    """Rank ``src``'s ``obj`` on every rank (every rank passes one of the same type)."""
     return trainer.strategy.broadcast(obj, src=src)
 
 
@@ -88,13 +92,14 @@ def _all_reduce(trainer: pl.Trainer, vec: Tensor, op: str) -> Tensor:
     return reduced
 
 
-def all_gather_objects(trainer: pl.Trainer, obj: object) -> list[object]:
-    """Every rank's ``obj`` (picklable), in rank order. A collective: incident path only, on every rank."""
+def all_gather_objects(trainer: pl.Trainer, obj: T) -> list[T]:
+    """Every rank's ``obj`` (picklable; every rank passes one of the same type), in rank order. A collective:
+    incident path only, on every rank."""
     if trainer.world_size <= 1:
         return [obj]
     import torch.distributed as dist
 
-    out: list[object] = [None] * trainer.world_size
+    out: list[T] = [obj] * trainer.world_size  # each entry replaced by that rank's
     dist.all_gather_object(out, obj)
     return out
 

@@ -12,16 +12,16 @@ from typing import Any
 from lightning_nanguard.exceptions import NanGuardConfigError, brief
 
 
-def _fail(owner: str, name: str, value: Any, rule: str) -> NanGuardConfigError:
+def _fail(owner: str, name: str, value: object, rule: str) -> NanGuardConfigError:
     return NanGuardConfigError(f"{owner}({name}={brief(value)}): {rule}.")
 
 
-def check_choice(owner: str, name: str, value: Any, choices: Collection[Any]) -> None:
+def check_choice(owner: str, name: str, value: object, choices: Collection[Any]) -> None:
     if value not in choices:
         raise _fail(owner, name, value, f"must be one of {sorted(choices)!r}")
 
 
-def check_int(owner: str, name: str, value: Any, *, minimum: int, allow_none: bool = False) -> None:
+def check_int(owner: str, name: str, value: object, *, minimum: int, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
     # numbers.Integral: Python and numpy integers alike (a YAML or numpy-built config passes either).
@@ -57,7 +57,7 @@ def check_float(
         raise _fail(owner, name, value, f"must be a number{span}" + (" or None" if allow_none else ""))
 
 
-def check_path(owner: str, name: str, value: Any, *, must_exist: bool = False, directory: bool = False) -> None:
+def check_path(owner: str, name: str, value: object, *, must_exist: bool = False, directory: bool = False) -> None:
     """A path given as ``str`` or ``os.PathLike`` (``None`` allowed); optionally one that exists."""
     import os
 

@@ -21,6 +21,7 @@ from enum import Enum
 import torch
 
 __all__ = [
+    "SPIKES",
     "Action",
     "Basis",
     "Cause",
@@ -28,6 +29,7 @@ __all__ = [
     "Divergence",
     "Evidence",
     "EvidenceKind",
+    "Notice",
     "PassedOverSnapshots",
     "Plan",
     "RestoreSource",
@@ -82,6 +84,24 @@ class Signal(_Value):
     DIVERGING = "diverging"  # the state just snapshotted was taken mid-divergence (loss and grad norm far up)
     PROBE_ROSE = "probe_rose"  # a spike, and the probe batch's loss under the current weights rose with it
     LOSS_SCALE_COLLAPSE = "loss_scale_collapse"
+
+
+# The signals of a spike (finite, far from the run's statistics), as against a non-finite step or state.
+SPIKES = frozenset({Signal.LOSS_SPIKE, Signal.GRAD_NORM_SPIKE, Signal.LOSS_AND_GRAD_NORM_SPIKE})
+
+
+class Notice(_Value):
+    """What was seen outside a training step's event (an incident's ``trigger`` where it is no ``Signal``): decided
+    where it was seen, recorded through the one incident path (``engine.incidents.IncidentPath.report``)."""
+
+    HEADROOM_FORECAST = "headroom_forecast"  # PrecisionHeadroom promoted a module before it overflows
+    HEADROOM_RECOVERED = "headroom_recovered"  # and demoted it once its float32 output kept its headroom
+    NONFINITE_CHECKPOINT = "nonfinite_checkpoint"  # CheckpointGuard refused a save
+    CHECKPOINT_VERIFICATION_FAILED = "checkpoint_verification_failed"  # a checkpoint to load failed verification
+    NONFINITE_EVAL_OUTPUT = "nonfinite_eval_output"  # FP32Evaluation re-ran batches in float32
+    EPS_UNDERFLOW = "eps_underflow"  # preflight: an eps that is no normal number in the parameters' dtype
+    FUSED_SCALER_CLIP = "fused_scaler_clip"  # preflight: a fused optimizer with a GradScaler and clipping
+    HALF_MASTER = "half_master"  # preflight: true half parameters without a float32 master copy
 
 
 class Cause(_Value):

@@ -97,7 +97,7 @@ def _arguments(cls: type) -> list[str]:
     return [p.name for p in inspect.signature(cls).parameters.values() if p.kind in kinds]
 
 
-def _installed_value(built: dict[str, Callback], name: str) -> Any:
+def _installed_value(built: dict[str, Callback], name: str) -> object:
     """``"AutoRollback"``: whether it is installed; ``"GradNormMonitor.on_spike"``: that argument (``None`` where the
     callback is left out)."""
     owner, _, argument = name.partition(".")

@@ -24,6 +24,7 @@ from typing_extensions import override
 from lightning_nanguard._lightning_compat import first_element, host_buffer_marked
 from lightning_nanguard._validation import check_choice, check_int
 from lightning_nanguard.exceptions import NanGuardConfigError, brief
+from lightning_nanguard.signals.tensors import iter_tensors
 
 __all__ = ["FaultInjector", "HostReadCounter"]
 
@@ -126,14 +127,14 @@ class FaultInjector(Callback):
 
     @override
     def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int
     ) -> None:
         if self._due(trainer, "param"):
             self._poison(self._param(pl_module, need_grad=False))
             self._note(trainer)
         elif self._due(trainer, "input"):
             with torch.no_grad():
-                for t in _tensors(batch):
+                for t in iter_tensors(batch):
                     if t.is_floating_point():
                         t.mul_(self.value)
             self._note(trainer)
@@ -152,16 +153,6 @@ class FaultInjector(Callback):
             assert grad is not None
             self._poison(grad)
             self._note(trainer)
-
-
-def _tensors(batch: Any) -> list[Tensor]:
-    if isinstance(batch, Tensor):
-        return [batch]
-    if isinstance(batch, dict):
-        return [t for v in batch.values() for t in _tensors(v)]
-    if isinstance(batch, (list, tuple)):
-        return [t for v in batch for t in _tensors(v)]
-    return []
 
 
 _HOST_READS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
@@ -196,13 +187,13 @@ class HostReadCounter:
             setattr(torch.Tensor, name, self._counted(original))
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for name, original in self._saved.items():
             setattr(torch.Tensor, name, original)
         self._saved.clear()
 
     def _counted(self, original: Callable[..., Any]) -> Callable[..., Any]:
-        def counted(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
+        def counted(tensor: Tensor, *args: object, **kwargs: object) -> object:
             if not self.paused and not host_buffer_marked(tensor):
                 self.count += 1
             return original(tensor, *args, **kwargs)
@@ -210,7 +201,7 @@ class HostReadCounter:
         return counted
 
 
-def _int_list(owner: str, name: str, value: Any) -> list[Any]:
+def _int_list(owner: str, name: str, value: object) -> list[Any]:
     """One int (Python or numpy) or an iterable of them, each >= 0 (a string is not an iterable of ints here)."""
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         items: list[Any] = [value]

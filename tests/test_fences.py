@@ -273,3 +273,75 @@ def f(trainer, module, scaler, strategy, checkpoint):
         ("collective", "trainer.strategy.barrier"),
         ("collective", "torch.distributed"),
     }
+
+
+INCIDENT_PATH = "lightning_nanguard/engine/incidents.py"
+
+
+def _record_calls(tree: ast.Module) -> Iterator[int]:
+    """Lines that call ``.record(...)`` on a sink (``sink.record``, ``self.sink.record``, ``engine.sink.record``)."""
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "record"
+            and "sink" in ast.unparse(node.func.value).lower()
+        ):
+            yield node.lineno
+
+
+def test_every_record_goes_through_the_incident_path() -> None:
+    # One record path (ARCHITECTURE.md, "One incident path"): only IncidentPath writes to the sink; whatever saw a
+    # problem outside a training step reports it there (``IncidentPath.report``), with a typed trigger.
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = "lightning_nanguard/" + path.relative_to(PACKAGE).as_posix()
+        if rel == INCIDENT_PATH:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        found += [f"{rel}:{line}" for line in _record_calls(tree)]
+    assert found == []
+    incident_path = ast.parse((PACKAGE / "engine" / "incidents.py").read_text(encoding="utf-8"))
+    assert len(list(_record_calls(incident_path))) == 2  # handle's (_record) and report's: the walk sees them
+
+
+def test_every_trigger_is_typed() -> None:
+    # A trigger is a Signal (a training step's event) or a Notice (seen elsewhere): no string literal.
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.keyword) and node.arg == "trigger":
+                literals = [n for n in ast.walk(node.value) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+                found += [f"{path.relative_to(PACKAGE)}:{n.lineno}" for n in literals]
+    assert found == []
+
+
+MAX_BARE_ANY = 150
+MAX_TYPE_IGNORES = 40
+
+
+def _annotations(tree: ast.Module) -> Iterator[ast.expr]:
+    """Every annotation: of a parameter (``*args`` and ``**kwargs`` too), a return, an annotated assignment."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg):
+                if arg is not None and arg.annotation is not None:
+                    yield arg.annotation
+            if node.returns is not None:
+                yield node.returns
+        elif isinstance(node, ast.AnnAssign):
+            yield node.annotation
+
+
+def test_bare_any_and_type_ignores_stay_few() -> None:
+    # Counted as the issue counted them: an annotation that is ``Any`` itself (not ``dict[str, Any]``), and every
+    # ``type: ignore`` comment; the package is checked with ``mypy --strict``.
+    bare, ignores = 0, 0
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        ignores += text.count("type: ignore")
+        bare += sum(1 for a in _annotations(ast.parse(text)) if isinstance(a, ast.Name) and a.id == "Any")
+    assert bare <= MAX_BARE_ANY, f"{bare} bare Any annotations (at most {MAX_BARE_ANY}): type what is known"
+    assert ignores <= MAX_TYPE_IGNORES, f"{ignores} type: ignore comments (at most {MAX_TYPE_IGNORES})"

@@ -31,6 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("recovery", "forensics"),  # the mechanisms that act; the replay that investigates
     ("reporting",),  # keys, sentences, records, summary
     ("engine",),  # the per-Trainer engine
+    ("parts",),  # the features' parts: driven by the engine's stages, configured by their callbacks
     ("callbacks",),  # the thin Lightning adapters
     ("preset", "testing"),
     ("",),
@@ -164,3 +165,48 @@ def test_the_checks_see_an_upward_import_and_a_cycle() -> None:
     graph = {"signals.a": {"engine.b"}, "engine.b": {"engine.c"}, "engine.c": {"engine.b"}}
     assert upward_imports(graph) == [f"signals.a ({LAYERS[3]}) imports engine.b ({LAYERS[8]})"]
     assert cycles(graph) == [{"engine.b", "engine.c"}]
+
+
+def test_one_way_to_take_part_in_a_step() -> None:
+    # Every nanguard callback is a NanGuardCallback, and none overrides a Lightning per-batch hook: the driver's are
+    # the engine's own methods, and a feature's per-step work is its part's (engine/parts.py, ARCHITECTURE.md "Parts").
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_nanguard.callbacks._base import _PER_BATCH_HOOKS, NanGuardCallback
+    from lightning_nanguard.preset import CALLBACKS
+
+    assert [cls.__name__ for cls in CALLBACKS if not issubclass(cls, NanGuardCallback)] == []
+    overriding = [
+        f"{cls.__name__}.{name}"
+        for cls in (NanGuardCallback, *CALLBACKS)
+        for name in _PER_BATCH_HOOKS
+        if getattr(cls, name) is not getattr(Callback, name)
+    ]
+    assert overriding == []
+
+
+def test_callbacks_are_thin() -> None:
+    # A callback configures its part and adapts Lightning: at most 250 lines a file (ARCHITECTURE.md, "Add a callback").
+    folder = os.path.join(ROOT, "callbacks")
+    long = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                lines = len(f.readlines())
+            if lines > 250:
+                long[name] = lines
+    assert long == {}
+
+
+def test_the_engine_holds_only_what_it_runs() -> None:
+    # engine/ is the step's orchestration: every module there is one the engine itself imports (from the package's
+    # __init__, get_engine, down); a feature's machinery the engine never calls is a part (parts/).
+    graph = import_graph()
+    seen: set[str] = set()
+    todo = ["engine"]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += [t for t in graph.get(module, ()) if t.split(".")[0] == "engine"]
+    assert sorted(m for m in graph if m.split(".")[0] == "engine" and m not in seen) == []

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -34,6 +34,12 @@ __all__ = [
 ]
 
 
+class _FusedOptimizer(Protocol):
+    """A fused optimizer whose kernel skips the update where its ``found_inf`` is set (``accepts_found_inf``)."""
+
+    found_inf: Tensor
+
+
 def get_scaler(trainer: pl.Trainer) -> Any | None:
     """The GradScaler the precision plugin drives (16-mixed), or ``None`` (32-true, bf16, true half)."""
     return getattr(trainer.precision_plugin, "scaler", None)
@@ -56,7 +62,7 @@ def optimizer_handles_unscaling(optimizer: Optimizer) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
-def scale_tensor(scaler: Any) -> Tensor | None:
+def scale_tensor(scaler: torch.amp.GradScaler | None) -> Tensor | None:
     """The scaler's current scale as a device tensor, without the host read ``get_scale()`` does."""
     scale = getattr(scaler, "_scale", None)
     if isinstance(scale, torch.Tensor):
@@ -66,7 +72,7 @@ def scale_tensor(scaler: Any) -> Tensor | None:
     return None
 
 
-def scale_started(scaler: Any) -> bool:
+def scale_started(scaler: object) -> bool:
     """The scaler has made its scale tensor (at its first ``scale``); before that it starts from its initial one."""
     return isinstance(getattr(scaler, "_scale", None), torch.Tensor)
 
@@ -100,10 +106,10 @@ def accepts_found_inf(optimizer: Optimizer) -> bool:
 
 def set_found_inf(optimizer: Optimizer, flag: Tensor) -> None:
     """Hand a 0-d bool verdict to a fused optimizer: its kernel skips params, moments and step counts on 1.0."""
-    optimizer.found_inf = flag.to(torch.float32)  # type: ignore[attr-defined]
+    cast(_FusedOptimizer, optimizer).found_inf = flag.to(torch.float32)  # the fused kernel reads it
 
 
-def found_inf_per_device(scaler: Any, optimizer: Optimizer) -> dict[torch.device, Tensor] | None:
+def found_inf_per_device(scaler: object, optimizer: Optimizer) -> dict[torch.device, Tensor] | None:
     """The GradScaler's ``found_inf`` tensors for ``optimizer`` (filled by ``unscale_``), or ``None`` before it ran
     (a fused optimizer unscales inside its step)."""
     state = getattr(scaler, "_per_optimizer_states", {}).get(id(optimizer))
@@ -130,10 +136,10 @@ def set_found_inf_where_nonfinite(optimizer: Optimizer, values: Tensor) -> None:
     """``set_found_inf`` with the verdict "``values`` holds a NaN or an inf", made on the device in two ops."""
     found = torch.zeros((), dtype=torch.float32, device=values.device)
     flag_nonfinite(found, values)
-    optimizer.found_inf = found  # type: ignore[attr-defined]
+    cast(_FusedOptimizer, optimizer).found_inf = found  # the fused kernel reads it
 
 
-def or_nonfinite_into_found_inf(scaler: Any, optimizer: Optimizer, values: Tensor) -> None:
+def or_nonfinite_into_found_inf(scaler: object, optimizer: Optimizer, values: Tensor) -> None:
     """``or_into_found_inf`` with the verdict "``values`` holds a NaN or an inf": straight into the scaler's
     ``found_inf`` (one op) where it lives on the device of ``values``."""
     found = found_inf_per_device(scaler, optimizer)
@@ -147,10 +153,10 @@ def or_nonfinite_into_found_inf(scaler: Any, optimizer: Optimizer, values: Tenso
 def clear_found_inf(optimizer: Optimizer) -> None:
     """Remove what ``set_found_inf`` left (a later step outside nanguard must not read a stale verdict)."""
     if "found_inf" in vars(optimizer):
-        del optimizer.found_inf  # type: ignore[attr-defined]
+        delattr(optimizer, "found_inf")
 
 
-def or_into_found_inf(scaler: Any, optimizer: Optimizer, flag: Tensor) -> None:
+def or_into_found_inf(scaler: object, optimizer: Optimizer, flag: Tensor) -> None:
     """Make the GradScaler drop this optimizer's update (and back off its scale) when ``flag`` is true, on the device.
 
     Non-fused optimizers: ``unscale_`` has filled ``found_inf_per_device`` before ``on_before_optimizer_step``; the

@@ -25,7 +25,7 @@ __all__ = [
 _UNMARKED_WRITES = frozenset({"running_mean", "running_var"})
 
 
-def autograd_node() -> Any:
+def autograd_node() -> object:
     """The autograd node running now (``None`` outside the backward)."""
     return torch._C._current_autograd_node()
 

@@ -79,7 +79,7 @@ def train_loaders(trainer: pl.Trainer) -> list[tuple[tuple[Any, ...], Any]]:
     flattened = getattr(combined, "flattened", None) or []
     paths: dict[int, tuple[Any, ...]] = {}
 
-    def walk(node: Any, path: tuple[Any, ...]) -> None:
+    def walk(node: object, path: tuple[Any, ...]) -> None:
         if isinstance(node, dict):
             for key, value in node.items():
                 walk(value, (*path, key))

@@ -42,7 +42,7 @@ class AttributePatches:
     def __init__(self) -> None:
         self._saved: list[tuple[object, str, bool, Any]] = []
 
-    def set(self, obj: object, name: str, value: Any) -> None:
+    def set(self, obj: object, name: str, value: object) -> None:
         own = vars(obj)
         had = name in own
         self._saved.append((obj, name, had, own.get(name)))
@@ -71,7 +71,7 @@ def clipping_possible(trainer: pl.Trainer, pl_module: pl.LightningModule) -> boo
     return type(pl_module).configure_gradient_clipping is not LightningModule.configure_gradient_clipping
 
 
-def guard_clipping(trainer: pl.Trainer, allowed: Any) -> None:
+def guard_clipping(trainer: pl.Trainer, allowed: Callable[[], bool]) -> None:
     """Skip Lightning's gradient clipping for a step whose update nanguard dropped (``allowed()`` is False).
 
     Lightning clips after ``on_before_optimizer_step``; with every gradient set to None, ``clip_grad_value_`` raises
@@ -94,7 +94,7 @@ def guard_clipping(trainer: pl.Trainer, allowed: Any) -> None:
     plugin.clip_gradients = clip_gradients  # type: ignore[method-assign]
 
 
-def tensorboard_one_event(logger: Any, metrics: Mapping[str, float], step: int) -> bool:
+def tensorboard_one_event(logger: object, metrics: Mapping[str, float], step: int) -> bool:
     """Write ``metrics`` as one TensorBoard event of scalar values; False (nothing written) where that would not be
     exactly what ``logger.log_metrics`` writes: another logger, a subclass that overrides ``log_metrics``, a logger
     ``prefix``, or a writer other than torch's ``SummaryWriter`` (tensorboardX)."""

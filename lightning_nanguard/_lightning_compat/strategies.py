@@ -29,13 +29,13 @@ def strategy_class_names(trainer: pl.Trainer) -> set[str]:
     return {cls.__name__ for cls in type(trainer.strategy).__mro__}
 
 
-def saves_distributed_checkpoint(strategy: Any) -> bool:
+def saves_distributed_checkpoint(strategy: object) -> bool:
     """``ModelParallelStrategy(save_distributed_checkpoint=...)``: whether it saves a directory of shards (Lightning
     keeps the argument in a private attribute; its default is ``True``)."""
     return bool(getattr(strategy, "_save_distributed_checkpoint", True))
 
 
-def fsdp1_state_dict_type(strategy: Any) -> str:
+def fsdp1_state_dict_type(strategy: object) -> str:
     """``FSDPStrategy(state_dict_type=...)``: ``"full"`` (its default: one file) or ``"sharded"`` (a directory)."""
     return str(getattr(strategy, "_state_dict_type", "full"))
 
@@ -45,7 +45,7 @@ def instance_attribute(obj: object, name: str) -> Any:
     return vars(obj).get(name)
 
 
-def set_instance_attribute(obj: object, name: str, value: Any) -> None:
+def set_instance_attribute(obj: object, name: str, value: object) -> None:
     """Keep ``value`` as ``obj``'s own instance attribute ``name`` (a mark or hook nanguard attaches to an object it
     does not own, such as a DataLoader's batch sampler)."""
     vars(obj)[name] = value
@@ -74,16 +74,16 @@ def checkpoint_log_step(checkpoint: Mapping[str, Any], default: int) -> int:
     return int(loops.get("epoch_loop.state_dict", {}).get("_batches_that_stepped", default))
 
 
-def fsdp1_handle(unit: Any) -> Any:
+def fsdp1_handle(unit: object) -> Any:
     """The flat-parameter handle of an FSDP1 unit (``None`` for a unit that manages no parameter of its own)."""
     return getattr(unit, "_handle", None)
 
 
-def fsdp1_uses_orig_params(handle: Any) -> bool:
+def fsdp1_uses_orig_params(handle: object) -> bool:
     """FSDP1 kept the original parameters for this handle (``use_orig_params=True``)."""
     return bool(getattr(handle, "_use_orig_params", True))
 
 
-def fsdp1_original_params(flat: Any) -> list[Any]:
+def fsdp1_original_params(flat: object) -> list[Any]:
     """The original parameters behind an FSDP1 flat parameter, shared ones included."""
     return [*(getattr(flat, "_params", None) or ()), *(getattr(flat, "_shared_params", None) or ())]

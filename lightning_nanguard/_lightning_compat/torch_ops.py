@@ -61,15 +61,26 @@ def ddp_ignored_names(module: torch.nn.Module) -> set[str]:
     return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()) or ())
 
 
-def foreach_norms(tensors: list[Tensor], ord: float = 2, *, dtypes: tuple[torch.dtype, ...] = ()) -> list[Tensor]:
-    """``foreach_norm`` accumulated in the first of ``dtypes`` the backend accepts for these tensors; without a
-    ``dtype`` (each tensor's own) when it accepts none (float64 tensors do not downcast; MPS has no float64)."""
+_WIDE = (torch.float32, torch.float64)
+
+
+def foreach_norms(
+    tensors: list[Tensor], ord: float = 2, *, dtypes: tuple[torch.dtype, ...] = (), cast: torch.dtype | None = None
+) -> list[Tensor] | tuple[Tensor, ...]:
+    """Per-tensor ``ord``-norms of one group (one device, one dtype) in one ``foreach_norm``, accumulated in the first
+    of ``dtypes`` the backend accepts. Float32/float64 tensors at least as wide as the first of ``dtypes`` take their
+    own dtype (no conversion: the healthy step's gradients); where the backend accepts none of ``dtypes`` (an older
+    torch, no float64 on MPS), their own, cast to ``cast`` where given. The one wrapper of ``foreach_norm``."""
+    own = tensors[0].dtype
+    if dtypes and own in _WIDE and own.itemsize >= dtypes[0].itemsize:
+        return foreach_norm(tensors, ord)
     for dtype in dtypes:
         try:
             return list(foreach_norm(tensors, ord, dtype=dtype))
         except (TypeError, RuntimeError):
             continue
-    return list(foreach_norm(tensors, ord))
+    norms = list(foreach_norm(tensors, ord))
+    return norms if cast is None else [n.to(cast) for n in norms]
 
 
 def host_buffer_marked(tensor: Tensor) -> bool:
@@ -86,7 +97,7 @@ def _imported_class(module: str, name: str) -> Any:
     return getattr(sys.modules.get(module), name, None)
 
 
-def local_shards(obj: Any) -> list[Tensor] | None:
+def local_shards(obj: object) -> list[Tensor] | None:
     """This rank's local shards of a ``ShardedTensor`` (FSDP1's sharded state dict), or ``None`` for anything else."""
     # FSDP1's SHARDED_STATE_DICT holds ShardedTensors (without a device mesh); absent from some torch builds
     sharded_tensor = _imported_class("torch.distributed._shard.sharded_tensor.api", "ShardedTensor")

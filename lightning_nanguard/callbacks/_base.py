@@ -1,18 +1,18 @@
 """The plumbing every nanguard callback shares: join the Trainer's engine, and drive it if first.
 
-Every nanguard callback joins the engine in ``setup`` and registers its capability (``_install``). The first one to
-join in a fit drives the engine: its hooks forward to the engine, every other member's hooks return at once. So the
-stages run exactly once per step, whatever the callbacks' order and number.
+Every nanguard callback joins the engine in ``setup``, registers its capability and its part (``_install``;
+``engine/parts.py``: the one way a feature takes part in a step). The first one to join a fit drives the engine:
+its per-batch hooks are the engine's own methods (``bind_hooks``); every other member's per-batch hooks are hidden
+from Lightning's dispatch. So the stages run exactly once per step, whatever the callbacks' order and number, and a
+feature's per-step work runs as its part's stages, called by the engine.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from torch import Tensor
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_nanguard import _lightning_compat
@@ -21,13 +21,13 @@ from lightning_nanguard.callbacks._state import CheckedState, adopt_saved_state,
 from lightning_nanguard.config import Configured
 from lightning_nanguard.engine import Engine, get_engine
 
-__all__ = ["NanGuardCallback", "bind_engine_hooks", "mute_idle_hooks", "show_hooks", "unmute_hooks"]
+__all__ = ["NanGuardCallback", "bind_hooks", "unbind_hooks"]
 
 # The hooks Lightning dispatches once per batch or per step. For each, every installed callback costs a profiler
 # context and a ``state_key`` read even when the hook does nothing (docs/PERFORMANCE.md). Lightning skips a hook whose
-# attribute is not callable (``trainer/call.py`` ``_call_callback_hooks``: ``if callable(fn)``), so during a fit a
-# member sets the per-batch hooks it has nothing to do in to ``None`` on the instance: Callback's no-ops always, the
-# engine's hooks unless it drives. ``setup`` of the next fit and ``teardown`` put the methods back.
+# attribute is not callable (``trainer/call.py`` ``_call_callback_hooks``: ``if callable(fn)``), so during a fit
+# every member's per-batch hooks are set on the instance: the engine's own methods for the driver (those it has),
+# ``None`` for the rest. ``setup`` of the next fit and ``teardown`` put the class's (Callback's no-ops) back.
 _PER_BATCH_HOOKS = (
     "on_train_batch_start",
     "on_before_backward",
@@ -45,9 +45,18 @@ _PER_BATCH_HOOKS = (
 
 
 class NanGuardCallback(CheckedState, Configured, Callback):
-    """Base of the nanguard callbacks. Subclasses override ``_install`` (and their own non-engine hooks)."""
+    """Base of the nanguard callbacks. Subclasses override ``_install`` (register a capability and a part), and
+    ``_check_environment`` / ``_uninstall`` where they have something to check or release; their per-step work is
+    their part's (``engine/parts.py``), never a Lightning per-batch hook of their own."""
+
+    # A member that joins the training steps and may drive them; False: one that never drives (a fit with only such
+    # members senses no step): CheckpointGuard, FP32Evaluation.
+    steps_member: ClassVar[bool] = True
+    # Joins validate/test/predict too, not only fit (FP32Evaluation).
+    every_stage: ClassVar[bool] = False
 
     _drives = False
+    _stage = ""
     _state_key_cache: str | None = None
     _engine_now: Engine
 
@@ -66,7 +75,7 @@ class NanGuardCallback(CheckedState, Configured, Callback):
         check_strategy_supported(trainer, type(self).__name__)
 
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
-        """Register this callback's capability with the engine (every fit, on every rank)."""
+        """Register this callback's capability and part with the engine (every fit, on every rank)."""
 
     def _uninstall(self, trainer: pl.Trainer) -> None:
         """Per-fit cleanup, before the engine forgets the fit."""
@@ -74,34 +83,27 @@ class NanGuardCallback(CheckedState, Configured, Callback):
     # ------------------------------------------------------------------ lifecycle
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage != "fit":
+        if stage != "fit" and not self.every_stage:
             return
-        self._unmute_hooks()
+        unbind_hooks(self)
+        self._stage = stage
         self._check_environment(trainer)
         engine = get_engine(trainer)
-        self._drives = engine.join(trainer, self)
+        self._drives = engine.join(trainer, self, fit=self.steps_member)
         self._engine_now = engine  # the hooks use it directly (a WeakKeyDictionary lookup per hook adds up)
         self._install(trainer, pl_module, engine)
-        self._mute_idle_hooks()
-
-    def _mute_idle_hooks(self) -> None:
-        mute_idle_hooks(self, drives=self._drives)
-        if self._drives:
-            bind_engine_hooks(self, self._engine_now)
-
-    def _unmute_hooks(self) -> None:
-        unmute_hooks(self)
+        bind_hooks(self, engine, drives=self._drives)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # The last hook of a fit: the first member to get here checks the state once more, after every callback's
         # on_train_end and on_fit_end (``Engine.end_fit``); the last one to leave raises a pending stop error.
-        if stage == "fit":
+        if stage == "fit" or self.every_stage:
             engine = get_engine(trainer)
             engine.end_fit(trainer, pl_module)
             self._uninstall(trainer)
             self._drives = False
-            self._unmute_hooks()
+            unbind_hooks(self)
             engine.leave(self)
 
     @override
@@ -110,11 +112,11 @@ class NanGuardCallback(CheckedState, Configured, Callback):
     ) -> None:
         adopt_saved_state(self, checkpoint)  # a checkpoint that saved the state under an older key
 
-    # ------------------------------------------------------------------ the engine's hooks (driver only)
+    # ------------------------------------------------------------------ the engine's once-per-fit and evaluation hooks
+    # Every member forwards them; the engine runs each once (whoever calls first), the parts' stages with it.
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._drives:
-            self._engine_now.train_start(trainer, pl_module)
+        self._engine_now.train_start(trainer, pl_module)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -122,69 +124,78 @@ class NanGuardCallback(CheckedState, Configured, Callback):
             self._engine_now.train_epoch_start(trainer)
 
     @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        if self._drives:
-            self._engine_now.batch_start(trainer, pl_module, batch, batch_idx)
-
-    @override
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        if self._drives:
-            self._engine_now.on_before_backward(trainer, pl_module, loss)
-
-    @override
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
-    ) -> None:
-        if self._drives:
-            self._engine_now.before_optimizer_step(trainer, pl_module, optimizer)
-
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        if self._drives:
-            self._engine_now.on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-
-    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._drives:  # the first end-of-fit check; ``teardown`` runs the second
-            self._engine_now.train_end(trainer, pl_module)
+        # The first end-of-fit check (once, whoever calls first); ``teardown`` runs the second.
+        self._engine_now.train_end(trainer, pl_module)
+
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._evaluation(trainer).evaluation_start(trainer, pl_module, "validation_step")
+
+    @override
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._evaluation(trainer).evaluation_epoch_end(trainer, pl_module)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._evaluation(trainer).evaluation_end(trainer)
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._evaluation(trainer).evaluation_start(trainer, pl_module, "test_step")
+
+    @override
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._evaluation(trainer).evaluation_epoch_end(trainer, pl_module)
+
+    @override
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._evaluation(trainer).evaluation_end(trainer)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self._drives:
             get_engine(trainer).finish(trainer, raise_pending=False)
 
+    def _evaluation(self, trainer: pl.Trainer) -> Engine | _NoEvaluation:
+        """The engine where this member forwards the evaluation hooks (the first member to join), else a no-op."""
+        engine = get_engine(trainer)
+        return engine if engine.forwards_evaluation(self) else _NO_EVALUATION
 
-def mute_idle_hooks(callback: Callback, *, drives: bool) -> None:
-    """Hide the per-batch hooks ``callback`` has nothing to do in, until ``unmute_hooks``: Callback's own no-ops, and
-    the engine's forwarding hooks where ``callback`` does not drive (see ``_PER_BATCH_HOOKS``)."""
-    cls = type(callback)
+
+class _NoEvaluation:
+    """The evaluation hooks of a member that does not forward them."""
+
+    def evaluation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step_name: str) -> None:
+        pass
+
+    def evaluation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pass
+
+    def evaluation_end(self, trainer: pl.Trainer) -> None:
+        pass
+
+
+_NO_EVALUATION = _NoEvaluation()
+
+
+def bind_hooks(callback: Callback, engine: Engine | None, *, drives: bool) -> None:
+    """Set ``callback``'s per-batch hooks on the instance for this fit: the engine's own bound methods (same
+    signatures) where it drives, so that Lightning calls the engine directly (one Python frame fewer per hook and
+    step), ``None`` (hidden from Lightning's dispatch) for every other per-batch hook and every other member."""
+    targets = (
+        {
+            "on_train_batch_start": engine.batch_start,
+            "on_before_backward": engine.on_before_backward,
+            "on_before_optimizer_step": engine.before_optimizer_step,
+            "on_train_batch_end": engine.on_train_batch_end,
+        }
+        if drives and engine is not None
+        else {}
+    )
     for name in _PER_BATCH_HOOKS:
-        impl = getattr(cls, name)
-        if impl is getattr(Callback, name) or (impl is getattr(NanGuardCallback, name) and not drives):
-            _lightning_compat.set_instance_attribute(callback, name, None)
-
-
-def bind_engine_hooks(callback: NanGuardCallback, engine: Engine) -> None:
-    """The driver's per-batch forwarding hooks, replaced on the instance by the engine's own bound methods (same
-    signatures), so that Lightning calls the engine directly: one Python frame and one ``_drives`` test fewer per
-    hook and step. Only where the class keeps ``NanGuardCallback``'s forwarding method (a subclass that overrides a
-    hook keeps it); ``unmute_hooks`` puts the methods back."""
-    cls = type(callback)
-    for name, target in (
-        ("on_train_batch_start", engine.batch_start),
-        ("on_before_backward", engine.on_before_backward),
-        ("on_before_optimizer_step", engine.before_optimizer_step),
-        ("on_train_batch_end", engine.on_train_batch_end),
-    ):
-        if getattr(cls, name) is getattr(NanGuardCallback, name) and not _lightning_compat.has_instance_attribute(
-            callback, name
-        ):
-            _lightning_compat.set_instance_attribute(callback, name, target)
-    if _lightning_compat.instance_attribute(callback, "on_train_batch_start") == engine.batch_start:
+        _lightning_compat.set_instance_attribute(callback, name, targets.get(name))
+    if drives and engine is not None:
         # The engine hides it while it has nothing to do at a batch start (``Engine.refresh_batch_start``).
         engine.batch_start_switch = BatchStartSwitch(callback, engine)
 
@@ -204,15 +215,7 @@ class BatchStartSwitch:
         _lightning_compat.set_instance_attribute(self.callback, "on_train_batch_start", target)
 
 
-def show_hooks(callback: Callback, names: tuple[str, ...], *, shown: bool) -> None:
-    """Show ``names`` to Lightning's dispatch (the class's methods) or hide them (``None`` on the instance)."""
-    for name in names:
-        if shown:
-            _lightning_compat.pop_instance_attribute(callback, name)
-        else:
-            _lightning_compat.set_instance_attribute(callback, name, None)
-
-
-def unmute_hooks(callback: Callback) -> None:
+def unbind_hooks(callback: Callback) -> None:
+    """The class's per-batch hooks back (between fits)."""
     for name in _PER_BATCH_HOOKS:
         _lightning_compat.pop_instance_attribute(callback, name)

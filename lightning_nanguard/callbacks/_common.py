@@ -7,7 +7,7 @@ from typing import Any
 import lightning.pytorch as pl
 
 from lightning_nanguard import _lightning_compat
-from lightning_nanguard.contract import Action, Cause
+from lightning_nanguard.contract import Action, Cause, Notice
 from lightning_nanguard.exceptions import UnsupportedSetupError
 from lightning_nanguard.recovery.eval_precision import RerunGroup, rerun_message, rerun_where
 from lightning_nanguard.reporting.incidents import Incident
@@ -115,7 +115,7 @@ def check_strategy_supported(trainer: pl.Trainer, owner: str) -> None:
 def make_incident(
     trainer: pl.Trainer,
     *,
-    trigger: str,
+    trigger: Notice,
     action: Action,
     source: str,
     ranks: list[int] | None = None,
@@ -152,7 +152,7 @@ def rerun_incident(trainer: pl.Trainer, group: RerunGroup, half: str, source: st
     """FP32Evaluation's incident for one evaluation epoch's re-run batches of one outcome (``half``: the dtype)."""
     return make_incident(
         trainer,
-        trigger="nonfinite_eval_output",
+        trigger=Notice.NONFINITE_EVAL_OUTPUT,
         action=Action.RERUN,
         source=source,
         ranks=list(group.ranks),

@@ -1,7 +1,7 @@
 """LossScaleWatchdog and GradNormMonitor under ``DeepSpeedStrategy``: what they do there, and what they refuse.
 
 DeepSpeed's engine owns the optimizer step, so both read its outcome after ``engine.step()``
-(``engine/deepspeed_sensing.py``):
+(``parts/deepspeed_sensing.py``):
 
 * **LossScaleWatchdog** logs DeepSpeed's fp16 scale and its overflow skips under the usual ``nanguard/...`` keys,
   holds the scale in ``[min_scale, max_scale]`` after every step (a Python float: no device work), and takes the
@@ -25,13 +25,13 @@ import lightning.pytorch as pl
 
 from lightning_nanguard import _lightning_compat, _notices
 from lightning_nanguard.engine import Engine
-from lightning_nanguard.engine.deepspeed_sensing import (
+from lightning_nanguard.exceptions import UnsupportedSetupError
+from lightning_nanguard.parts.deepspeed_sensing import (
     DeepSpeedGradWatch,
     DeepSpeedScaleWatch,
     ScaleSettings,
     step_reader,
 )
-from lightning_nanguard.exceptions import UnsupportedSetupError
 from lightning_nanguard.policies.loss_scale import CollapsePolicy
 from lightning_nanguard.signals.loss_scale import ScaleHistory
 

@@ -62,7 +62,7 @@ def run_preflight(trainer: pl.Trainer, on_hazard: OnHazard, safe_eps: float, sou
             + " ".join(f.message for f in hazards)
             + ' Or use on_hazard="fix" to let nanguard raise eps.'
         )
-    sink = get_engine(trainer).sink
+    incidents = get_engine(trainer).incidents
     for f in findings:
         message, action, values = f.message, Action.PREFLIGHT, dict(f.values)
         if on_hazard == "fix" and f.fixable and f.fix_eps is not None:
@@ -70,7 +70,7 @@ def run_preflight(trainer: pl.Trainer, on_hazard: OnHazard, safe_eps: float, sou
             message = f"{message} Fixed: nanguard set eps {f.values['eps']:g} -> {f.fix_eps:g}."
             action = Action.FIX
         # Reported, never fed to a decision: a preflight finding is not a training event.
-        sink.record(
+        incidents.report(
             trainer,
             make_incident(
                 trainer,

@@ -39,7 +39,7 @@ class CheckedState:
     """Mixin of every nanguard callback: the ``load_state_dict`` a subclass defines is wrapped so that a state that
     is not a dict, or that its loading finds malformed, is a ``CheckpointVerificationError`` naming the callback."""
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         own = cls.__dict__.get("load_state_dict")
         if own is not None and not getattr(own, "nanguard_checked", False):
@@ -48,7 +48,7 @@ class CheckedState:
 
 def _checked(name: str, load: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
     @functools.wraps(load)
-    def load_state_dict(self: Any, state_dict: Any) -> None:
+    def load_state_dict(self: object, state_dict: object) -> None:
         problem = "" if isinstance(state_dict, dict) else f"a {type(state_dict).__name__}, not a dict"
         if not problem:
             try:

@@ -8,14 +8,14 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from lightning_nanguard import _notices
-from lightning_nanguard.callbacks._base import NanGuardCallback
+from lightning_nanguard.callbacks._base import NanGuardCallback, bind_hooks, unbind_hooks
 from lightning_nanguard.callbacks._common import make_incident
 from lightning_nanguard.checkpointing.events import CheckpointEvent, describe, incident_values
 from lightning_nanguard.checkpointing.install import install_verifying_io, remove_killed_saves
 from lightning_nanguard.checkpointing.lineage import Lineage
 from lightning_nanguard.checkpointing.verifying_io import VerifyingCheckpointIO
 from lightning_nanguard.config import CheckpointGuardConfig, arguments_from
-from lightning_nanguard.contract import Action, Cause
+from lightning_nanguard.contract import Action, Cause, Notice
 from lightning_nanguard.engine import Engine, get_engine
 from lightning_nanguard.signals.model_tensors import intended_infinities, record_intended_infinities
 
@@ -82,6 +82,7 @@ class CheckpointGuard(NanGuardCallback):
     """
 
     config: CheckpointGuardConfig
+    steps_member = False  # checkpoints are not training steps: a guard alone must not make the engine watch them
 
     def __init__(self, require_sidecar: bool = True, fallback: bool = False, tag_last_good: bool = True) -> None:
         self.config = CheckpointGuardConfig.from_arguments(type(self).__name__, locals())
@@ -95,7 +96,7 @@ class CheckpointGuard(NanGuardCallback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Every stage, not only fit: validate/test/predict(ckpt_path=...) load through the wrapper too.
-        self._unmute_hooks()
+        unbind_hooks(self)
         self._check_environment(trainer)
         io = install_verifying_io(
             trainer,
@@ -114,9 +115,10 @@ class CheckpointGuard(NanGuardCallback):
             # A member, never the driver: checkpoints are not training steps, and a guard alone must not make the
             # engine watch them. ``join`` returns False for a non-driving member.
             engine = get_engine(trainer)
-            self._drives = engine.join(trainer, self, fit=False)
+            self._drives = engine.join(trainer, self, fit=self.steps_member)
+            self._engine_now = engine
             self._install(trainer, pl_module, engine)
-            self._mute_idle_hooks()  # it has no per-batch work: Lightning need not dispatch those hooks to it
+            bind_hooks(self, engine, drives=False)  # no per-batch work: Lightning need not dispatch those hooks to it
 
     @override
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
@@ -131,12 +133,6 @@ class CheckpointGuard(NanGuardCallback):
             io.track_lineage = False  # the resume (if any) is done: a later load (validate, test) is not one
         self._flush(trainer)  # global_step is restored now, so a fallback incident names the step resumed at
         remove_killed_saves(trainer)
-
-    @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_train_end(trainer, pl_module)
-        if get_engine(trainer).driver is None:  # no nanguard callback drives this fit: the end-of-fit check is ours
-            get_engine(trainer).train_end(trainer, pl_module)
 
     @override
     def on_save_checkpoint(
@@ -223,7 +219,7 @@ class CheckpointGuard(NanGuardCallback):
         saving = event.kind == "refused_save"
         incident = make_incident(
             trainer,
-            trigger="nonfinite_checkpoint" if saving else "checkpoint_verification_failed",
+            trigger=Notice.NONFINITE_CHECKPOINT if saving else Notice.CHECKPOINT_VERIFICATION_FAILED,
             action=Action.FALLBACK if event.kind == "fallback" else Action.REFUSE,
             source=type(self).__name__,
             values=incident_values(event),
@@ -232,4 +228,4 @@ class CheckpointGuard(NanGuardCallback):
             cause=(Cause.CORRUPT_STATE if saving else Cause.CORRUPT_CHECKPOINT).value,
             where=", ".join(event.tensors[:3]) if event.tensors else event.path,
         )
-        get_engine(trainer).sink.record(trainer, incident)
+        get_engine(trainer).incidents.report(trainer, incident)

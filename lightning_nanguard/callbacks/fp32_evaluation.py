@@ -5,19 +5,17 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_nanguard import _distributed, _lightning_compat, _notices
-from lightning_nanguard.callbacks._base import mute_idle_hooks, unmute_hooks
+from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._common import (
     check_strategy_supported,
     fp32_evaluation_sharded_refusal,
     rerun_incident,
 )
-from lightning_nanguard.callbacks._state import CheckedState, adopt_saved_state, saved_state_key
-from lightning_nanguard.config import Configured, FP32EvaluationConfig, arguments_from
-from lightning_nanguard.engine import get_engine
+from lightning_nanguard.config import FP32EvaluationConfig, arguments_from
+from lightning_nanguard.engine import Engine, get_engine
 from lightning_nanguard.exceptions import UnsupportedSetupError
 from lightning_nanguard.precision import FULL_PRECISION, classify_precision
 from lightning_nanguard.recovery.eval_precision import (
@@ -32,7 +30,7 @@ __all__ = ["FP32Evaluation"]
 
 
 @arguments_from(FP32EvaluationConfig)
-class FP32Evaluation(CheckedState, Configured, Callback):
+class FP32Evaluation(NanGuardCallback):
     """Run validation and test in float32 (always, or only for the batches that come out non-finite in half precision).
 
     Lightning evaluates under the training precision. A model that forces float32 only where training needs it
@@ -90,31 +88,21 @@ class FP32Evaluation(CheckedState, Configured, Callback):
     owner = "FP32Evaluation"
 
     config: FP32EvaluationConfig
+    steps_member = False  # evaluation is not a training step: it never drives the engine
+    every_stage = True  # validate and test run its evaluation too
 
     def __init__(self, mode: Literal["always", "on_nonfinite"] = "always", promote_after: int | None = None) -> None:
         self.config = FP32EvaluationConfig.from_arguments(type(self).__name__, locals())
         self.promoted: list[str] = []  # training modules running in float32, in promotion order
         self.fp32_reruns = 0  # batches re-run in float32, over the callback's lifetime (and across resumes)
         self._precision = FULL_PRECISION
-        self._stage = ""
         self._warned = False
         self._eval = Fp32Eval(self.config.mode)
 
-    @property
-    @override
-    def state_key(self) -> str:
-        # Lightning reads it for every hook of every callback: build it once. The class name: callbacks/_state.py.
-        key = self.__dict__.get("_state_key_cache")
-        if key is None:
-            key = self.__dict__["_state_key_cache"] = saved_state_key(self)
-        return key
-
     # ------------------------------------------------------------------ lifecycle
     @override
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        unmute_hooks(self)
+    def _check_environment(self, trainer: pl.Trainer) -> None:
         check_strategy_supported(trainer, type(self).__name__)
-        self._stage = stage
         self._precision = classify_precision(trainer)
         self._eval.kind = kind = self._precision.kind
         why = fp32_evaluation_sharded_refusal(self.config.mode, kind, self.config.promote_after)
@@ -133,18 +121,21 @@ class FP32Evaluation(CheckedState, Configured, Callback):
             elif not self._warned:  # "on_nonfinite" (the preset's) is a natural no-op in full precision
                 self._warned = True
                 _notices.note(message + ".")
-        engine = get_engine(trainer)
-        engine.join(trainer, self, fit=False)
-        if stage == "fit" and self.config.promote_after is not None:
-            engine.set_promoter(self)
-        mute_idle_hooks(self, drives=False)  # no per-batch work: Lightning need not dispatch those hooks to it
 
     @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Promotions restored from a checkpoint (load_state_dict ran before this hook) are re-applied.
-        if self._precision.mixed:
-            for path in self.promoted:
-                promote(pl_module.get_submodule(path), autocast_device(trainer.precision_plugin))
+    def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
+        if self._stage == "fit" and self.config.promote_after is not None:
+            engine.set_promoter(self)
+        engine.add_part(self)
+
+    @override
+    def _uninstall(self, trainer: pl.Trainer) -> None:
+        self._eval.end()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._eval.end()
+        get_engine(trainer).finish(trainer, raise_pending=False)
 
     def promote(self, trainer: pl.Trainer, pl_module: pl.LightningModule, module: str) -> str:
         """The engine's Promoter: run ``module`` (a path in the LightningModule) in float32 from now on."""
@@ -154,57 +145,37 @@ class FP32Evaluation(CheckedState, Configured, Callback):
             self.promoted.append(module)
         return message
 
-    @override
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._begin(trainer, pl_module, "validation_step")
+    # ------------------------------------------------------------------ its part (engine/parts.py)
+    def train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Promotions restored from a checkpoint (load_state_dict ran before this hook) are re-applied.
+        if self._precision.mixed:
+            for path in self.promoted:
+                promote(pl_module.get_submodule(path), autocast_device(trainer.precision_plugin))
 
-    @override
-    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._epoch_end(trainer, pl_module)
+    def evaluation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step_name: str) -> None:
+        self._eval.begin(trainer.precision_plugin, pl_module, step_name, self._warn_once)
 
-    @override
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def evaluation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.config.mode != "on_nonfinite" or self._eval.kind == "none":
+            return
+        # Every rank reaches the epoch end, whatever its number of batches: the one collective of the evaluation.
+        pending, self._eval.pending = self._eval.pending, []
+        groups = group_reruns(_distributed.all_gather_objects(trainer, pending))
+        half = self._precision.dtype_name
+        incidents = get_engine(trainer).incidents
+        for group in groups:  # one incident per outcome and epoch, with the count and the batches
+            incidents.report(trainer, rerun_incident(trainer, group, half, type(self).__name__))
+        count = sum(len(group.batches) for group in groups)
+        self.fp32_reruns += count
+        if trainer.sanity_checking:
+            return
+        # Identical on every rank (gathered); sync_dist with "max" keeps Lightning's DDP advice quiet.
+        pl_module.log(keys.EVAL_FP32_RERUNS, float(count), reduce_fx="max", sync_dist=True)
+
+    def evaluation_end(self, trainer: pl.Trainer) -> None:
         self._eval.end()
-        if self._stage == "validate":
-            get_engine(trainer).finish(trainer, raise_pending=False)
-
-    @override
-    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._begin(trainer, pl_module, "test_step")
-
-    @override
-    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._epoch_end(trainer, pl_module)
-
-    @override
-    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._eval.end()
-        get_engine(trainer).finish(trainer, raise_pending=False)
-
-    @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        get_engine(trainer).train_end(trainer, pl_module)  # the end-of-fit check runs once, whoever calls first
-
-    @override
-    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._eval.end()
-        get_engine(trainer).finish(trainer, raise_pending=False)
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        engine = get_engine(trainer)
-        engine.end_fit(trainer, pl_module)  # the end-of-fit check's second pass (after a training fit only)
-        unmute_hooks(self)
-        self._eval.end()
-        engine.leave(self)
 
     # ------------------------------------------------------------------ state
-    @override
-    def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        adopt_saved_state(self, checkpoint)  # a checkpoint that saved the state under an older key
-
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"version": 2, "fp32_reruns": self.fp32_reruns, "promoted": list(self.promoted)}
@@ -213,28 +184,6 @@ class FP32Evaluation(CheckedState, Configured, Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.fp32_reruns = int(state_dict.get("fp32_reruns", 0))
         self.promoted = [str(p) for p in state_dict.get("promoted", [])]
-
-    # ------------------------------------------------------------------ evaluation
-    def _begin(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step_name: str) -> None:
-        get_engine(trainer).began = True  # an evaluation ran: the summary is due at its end
-        self._eval.begin(trainer.precision_plugin, pl_module, step_name, self._warn_once)
-
-    def _epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.config.mode != "on_nonfinite" or self._eval.kind == "none":
-            return
-        # Every rank reaches the epoch end, whatever its number of batches: the one collective of the evaluation.
-        pending, self._eval.pending = self._eval.pending, []
-        groups = group_reruns(_distributed.all_gather_objects(trainer, pending))  # type: ignore[arg-type]
-        half = self._precision.dtype_name
-        sink = get_engine(trainer).sink
-        for group in groups:  # one incident per outcome and epoch, with the count and the batches
-            sink.record(trainer, rerun_incident(trainer, group, half, type(self).__name__))
-        count = sum(len(group.batches) for group in groups)
-        self.fp32_reruns += count
-        if trainer.sanity_checking:
-            return
-        # Identical on every rank (gathered); sync_dist with "max" keeps Lightning's DDP advice quiet.
-        pl_module.log(keys.EVAL_FP32_RERUNS, float(count), reduce_fx="max", sync_dist=True)
 
     def _warn_once(self, message: str) -> None:
         if not self._warned:

@@ -12,10 +12,11 @@ from lightning_nanguard.callbacks import _deepspeed
 from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._state import warn_unloaded_quarantine
 from lightning_nanguard.config import GradNormMonitorConfig, arguments_from
+from lightning_nanguard.config.grad_norm_monitor import MAX_REPLAY_STEPS
 from lightning_nanguard.engine import Engine, get_engine
-from lightning_nanguard.engine.grad_metrics import grad_metrics, layers_due
-from lightning_nanguard.engine.withdrawal import Blames
 from lightning_nanguard.exceptions import CheckpointVerificationError
+from lightning_nanguard.parts.grad_metrics import grad_metrics, layers_due
+from lightning_nanguard.policies.withdrawal import Blames
 from lightning_nanguard.recovery.quarantine import Quarantine
 
 __all__ = ["GradNormMonitor"]
@@ -77,7 +78,7 @@ class GradNormMonitor(NanGuardCallback):
         quarantine: bool = True,
         quarantine_file: str | None = None,
         forensics: Literal["first", "every", "off"] = "first",
-        max_replay_steps: float = 20.0,
+        max_replay_steps: float = MAX_REPLAY_STEPS,
         max_dropped_fraction: float | None = 0.05,
         dropped_window: int = 1000,
         on_dropped_budget: Literal["stop", "warn"] = "stop",
@@ -88,7 +89,7 @@ class GradNormMonitor(NanGuardCallback):
         self._quarantine = Quarantine(self.config.quarantine_file) if quarantine else None
         self._restored_skips = 0
         self._spike_state: dict[str, Any] = {}
-        self._blames_state: dict[str, Any] = {}  # the chains of data hypotheses, between fits (``engine.withdrawal``)
+        self._blames_state: dict[str, Any] = {}  # the chains of data hypotheses, between fits (``policies.withdrawal``)
         self._pending_blames: dict[str, Any] | None = None  # loaded before a fit's setup: applied there
         self._engine: Engine | None = None
 
@@ -103,8 +104,8 @@ class GradNormMonitor(NanGuardCallback):
         return sorted(self._quarantine.samples) if self._quarantine is not None else []
 
     # ------------------------------------------------------------------ lifecycle
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Its part's (engine/parts.py): what the installed callbacks leave this guard unable to do, said once."""
         if (
             self.config.on_spike == "rollback"
             and self.config.spike_zscore is not None
@@ -123,7 +124,6 @@ class GradNormMonitor(NanGuardCallback):
                 f"{type(self).__name__}(on_spike='probe'): the probe batch is AutoRollback's, which is not installed: "
                 "spikes are only counted."
             )
-        super().on_train_start(trainer, pl_module)
 
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
         # A new fit starts from nothing (a callback reused for another Trainer); a resume's ``load_state_dict``
@@ -132,6 +132,7 @@ class GradNormMonitor(NanGuardCallback):
         pending, self._pending_blames, self._blames_state = self._pending_blames, None, {}
         if pending is not None and self._quarantine is not None:  # loaded before this fit's setup
             engine.incidents.blames.load_state_dict(pending)
+        engine.add_part(self)
         if _deepspeed.is_deepspeed(trainer):  # DeepSpeed's engine owns the step: its outcome is read after it
             probing = self.config.on_spike == "probe" and self.config.spike_zscore is not None
             if probing:  # the preset's setting: spikes go unprobed there rather than the preset being refused

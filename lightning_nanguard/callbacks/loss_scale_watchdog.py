@@ -1,7 +1,7 @@
 """LossScaleWatchdog: the loss scale on the dashboard, a floor it lacks, and a collapse met by a remedy.
 
 The GradScaler (``16-mixed``) is watched through the engine's step reading; DeepSpeed's own fp16 loss scaler
-(``DeepSpeedStrategy``) after DeepSpeed's step, by ``engine/deepspeed_sensing.py``.
+(``DeepSpeedStrategy``) after DeepSpeed's step, by ``parts/deepspeed_sensing.py``.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from lightning_nanguard.callbacks._deepspeed import install_scale_watch, is_deep
 from lightning_nanguard.config import LossScaleWatchdogConfig, arguments_from
 from lightning_nanguard.contract import StateRestored
 from lightning_nanguard.engine import Engine, get_engine
-from lightning_nanguard.engine.deepspeed_sensing import DeepSpeedScaleWatch, ScaleSettings
 from lightning_nanguard.engine.reading import Reading
+from lightning_nanguard.parts.deepspeed_sensing import DeepSpeedScaleWatch, ScaleSettings
 from lightning_nanguard.policies.loss_scale import CollapseFacts, CollapsePolicy
 from lightning_nanguard.reporting import keys
 from lightning_nanguard.signals.loss_scale import ScaleHistory
@@ -101,6 +101,7 @@ class LossScaleWatchdog(NanGuardCallback):
     # ------------------------------------------------------------------ lifecycle
     @override
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
+        engine.add_part(self)
         # Each fit its own counts (a callback reused by another Trainer); a resume's load_state_dict comes after.
         self._policy = CollapsePolicy(
             self.config.floor_patience, self.config.max_overflow_streak, self.config.max_collapses, self.config.window
@@ -127,8 +128,8 @@ class LossScaleWatchdog(NanGuardCallback):
         engine.bus.subscribe(StateRestored, self._on_restored)
         engine.add_metrics(self._metrics)
 
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Its part's (engine/parts.py): DeepSpeed's scaler taken over, or the restored scale held to the floor."""
         if self._deepspeed is not None:
             self._deepspeed.train_start(trainer)
             self._active = self._deepspeed.active
@@ -142,7 +143,6 @@ class LossScaleWatchdog(NanGuardCallback):
                     f"{type(self).__name__}(on_collapse='rollback') hands a collapse to AutoRollback, which is not "
                     "installed: a collapse will stop training instead. Add AutoRollback(), or use on_collapse='auto'."
                 )
-        super().on_train_start(trainer, pl_module)
 
     @override
     def _uninstall(self, trainer: pl.Trainer) -> None:

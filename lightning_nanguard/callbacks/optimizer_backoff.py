@@ -7,7 +7,7 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 from typing_extensions import override
 
-from lightning_nanguard.callbacks._base import NanGuardCallback, show_hooks
+from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._preflight import OnHazard, run_preflight
 from lightning_nanguard.config import OptimizerBackoffConfig, arguments_from
 from lightning_nanguard.contract import PassedOverSnapshots, StateRestored
@@ -122,33 +122,32 @@ class OptimizerBackoff(NanGuardCallback):
         engine.bus.subscribe(PassedOverSnapshots, self._on_passed_over)
         self._scales.extra_notches = 0
         engine.add_metrics(self._metrics)
+        engine.add_part(self)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._scales.stamp(trainer.optimizers, _schedulers(trainer))
 
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    # ------------------------------------------------------------------ its part (engine/parts.py)
+    def train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Optimizer and scheduler state are restored by now (on a resume too): check them, then re-apply.
         run_preflight(trainer, self.config.on_hazard, self.config.safe_eps, type(self).__name__)
         if not self._state_loaded:  # no callback state (added on resume): the scales the optimizer state holds
             self._scales.adopt(trainer.optimizers)
         self._sync(trainer)
-        super().on_train_start(trainer, pl_module)
 
-    @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
+    @property
+    def engaged(self) -> bool:
+        """Work at a batch start (a scheduler built mid-fit, the recoveries) only while the rate is backed off."""
+        return self._policy.scale != 1.0 or self._policy.cap is not None
+
+    def batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int) -> bool:
+        """A scheduler built since (StochasticWeightAveraging's) gets the backoff; True: the batch end has work."""
         if self._policy.scale != 1.0 and self._scales.new_schedulers(_schedulers(trainer)):
             self._sync(trainer)
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+        return self.engaged
 
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+    def batch_end(self, trainer: pl.Trainer) -> None:
         if (
             self.config.recover_after is not None
             and self._policy.scale < 1.0
@@ -156,7 +155,7 @@ class OptimizerBackoff(NanGuardCallback):
         ):
             self._sync(trainer)  # a recovery notch
         elif self._policy.cap is not None and self._scales.follow(trainer.optimizers, _schedulers(trainer)):
-            self._refresh_hooks()  # the scale follows the schedule (recover_with_schedule)
+            self._engaged_changed()  # the scale follows the schedule (recover_with_schedule)
 
     # ------------------------------------------------------------------ the engine's Backoff
     def eps_applies(self, trainer: pl.Trainer) -> bool:
@@ -173,7 +172,7 @@ class OptimizerBackoff(NanGuardCallback):
         done = self._scales.back_off(
             trainer.optimizers, schedulers, step, lr=lr, eps=eps, cause=cause, ran_at=ran_at, restored=rates
         )
-        self._refresh_hooks()
+        self._engaged_changed()
         return done
 
     # ------------------------------------------------------------------ reactions (engine events only: rank-consistent)
@@ -193,18 +192,12 @@ class OptimizerBackoff(NanGuardCallback):
     def _sync(self, trainer: pl.Trainer) -> None:
         """Bring every optimizer and scheduler to the current scales."""
         self._scales.sync(trainer.optimizers, _schedulers(trainer))
-        self._refresh_hooks()
+        self._engaged_changed()
 
-    @override
-    def _mute_idle_hooks(self) -> None:
-        super()._mute_idle_hooks()
-        self._refresh_hooks()
-
-    def _refresh_hooks(self) -> None:
-        """Its own per-batch hooks (a scheduler built mid-fit, the recoveries) have work only while the rate is backed
-        off: hidden from Lightning's dispatch otherwise, where it does not drive the engine (``_base``)."""
-        shown = self._drives or self._policy.scale != 1.0 or self._policy.cap is not None
-        show_hooks(self, ("on_train_batch_start", "on_train_batch_end"), shown=shown)
+    def _engaged_changed(self) -> None:
+        """The rate may have been backed off or recovered: the engine re-reads ``engaged``."""
+        if self._engine is not None:
+            self._engine.refresh_batch_start()
 
     def _metrics(self, trainer: pl.Trainer) -> dict[str, float]:
         return {keys.LR_SCALE: self._policy.scale, **eps_metrics(trainer.optimizers, keys.EPS)}

@@ -10,18 +10,15 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_nanguard import _notices
-from lightning_nanguard.callbacks._base import NanGuardCallback, show_hooks
+from lightning_nanguard.callbacks._base import NanGuardCallback
 from lightning_nanguard.callbacks._common import check_strategy_supported
 from lightning_nanguard.config import PrecisionHeadroomConfig, arguments_from
 from lightning_nanguard.engine import Engine
-from lightning_nanguard.engine.headroom import HeadroomWatch
 from lightning_nanguard.exceptions import UnsupportedSetupError
+from lightning_nanguard.parts.headroom import HeadroomWatch
 from lightning_nanguard.policies.headroom import HeadroomSettings
 
 __all__ = ["PrecisionHeadroom"]
-
-# Shown to Lightning only during a sampled step (where this callback does not drive the engine).
-_SAMPLE_HOOKS = ("on_before_backward", "on_before_optimizer_step", "on_train_batch_end")
 
 
 @arguments_from(PrecisionHeadroomConfig)
@@ -112,7 +109,6 @@ class PrecisionHeadroom(NanGuardCallback):
             scale_margin_bits=c.scale_margin_bits,
         )
         self.watch = HeadroomWatch(settings, c.owner)
-        self._sampling = False
 
     @property
     def promoted(self) -> list[str]:
@@ -134,63 +130,31 @@ class PrecisionHeadroom(NanGuardCallback):
     def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine) -> None:
         engine.add_metrics(self.watch.metrics)
         engine.add_summary_notes(self.watch.summary_lines)
-
-    @override
-    def _mute_idle_hooks(self) -> None:
-        super()._mute_idle_hooks()
-        if not self._drives:
-            show_hooks(self, _SAMPLE_HOOKS, shown=False)
-
-    # ------------------------------------------------------------------ hooks
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_train_start(trainer, pl_module)
-        self.watch.start(trainer, pl_module, self._engine_now)
-
-    @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        if self.watch.tick(trainer, pl_module, self._engine_now, batch) and not self._sampling:
-            self._sampling = True
-            if not self._drives:
-                show_hooks(self, _SAMPLE_HOOKS, shown=True)
-
-    @override
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
-        super().on_before_backward(trainer, pl_module, loss)
-        if self._sampling:
-            self.watch.collect(trainer.global_step)
-
-    @override
-    def on_before_optimizer_step(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
-    ) -> None:
-        super().on_before_optimizer_step(trainer, pl_module, optimizer)
-        if self._sampling:
-            self.watch.collect_grads(trainer, optimizer)
-
-    @override
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        if self._sampling:
-            self._sampling = False
-            self.watch.end_sample(trainer)
-            if not self._drives:
-                show_hooks(self, _SAMPLE_HOOKS, shown=False)
-
-    @override
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        super().on_train_end(trainer, pl_module)
-        self.watch.finish(trainer, pl_module, self._engine_now)
+        engine.add_part(self)
 
     @override
     def _uninstall(self, trainer: pl.Trainer) -> None:
         self.watch.stop()
-        self._sampling = False
+
+    # ------------------------------------------------------------------ its part (engine/parts.py)
+    def train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.watch.start(trainer, pl_module, self._engine_now)
+
+    def batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int) -> bool:
+        """Read the last sample, arm the probe when one is due: True (the step is sampled) takes part in the rest."""
+        return self.watch.tick(trainer, pl_module, self._engine_now, batch)
+
+    def before_backward(self, trainer: pl.Trainer, loss: Tensor) -> None:
+        self.watch.collect(trainer.global_step)
+
+    def before_optimizer_step(self, trainer: pl.Trainer, optimizer: Optimizer) -> None:
+        self.watch.collect_grads(trainer, optimizer)
+
+    def batch_end(self, trainer: pl.Trainer) -> None:
+        self.watch.end_sample(trainer)
+
+    def train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.watch.finish(trainer, pl_module, self._engine_now)
 
     # ------------------------------------------------------------------ state
     @override

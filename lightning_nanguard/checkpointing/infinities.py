@@ -23,7 +23,7 @@ from torch import Tensor, nn
 __all__ = ["IntendedInfinities", "inf_only_entries", "intended_infinities_of", "live_intended", "recorded_intended"]
 
 
-def _state_entries(checkpoint: Any) -> dict[str, Tensor]:
+def _state_entries(checkpoint: object) -> dict[str, Tensor]:
     """The strided tensors of a Lightning checkpoint's ``state_dict`` (a plain state dict's entries)."""
     sd = checkpoint.get("state_dict") if isinstance(checkpoint, dict) and "state_dict" in checkpoint else checkpoint
     if not isinstance(sd, dict):
@@ -42,7 +42,7 @@ def _inf_pattern(t: Tensor) -> tuple[Tensor, Tensor] | None:
     return mask.cpu(), t[mask].float().cpu()
 
 
-def inf_only_entries(checkpoint: Any) -> list[str]:
+def inf_only_entries(checkpoint: object) -> list[str]:
     """The ``state_dict`` entries that hold infinities and no NaN (a host read per entry: not for healthy steps)."""
     out = []
     for key, t in _state_entries(checkpoint).items():
@@ -52,7 +52,7 @@ def inf_only_entries(checkpoint: Any) -> list[str]:
     return out
 
 
-def live_intended(checkpoint: Any, module: nn.Module) -> set[str]:
+def live_intended(checkpoint: object, module: nn.Module) -> set[str]:
     """The entries of ``inf_only_entries`` whose infinities the live ``module``'s buffer of the same name holds too,
     at the same places with the same signs (a mask the module builds itself)."""
     entries = _state_entries(checkpoint)
@@ -85,7 +85,7 @@ class IntendedInfinities:
 
 
 def intended_infinities_of(
-    checkpoint: Any, meta: dict[str, Any] | None, module: nn.Module | None
+    checkpoint: object, meta: dict[str, Any] | None, module: nn.Module | None
 ) -> IntendedInfinities:
     """The ``state_dict`` entries of ``checkpoint`` whose infinities are intended (see the module): recorded in
     ``meta`` or matching ``module``; without either, every infinities-only entry, with a note."""

@@ -173,7 +173,7 @@ def verify_directory(dirpath: str) -> str | None:
     return None
 
 
-def recorded_int(value: Any) -> int | None:
+def recorded_int(value: object) -> int | None:
     """``value`` when it is an ``int`` (a step in a manifest or a sidecar's record), else ``None``."""
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 

@@ -64,7 +64,7 @@ from lightning_nanguard.signals.sharded import is_sharded, local_tensor
 __all__ = ["LoadDecision", "decide_load", "install", "saves_directories"]
 
 
-def saves_directories(strategy: Any) -> bool:
+def saves_directories(strategy: object) -> bool:
     """``ModelParallelStrategy(save_distributed_checkpoint=...)``, ``FSDPStrategy(state_dict_type=...)``: does it
     save directories?"""
     if is_fsdp1(strategy):  # "sharded": a directory of torch.distributed.checkpoint shards; "full" (default): a file
@@ -160,7 +160,7 @@ class _GuardedSave(_Bound):
             return False
         named: list[str] = []
         for rank, names in enumerate(_distributed.all_gather_objects(trainer, bad)):  # the incident path only
-            named.extend(f"{name} (rank {rank})" for name in names)  # type: ignore[attr-defined]
+            named.extend(f"{name} (rank {rank})" for name in names)
         self.io.note_refused(target)
         self.io.notify(
             CheckpointEvent(
@@ -312,7 +312,7 @@ class _GuardedLoad(_Bound):
                 decision = LoadDecision(
                     error=f"nanguard: verifying {requested} failed on rank 0 ({type(err).__name__}: {err})"
                 )
-        decision = _distributed.broadcast_object(trainer, decision)  # type: ignore[assignment]
+        decision = _distributed.broadcast_object(trainer, decision)
         assert isinstance(decision, LoadDecision)
         for event in decision.events:
             self.io.notify(event)

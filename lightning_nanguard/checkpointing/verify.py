@@ -83,7 +83,7 @@ class VerifyResult:
     step: int | None = None  # its global_step, where it could be read
 
 
-def nonfinite_tensors(checkpoint: Any, intended: Collection[str] = ()) -> list[str]:
+def nonfinite_tensors(checkpoint: object, intended: Collection[str] = ()) -> list[str]:
     """Names of the non-finite floating-point or complex tensors of a checkpoint's weights and optimizer states.
 
     A Lightning checkpoint (a dict with a ``"state_dict"``) is checked in ``state_dict`` and ``optimizer_states``
@@ -104,7 +104,7 @@ def nonfinite_tensors(checkpoint: Any, intended: Collection[str] = ()) -> list[s
     tensors: list[Tensor] = []
     keys: list[str | None] = []  # the state-dict key of each tensor, where it has one
 
-    def walk(prefix: str, obj: Any, key: str | None) -> None:
+    def walk(prefix: str, obj: object, key: str | None) -> None:
         if isinstance(obj, Tensor):
             t = stored_values(obj)  # a sparse tensor's stored values, a complex tensor's real view
             if t is not None and t.numel() and t.is_floating_point():
@@ -352,7 +352,7 @@ def verified_step(
     return (None, result.step) if result.ok else (result.reason, None)
 
 
-def checkpoint_step(checkpoint: Any) -> int | None:
+def checkpoint_step(checkpoint: object) -> int | None:
     """A loaded Lightning checkpoint's ``global_step``; ``None`` for any other layout."""
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         return None

@@ -192,7 +192,7 @@ class VerifyingCheckpointIO(CheckpointIO):
 
     # ------------------------------------------------------------------ load
     @override
-    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> Any:
+    def load_checkpoint(self, path: object, map_location: Any | None = None, weights_only: bool | None = None) -> Any:
         requested = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
         extra: dict[str, Any] = {} if map_location is None else {"map_location": map_location}  # else the IO's default
 

@@ -36,7 +36,7 @@ def writes_one_file(io: CheckpointIO) -> bool:
 
 
 def write_through_tmp(
-    io: CheckpointIO, checkpoint: dict[str, Any], target: str, storage_options: Any, writing: set[str]
+    io: CheckpointIO, checkpoint: dict[str, Any], target: str, storage_options: object, writing: set[str]
 ) -> str:
     """Write through a temporary name and rename it onto ``target``; returns the file's sha256."""
     tmp = tmp_name(target)
@@ -53,7 +53,7 @@ def write_through_tmp(
 
 
 def write_at_path(
-    io: CheckpointIO, checkpoint: dict[str, Any], path: Any, target: str, storage_options: Any
+    io: CheckpointIO, checkpoint: dict[str, Any], path: Any, target: str, storage_options: object
 ) -> str | None:
     """Hand ``io`` the caller's ``path``; the sha256 of the file it wrote at ``target``, or ``None`` when it wrote no
     new regular file there (a directory, another store, nothing: that save has no sidecar)."""

@@ -30,10 +30,13 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_nanguard.commands.table import LEGEND, Row, markdown, write_csv
 from lightning_nanguard.preset import CALLBACKS
+
+if TYPE_CHECKING:
+    from lightning.pytorch.callbacks import Callback
 
 __all__ = ["CONFIGS", "add_parser", "run_one"]
 
@@ -44,7 +47,7 @@ STABILIZERS = tuple(cls.__name__ for cls in CALLBACKS)
 CONFIGS = ("none", *STABILIZERS, "all")  # what --configs accepts
 
 
-def _callbacks(config: str) -> list[object]:
+def _callbacks(config: str) -> list[Callback]:
     import lightning_nanguard as ng
 
     if config == "none":
@@ -61,7 +64,7 @@ def run_one(task: str, config: str, seed: int, root: str, out_json: str) -> None
     from lightning_nanguard.commands.demo import row_of
     from lightning_nanguard.demo import run_task
 
-    result = run_task(task, _callbacks(config), seed=seed, root_dir=root, config=config)  # type: ignore[arg-type]
+    result = run_task(task, _callbacks(config), seed=seed, root_dir=root, config=config)
     with open(out_json, "w", encoding="utf-8") as f:
         json.dump(vars(row_of(result)), f)
 
@@ -225,7 +228,7 @@ def _outcome(row: Row) -> str:
     return f"NOT FINISHED in {row.wall_time:.1f}s: {row.why()}"
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "ablate",
         help="run a grid of configurations (none, each stabilizer alone, all, or your YAMLs) and compare them",

@@ -57,7 +57,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if guarded.finished else 1
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "demo",
         help="train a small model on a real instability, unguarded and with the preset, and compare (CPU, < 1 min)",

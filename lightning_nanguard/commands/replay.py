@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +24,11 @@ from lightning_nanguard.forensics.offline import PRECISIONS, load_object, replay
 from lightning_nanguard.policies.causes import explain
 from lightning_nanguard.policies.origin import Origin
 
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import lightning.pytorch as pl
+
 __all__ = ["add_parser", "run"]
 
 
@@ -31,7 +36,7 @@ class UsageError(Exception):
     """Something the user can fix: the message says what."""
 
 
-def _model(args: argparse.Namespace) -> Any:
+def _model(args: argparse.Namespace) -> pl.LightningModule | Callable[..., pl.LightningModule] | None:
     """The module source the user chose (``--module``, ``--factory``), said before it is imported; ``None`` for the
     class the bundle names (``replay_bundle`` says which before importing it)."""
     if args.module and args.factory:
@@ -133,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "replay",
         help="re-run an incident's step offline from its bundle and name the op and line of its first NaN",

@@ -25,13 +25,13 @@ __all__ = ["CallbackConfig", "Choice", "Custom", "Flag", "Float", "Int", "PathAr
 class Rule:
     """What values an argument takes: ``check`` refuses any other, ``describe`` says it in words (for the docs)."""
 
-    def check(self, owner: str, name: str, value: Any) -> None:
+    def check(self, owner: str, name: str, value: object) -> None:
         raise NotImplementedError
 
     def describe(self) -> str:
         raise NotImplementedError
 
-    def normalise(self, value: Any) -> Any:
+    def normalise(self, value: object) -> Any:
         return value
 
 
@@ -39,7 +39,7 @@ class Rule:
 class Choice(Rule):
     choices: tuple[Any, ...]
 
-    def check(self, owner: str, name: str, value: Any) -> None:
+    def check(self, owner: str, name: str, value: object) -> None:
         check_choice(owner, name, value, self.choices)
 
     def describe(self) -> str:
@@ -54,7 +54,7 @@ class Flag(Rule):
     strict: bool = False
     message: str = "must be True or False (a bool)"
 
-    def check(self, owner: str, name: str, value: Any) -> None:
+    def check(self, owner: str, name: str, value: object) -> None:
         if self.strict and not isinstance(value, bool):
             raise NanGuardConfigError(f"{owner}({name}={brief(value)}): {self.message}.")
         check_choice(owner, name, value, (True, False))
@@ -68,7 +68,7 @@ class Int(Rule):
     minimum: int
     allow_none: bool = False
 
-    def check(self, owner: str, name: str, value: Any) -> None:
+    def check(self, owner: str, name: str, value: object) -> None:
         check_int(owner, name, value, minimum=self.minimum, allow_none=self.allow_none)
 
     def describe(self) -> str:
@@ -83,7 +83,7 @@ class Float(Rule):
     high_inclusive: bool = True
     allow_none: bool = False
 
-    def check(self, owner: str, name: str, value: Any) -> None:
+    def check(self, owner: str, name: str, value: object) -> None:
         check_float(
             owner,
             name,
@@ -113,7 +113,7 @@ class PathArg(Rule):
     must_exist: bool = False
     directory: bool = False
 
-    def check(self, owner: str, name: str, value: Any) -> None:
+    def check(self, owner: str, name: str, value: object) -> None:
         check_path(owner, name, value, must_exist=self.must_exist, directory=self.directory)
 
     def describe(self) -> str:
@@ -132,17 +132,17 @@ class Custom(Rule):
     text: str
     normaliser: Callable[[Any], Any] | None = None
 
-    def check(self, owner: str, name: str, value: Any) -> None:
+    def check(self, owner: str, name: str, value: object) -> None:
         self.checker(owner, name, value)
 
     def describe(self) -> str:
         return self.text
 
-    def normalise(self, value: Any) -> Any:
+    def normalise(self, value: object) -> Any:
         return value if self.normaliser is None else self.normaliser(value)
 
 
-def arg(default: Any, rule: Rule, doc: str) -> Any:
+def arg(default: object, rule: Rule, doc: str) -> Any:
     """An argument: its default, its rule and its documentation (a sentence or a few, Markdown)."""
     return field(default=default, metadata={"rule": rule, "doc": " ".join(doc.split())})
 

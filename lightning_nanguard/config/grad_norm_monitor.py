@@ -7,10 +7,11 @@ from typing import ClassVar, Literal
 
 from lightning_nanguard.config._declare import CallbackConfig, Choice, Flag, Float, Int, PathArg, arg
 
-__all__ = ["MAX_BUNDLE_MB", "GradNormMonitorConfig"]
+__all__ = ["MAX_BUNDLE_MB", "MAX_REPLAY_STEPS", "GradNormMonitorConfig"]
 
 # The largest incident bundle budget taken, in MB (1 TB): any larger number is no budget at all (a disk fills first).
 MAX_BUNDLE_MB = 1e6
+MAX_REPLAY_STEPS = 20.0  # the replays' default budget, in training steps' worth of time (forensics reads it too)
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,9 @@ class GradNormMonitorConfig(CallbackConfig):
         `"every"` replays each incident; `"off"` uses the cheap evidence only.""",
     )
     max_replay_steps: float = arg(
-        20.0, Float(low=0.0), "Replays stop once they have cost this many training steps' worth of time in this fit."
+        MAX_REPLAY_STEPS,
+        Float(low=0.0),
+        "Replays stop once they have cost this many training steps' worth of time in this fit.",
     )
     max_dropped_fraction: float | None = arg(
         0.05,

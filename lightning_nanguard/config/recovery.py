@@ -74,7 +74,7 @@ class AutoRollbackConfig(CallbackConfig):
             )
 
 
-def _check_triggers(owner: str, name: str, value: Any) -> None:
+def _check_triggers(owner: str, name: str, value: object) -> None:
     check_triggers(owner, value)
 
 

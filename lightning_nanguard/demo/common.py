@@ -55,16 +55,16 @@ class DemoModule(pl.LightningModule):
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)
 
-    def _loss(self, batch: Any) -> Tensor:
+    def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         x, y = batch
         return nn.functional.mse_loss(self(x).float(), y.float())
 
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss = self._loss(batch)
         self.log("train_loss", loss, on_step=False, on_epoch=True, batch_size=len(batch[0]))
         return loss
 
-    def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss = self._loss(batch)
         self.log("val_loss", loss, batch_size=len(batch[0]))
         return loss

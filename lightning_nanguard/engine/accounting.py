@@ -18,6 +18,7 @@ from lightning_nanguard.engine.events import PendingEvent
 from lightning_nanguard.engine.reading import Reading
 from lightning_nanguard.forensics import ReplayBook
 from lightning_nanguard.policies.loss_scale import CollapseFacts
+from lightning_nanguard.policies.withdrawal import Blames
 from lightning_nanguard.signals.spike import RunningZScore
 
 __all__ = ["DropReason", "FitLedger", "Interval", "judge_spike", "nonfinite_signal", "spike_of"]
@@ -82,6 +83,7 @@ class FitLedger:
         self.replays = ReplayBook()  # forensics over this fit
         self.pending_error: BaseException | None = None  # raised at the end of training
         self.final_state = ""  # the end-of-fit check's verdict, in one phrase ("" until it ran)
+        self.blames = Blames()  # the fit's data hypotheses and their quarantines (``policies.withdrawal``)
 
     def time_batch(self, took: float) -> None:
         """Fold one healthy batch's wall time into the average (forensics bounds a replay by it). One sample counts

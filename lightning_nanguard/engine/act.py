@@ -5,19 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import lightning.pytorch as pl
-
-from lightning_nanguard.contract import Action, Diagnosis, Plan, RestoreSource, Signal, StateRestored
-from lightning_nanguard.engine.accounting import FitLedger
-from lightning_nanguard.engine.bus import EventBus
+from lightning_nanguard.contract import SPIKES, Action, Diagnosis, Plan, RestoreSource, Signal, StateRestored
 from lightning_nanguard.engine.capabilities import Restored
+from lightning_nanguard.engine.context import IncidentContext
 from lightning_nanguard.engine.decide import repairable_buffers
-from lightning_nanguard.engine.events import EventFacts
 from lightning_nanguard.engine.registry import Registry
+from lightning_nanguard.recovery.quarantine import Added
 
 __all__ = ["Outcome", "carry_out", "restored_text"]
-
-_SPIKES = (Signal.LOSS_SPIKE, Signal.GRAD_NORM_SPIKE, Signal.LOSS_AND_GRAD_NORM_SPIKE)
 
 
 @dataclass
@@ -28,18 +23,13 @@ class Outcome:
     values: dict[str, object] = field(default_factory=dict)
     restored: bool = False
     checkpoint: str = ""  # a verified checkpoint saved before a stop
+    quarantined: Added | None = None  # what the quarantine added
 
 
-def carry_out(
-    trainer: pl.Trainer,
-    pl_module: pl.LightningModule,
-    plan: Plan,
-    diagnosis: Diagnosis,
-    facts: EventFacts,
-    registry: Registry,
-    ledger: FitLedger,
-    bus: EventBus,
-) -> Outcome:
+def carry_out(ctx: IncidentContext, plan: Plan, diagnosis: Diagnosis) -> Outcome:
+    """Carry ``plan`` out with the capabilities; what each action did."""
+    trainer, pl_module, facts, registry, ledger = ctx.trainer, ctx.pl_module, ctx.facts, ctx.registry, ctx.ledger
+    bus = ctx.bus
     out = Outcome()
     acts = set(plan.actions)
     if Action.WARN in acts:
@@ -54,9 +44,8 @@ def carry_out(
         if diagnosis.rank_rows and rank < len(diagnosis.rank_rows):
             rows = diagnosis.rank_rows[rank]  # this rank's own rows: row 3 of another rank is another sample
             take = bool(rows)
-        out.details[Action.QUARANTINE] = registry.quarantine.add(
-            trainer, facts.batch, rows, facts.step, take=take, samples=facts.samples
-        )
+        added = registry.quarantine.add(trainer, facts.batch, rows, facts.step, take=take, samples=facts.samples)
+        out.details[Action.QUARANTINE], out.quarantined = added.message, added
     restorer = registry.restorer
     if Action.ROLLBACK in acts and restorer is not None:
         repair = repairable_buffers(diagnosis, pl_module)
@@ -108,7 +97,7 @@ def _warned(out: Outcome, signal: Signal, registry: Registry) -> None:
         budget = "" if left is None else f"; {left} more collapses allowed"
         out.details[Action.WARN] = f"kept training (on_collapse={watch.on_collapse!r}{budget})"
     elif guard is not None:
-        setting = "on_spike" if signal in _SPIKES else "on_nonfinite"
+        setting = "on_spike" if signal in SPIKES else "on_nonfinite"
         value = guard.on_spike if setting == "on_spike" else guard.on_nonfinite
         out.details[Action.WARN] = f"let the update through ({setting}={value!r})"
 

@@ -26,21 +26,17 @@ from torch import Tensor
 
 from lightning_nanguard import _distributed
 from lightning_nanguard.contract import Diagnosis, Evidence, EvidenceKind
-from lightning_nanguard.engine.accounting import FitLedger
+from lightning_nanguard.engine.context import IncidentContext
 from lightning_nanguard.engine.events import EventFacts
-from lightning_nanguard.engine.registry import Registry
 from lightning_nanguard.forensics.replay import run_pass
-from lightning_nanguard.policies.diagnosis import classify, strip_rows
+from lightning_nanguard.policies.counterfactual import redecide, untested
 from lightning_nanguard.policies.findings import Findings, PassResult
 from lightning_nanguard.signals.tensors import iter_tensors
 
-__all__ = ["MEASURED", "redecide", "test_blame", "without_rows"]
-
-# Evidence that the blamed records themselves hold NaN/inf: measured, quarantined even where no replay can test it.
-MEASURED = (EvidenceKind.BATCH_NONFINITE, EvidenceKind.TARGETS_NONFINITE)
+__all__ = ["test_blame", "without_rows"]
 
 
-def without_rows(batch: Any, rows: tuple[int, ...]) -> Any:
+def without_rows(batch: object, rows: tuple[int, ...]) -> object:
     """``batch`` without ``rows`` along the batch dimension (every tensor whose first dimension is the batch's), or
     ``None`` where it cannot be cut (no tensor, no row left, a row out of range)."""
     sizes = [t.shape[0] for t in iter_tensors(batch) if t.dim() > 0]
@@ -51,7 +47,7 @@ def without_rows(batch: Any, rows: tuple[int, ...]) -> Any:
     if not keep or any(r < 0 or r >= size for r in rows):
         return None
 
-    def cut(obj: Any) -> Any:
+    def cut(obj: object) -> Any:
         if isinstance(obj, Tensor):
             return obj[torch.tensor(keep, device=obj.device)] if obj.dim() > 0 and obj.shape[0] == size else obj
         if isinstance(obj, Mapping):
@@ -85,16 +81,9 @@ def _why_not(pl_module: pl.LightningModule, facts: EventFacts, findings: Finding
     return ""
 
 
-def test_blame(
-    trainer: pl.Trainer,
-    pl_module: pl.LightningModule,
-    facts: EventFacts,
-    findings: Findings,
-    d: Diagnosis,
-    registry: Registry,
-    ledger: FitLedger,
-) -> Diagnosis:
+def test_blame(ctx: IncidentContext, findings: Findings, d: Diagnosis) -> Diagnosis:
     """``d``, its data blame tested (see the module's docstring). Every rank calls it with the same ``d``."""
+    trainer, pl_module, facts, registry, ledger = ctx.trainer, ctx.pl_module, ctx.facts, ctx.registry, ctx.ledger
     if not d.caused_by_data or registry.quarantine is None or not facts.state_ok or d.state_damaged or not d.rows:
         return d
     mine = _my_rows(trainer, d)
@@ -106,7 +95,7 @@ def test_blame(
     if not why and not all(ok for _, _, ok in gathered):
         why = "the batch cannot be cut without those rows"
     if why:
-        return _untested(d, why)
+        return untested(d, why)
     if not any(r.hooked is not None and r.hooked.reproduced for r in findings.replay):
         ev = Evidence(
             EvidenceKind.COUNTERFACTUAL,
@@ -124,7 +113,7 @@ def test_blame(
     ledger.replays.spent_ms += ms
     errors = [p.error for p in passes if p.error]
     if errors:
-        return _untested(d, f"the replay without the rows failed: {errors[0]}")
+        return untested(d, f"the replay without the rows failed: {errors[0]}")
     finite = not any(p.reproduced for p in passes)
     where = f"batch {facts.batch_idx} rows {list(d.rows)}"
     record = {"rows": list(d.rows), "finite": finite, "tested": True, "replay_ms": ms}
@@ -142,29 +131,3 @@ def test_blame(
         record,
     )
     return redecide(findings, d, ev, {**record, "quarantine": False})
-
-
-def _untested(d: Diagnosis, why: str) -> Diagnosis:
-    """No replay can test the blame: only records that hold NaN/inf themselves (measured) are quarantined."""
-    measured = any(e.kind in MEASURED for e in d.evidence) or (d.origin or {}).get("phase") == "input"
-    record = {"rows": list(d.rows), "tested": False, "why": why, "quarantine": measured}
-    if measured:
-        note = f"the blamed records hold NaN/inf themselves; no replay could test the blame ({why})"
-    else:
-        note = f"the data blame could not be tested ({why}): nothing quarantined"
-    return dataclasses.replace(d, counterfactual=record, note="; ".join(x for x in (d.note, note) if x))
-
-
-def redecide(f: Findings, d: Diagnosis, ev: Evidence, record: dict[str, object]) -> Diagnosis:
-    """The records were not the cause: decide again without them (a formula keeps its cause, untriggered)."""
-    again = classify(strip_rows(f))
-    note = f"the data blame ({d.cause.value} at {d.where}) was withdrawn: nothing quarantined"
-    return dataclasses.replace(
-        again,
-        evidence=(*again.evidence, ev),
-        counterfactual=record,
-        caused_by_data=False,
-        rows=(),
-        rank_rows=(),
-        note="; ".join(x for x in (again.note, note) if x),
-    )

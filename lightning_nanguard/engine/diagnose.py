@@ -20,14 +20,14 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_nanguard import _distributed
+from lightning_nanguard.config.grad_norm_monitor import MAX_REPLAY_STEPS
 from lightning_nanguard.contract import Action, Diagnosis, Divergence, Signal
-from lightning_nanguard.engine.accounting import FitLedger
+from lightning_nanguard.engine.context import IncidentContext
 from lightning_nanguard.engine.counterfactual import test_blame
 from lightning_nanguard.engine.events import EventFacts
 from lightning_nanguard.engine.registry import Registry
 from lightning_nanguard.engine.state_growth import LocalGrowth, local_growth
 from lightning_nanguard.engine.state_growth import merge as merge_growth
-from lightning_nanguard.engine.withdrawal import Blames
 from lightning_nanguard.forensics import ReplayRequest, investigate
 from lightning_nanguard.forensics.bundle import DEFAULT_BUDGET_MB, write_bundle
 from lightning_nanguard.policies.causes import CAUSES
@@ -41,17 +41,11 @@ from lightning_nanguard.signals.state import StateFindings, read_state
 __all__ = ["diagnose", "gather_findings", "is_half", "precision_of", "trigger_note", "write_incident_bundle"]
 
 
-def diagnose(
-    trainer: pl.Trainer,
-    pl_module: pl.LightningModule,
-    facts: EventFacts,
-    registry: Registry,
-    ledger: FitLedger,
-    blames: Blames | None = None,
-) -> Diagnosis:
+def diagnose(ctx: IncidentContext) -> Diagnosis:
     """The diagnosis of one event: the cheap evidence (one all-gather), and a replay when that does not settle it
     (``forensics``). Every rank runs it; its collectives are made by every rank in the same order."""
-    findings = gather_findings(trainer, pl_module, facts, registry, ledger)
+    trainer, pl_module, facts, registry, ledger = ctx.trainer, ctx.pl_module, ctx.facts, ctx.registry, ctx.ledger
+    findings = gather_findings(ctx)
     if needs_replay(findings):
         guard = registry.guard
         request = ReplayRequest(
@@ -59,27 +53,19 @@ def diagnose(
             facts.batch_idx,
             facts.step,
             mode=guard.forensics if guard is not None else "first",
-            max_replay_steps=guard.max_replay_steps if guard is not None else 20.0,
+            max_replay_steps=guard.max_replay_steps if guard is not None else MAX_REPLAY_STEPS,
             has_step=bool(facts.readings),
             update_applied=bool(facts.readings) and not all(r.dropped for r in facts.readings),
         )
         findings = investigate(trainer, pl_module, findings, request, ledger.replays)
     diagnosis = classify(findings)
-    if blames is not None:  # a chain of quarantines that did not stop the fault: its blame is withdrawn
-        diagnosis = blames.judge(findings, diagnosis, facts.step)
+    # A chain of quarantines that did not stop the fault: its blame is withdrawn.
+    diagnosis = ledger.blames.judge(findings, diagnosis, facts.step)
     # A data blame is a hypothesis: the step without the blamed rows says whether to quarantine them.
-    return test_blame(trainer, pl_module, facts, findings, diagnosis, registry, ledger)
+    return test_blame(ctx, findings, diagnosis)
 
 
-def write_incident_bundle(
-    trainer: pl.Trainer,
-    pl_module: pl.LightningModule,
-    facts: EventFacts,
-    diagnosis: Diagnosis,
-    registry: Registry,
-    ledger: FitLedger,
-    log_dir: str | None,
-) -> str:
+def write_incident_bundle(ctx: IncidentContext, diagnosis: Diagnosis) -> str:
     """The incident's bundle (``forensics.bundle``: the batch, the random states, the precision, the optimizers, the
     module's import path and state within ``GradNormMonitor(bundle_mb=...)``, the origin and this diagnosis) under
     ``log_dir``, where a replay ran for this incident: its path, the same on every rank ("" when none was written).
@@ -87,7 +73,8 @@ def write_incident_bundle(
     Call it before any action changes the weights or the random state (a rollback restores both). The rank whose
     replay reproduced first writes it; one all-gather tells every rank the outcome (every rank is here: whether a
     replay ran, and which rank writes, come from gathered values)."""
-    book = ledger.replays
+    trainer, pl_module, facts, registry, log_dir = ctx.trainer, ctx.pl_module, ctx.facts, ctx.registry, ctx.run_dir
+    book = ctx.ledger.replays
     traced, book.traced = book.traced, None
     budget = registry.guard.bundle_mb if registry.guard is not None else DEFAULT_BUDGET_MB
     if not diagnosis.replayed or traced is None or budget <= 0 or not trainer.loggers:
@@ -136,10 +123,9 @@ def is_half(precision: str) -> bool:
     return precision.startswith(("16", "bf16"))
 
 
-def gather_findings(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, facts: EventFacts, registry: Registry, ledger: FitLedger
-) -> Findings:
+def gather_findings(ctx: IncidentContext) -> Findings:
     """Every rank's cheap evidence, made rank-consistent with one all-gather (every rank calls this)."""
+    trainer, pl_module, facts, registry, ledger = ctx.trainer, ctx.pl_module, ctx.facts, ctx.registry, ctx.ledger
     optimizers = list(trainer.optimizers)
     local_batch = read_batch(facts.batch)
     local_state = None if facts.state_ok else read_state(pl_module, optimizers, nonfinite_names(pl_module, optimizers))

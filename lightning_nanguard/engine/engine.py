@@ -30,6 +30,7 @@ from lightning_nanguard.engine.capabilities import Backoff, MetricSource, Promot
 from lightning_nanguard.engine.events import PendingEvent
 from lightning_nanguard.engine.final_check import final_check
 from lightning_nanguard.engine.incidents import IncidentPath
+from lightning_nanguard.engine.parts import Parts
 from lightning_nanguard.engine.registry import Registry
 from lightning_nanguard.engine.sensing import Sensor
 from lightning_nanguard.engine.sink import IncidentSink
@@ -72,6 +73,8 @@ class Engine(StepFlow):
         self._left: set[int] = set()  # ids of the members whose ``teardown`` has run
         self.began = False  # training or an evaluation began (a fit refused at setup has no summary)
         self.first_step = 0  # global_step when training began
+        self.parts = Parts()
+        self.train_started = False  # ``train_start`` ran (once, whoever calls it first)
         self._start_steps()
 
     # ------------------------------------------------------------------ membership
@@ -111,9 +114,14 @@ class Engine(StepFlow):
         self._readings.clear()
         self._quick = None
         self._losses.clear()
+        self._following = []
         self._batch = None
         self._micro.clear()
         self._window_losses = []
+
+    def forwards_evaluation(self, member: Callback) -> bool:
+        """``member`` forwards Lightning's evaluation hooks to the engine: the first member of the open fit."""
+        return self._fit_open and bool(self.members) and self.members[0] is member
 
     @property
     def member_names(self) -> list[str]:
@@ -141,6 +149,14 @@ class Engine(StepFlow):
     def add_summary_notes(self, source: Callable[[], list[str]]) -> None:
         """Lines ``source()`` returns at the end of fit go into the summary (after the incidents)."""
         self.registry.add_summary_notes(source)
+
+    def add_part(self, part: object) -> None:
+        """``part`` takes part in this fit's steps: its stage methods are called in ``engine/parts.py``'s order."""
+        stages = self.parts.add(part)
+        if stages.metrics is not None:
+            self.add_metrics(stages.metrics)
+        if stages.summary_lines is not None:
+            self.add_summary_notes(stages.summary_lines)
 
     def post(self, event: PendingEvent) -> None:
         """An event found outside the engine's own sensing (DeepSpeed's step), handled with this batch's events."""
@@ -170,6 +186,20 @@ class Engine(StepFlow):
 
     # ------------------------------------------------------------------ hooks (driver only)
     def train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Training starts (every member's ``on_train_start``; once, whoever calls first): the engine's own start
+        where a member drives the steps, then every part's ``train_start``, in order."""
+        if self.train_started:
+            return
+        self.train_started = True
+        if self.driver is not None:
+            self._start_training(trainer, pl_module)
+        for stages in self.parts.with_stage("train_start"):
+            assert stages.train_start is not None
+            stages.train_start(trainer, pl_module)
+        self._starters = self.parts.with_stage("batch_start")
+        self.refresh_batch_start()
+
+    def _start_training(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         registry = self.registry
         self.began, self.first_step = True, trainer.global_step
         self.ledger.resumed_from = None if trainer.ckpt_path is None else str(trainer.ckpt_path)
@@ -195,7 +225,6 @@ class Engine(StepFlow):
             _lightning_compat.guard_clipping(trainer, self._clip_allowed)
         self._logging_due = _lightning_compat.LoggingSteps(trainer).due
         self._lean_end = not registry.step_hooks and registry.scale_watch is None
-        self.refresh_batch_start()
 
     def train_epoch_start(self, trainer: pl.Trainer) -> None:
         super().train_epoch_start(trainer)
@@ -207,17 +236,18 @@ class Engine(StepFlow):
 
     def train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """End of training (``on_train_end``): the end-of-fit state check, on the device, as training left the state
-        (once, whoever calls it first). The driver calls it; so do members that never drive (CheckpointGuard,
-        FP32Evaluation), so that a fit with only those installed also never returns non-finite parameters. The
-        summary and a pending stop error wait for ``end_fit``.
+        (once, whoever calls it first), then every part's ``train_end``. Every member calls it, those that never drive
+        (CheckpointGuard, FP32Evaluation) too, so that a fit with only those installed also never returns non-finite
+        parameters. The summary and a pending stop error wait for ``end_fit``.
         """
         self.began = True
         if not self.train_ended:
             self.train_ended = True
             # A collective: every rank reaches on_train_end.
-            final_check(
-                trainer, pl_module, self.registry.restorer, self.ledger, self.sink, self.bus, self.incidents.tried()
-            )
+            final_check(trainer, pl_module, self.registry.restorer, self.ledger, self.incidents, self.incidents.tried())
+            for stages in self.parts.with_stage("train_end"):
+                assert stages.train_end is not None
+                stages.train_end(trainer, pl_module)
 
     def end_fit(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The fit's end (the first member's ``teardown``; once): the state checked again, after every callback's
@@ -241,12 +271,34 @@ class Engine(StepFlow):
                 pl_module,
                 self.registry.restorer,
                 self.ledger,
-                self.sink,
-                self.bus,
+                self.incidents,
                 self.incidents.tried(),
                 again=True,
             )
         self.finish(trainer, raise_pending=False)
+
+    # ------------------------------------------------------------------ evaluation (the first member forwards it)
+    def evaluation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step_name: str) -> None:
+        parts = self.parts.with_stage("evaluation_start")
+        if parts:
+            self.began = True  # an evaluation ran: the summary is due at its end
+        for stages in parts:
+            assert stages.evaluation_start is not None
+            stages.evaluation_start(trainer, pl_module, step_name)
+
+    def evaluation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for stages in self.parts.with_stage("evaluation_epoch_end"):
+            assert stages.evaluation_epoch_end is not None
+            stages.evaluation_epoch_end(trainer, pl_module)
+
+    def evaluation_end(self, trainer: pl.Trainer) -> None:
+        """The evaluation loop ended: every part's ``evaluation_end``; the summary of a validate or test run."""
+        parts = self.parts.with_stage("evaluation_end")
+        for stages in parts:
+            assert stages.evaluation_end is not None
+            stages.evaluation_end(trainer)
+        if parts and _evaluation_only(trainer):
+            self.finish(trainer, raise_pending=False)
 
     def finish(self, trainer: pl.Trainer, *, raise_pending: bool) -> None:
         """Print the summary once, then raise a pending stop error (once). A fit refused at setup (nothing began,

@@ -11,8 +11,6 @@ is NaN, so the second check restores the newest verified state or raises, as the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import lightning.pytorch as pl
 
 from lightning_nanguard import _distributed
@@ -20,24 +18,22 @@ from lightning_nanguard.contract import (
     Action,
     Cause,
     Diagnosis,
-    Evidence,
-    EvidenceKind,
     RestoreSource,
     Signal,
     StateRestored,
 )
 from lightning_nanguard.engine.accounting import FitLedger
 from lightning_nanguard.engine.act import restored_text
-from lightning_nanguard.engine.bus import EventBus
 from lightning_nanguard.engine.capabilities import Restored, Restorer
-from lightning_nanguard.engine.sink import IncidentSink
+from lightning_nanguard.engine.incidents import IncidentPath
 from lightning_nanguard.engine.state_check import model_finite, state_verdict
 from lightning_nanguard.exceptions import NonFiniteTrainingError, RankDivergenceError
+from lightning_nanguard.policies.diagnosis import divergence_diagnosis, listed_names
 from lightning_nanguard.reporting import messages
 from lightning_nanguard.reporting.incidents import Incident
 from lightning_nanguard.signals.model_tensors import nonfinite_names
 
-__all__ = ["divergence_diagnosis", "final_check"]
+__all__ = ["final_check"]
 
 _LATE = (
     " after the end-of-fit check (a callback's on_train_end or on_fit_end wrote into the model, as a weight-averaging "
@@ -53,8 +49,7 @@ def final_check(
     pl_module: pl.LightningModule,
     restorer: Restorer | None,
     ledger: FitLedger,
-    sink: IncidentSink,
-    bus: EventBus,
+    incidents: IncidentPath,
     tried: str,
     *,
     again: bool = False,
@@ -73,29 +68,31 @@ def final_check(
     if verdict.finite:  # under DDP, finite parameters whose copies differ across the ranks
         names = list(verdict.diverged)
         signal, diagnosis = Signal.RANK_DIVERGENCE, divergence_diagnosis(verdict.diverged)
-        problem = f"the ranks' parameters differ at the end of fit ({_listed(names, 5)}){late}"
+        problem = f"the ranks' parameters differ at the end of fit ({listed_names(names, 5)}){late}"
         promise, error = "every rank returns the same model", messages.divergence_error
         restored_state = "finite and identical on every rank"
-        because = f"the ranks' copies of {_listed(names)} differed{late}"
-        unrestored = f"finite, but the ranks' copies of {_listed(names)} DIFFER"
+        because = f"the ranks' copies of {listed_names(names)} differed{late}"
+        unrestored = f"finite, but the ranks' copies of {listed_names(names)} DIFFER"
         add = "add AutoRollback() so the last state verified identical on every rank is restored"
     else:
         gathered = _distributed.all_gather_objects(trainer, nonfinite_names(pl_module))
-        names = sorted({n for part in gathered for n in part})  # type: ignore[attr-defined]
+        names = sorted({n for part in gathered for n in part})
         signal = Signal.NONFINITE_STATE
-        diagnosis = Diagnosis(Cause.CORRUPT_STATE, where=_listed(names), state_tensors=tuple(names), state_damaged=True)
-        problem = f"non-finite parameters or buffers at the end of fit ({_listed(names, 5)}){late}"
+        diagnosis = Diagnosis(
+            Cause.CORRUPT_STATE, where=listed_names(names), state_tensors=tuple(names), state_damaged=True
+        )
+        problem = f"non-finite parameters or buffers at the end of fit ({listed_names(names, 5)}){late}"
         promise, error = "the model fit() returns is finite", messages.final_state_error
         restored_state = "finite"
         because = (
-            f"{_listed(names)} became non-finite{late}"
+            f"{listed_names(names)} became non-finite{late}"
             if again
-            else f"{_listed(names)} ended training non-finite (the last updates, or a callback's on_train_end)"
+            else f"{listed_names(names)} ended training non-finite (the last updates, or a callback's on_train_end)"
         )
-        unrestored = f"NON-FINITE ({_listed(names)})"
+        unrestored = f"NON-FINITE ({listed_names(names)})"
         add = "add AutoRollback() so the last verified state is restored"
     restored = _restore_at_end(
-        trainer, pl_module, signal, diagnosis, restorer, sink, bus, problem=problem, promise=promise
+        trainer, pl_module, signal, diagnosis, restorer, incidents, problem=problem, promise=promise
     )
     if restored is not None:
         ledger.final_state = (
@@ -118,8 +115,7 @@ def _restore_at_end(
     signal: Signal,
     diagnosis: Diagnosis,
     restorer: Restorer | None,
-    sink: IncidentSink,
-    bus: EventBus,
+    incidents: IncidentPath,
     *,
     problem: str,
     promise: str,
@@ -146,27 +142,6 @@ def _restore_at_end(
         where=diagnosis.where,
         diagnosis=diagnosis.to_dict(),
     )
-    sink.record(trainer, incident)
-    bus.emit(trainer, StateRestored(restored.step, RestoreSource(restored.source)))
+    incidents.report(trainer, incident)
+    incidents.bus.emit(trainer, StateRestored(restored.step, RestoreSource(restored.source)))
     return restored
-
-
-def _listed(names: Sequence[str], shown: int = 3) -> str:
-    """``"a, b, c and 4 more"``: the count of the names left out, so a line never reads as the whole list."""
-    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
-
-
-def divergence_diagnosis(names: tuple[str, ...]) -> Diagnosis:
-    """The diagnosis of a rank divergence: the state is damaged (the ranks no longer train one model)."""
-    listed = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
-    return Diagnosis(
-        Cause.CORRUPT_STATE,
-        where=f"{_listed(names)}: the ranks' copies differ",
-        evidence=(Evidence(EvidenceKind.RANKS_DIVERGED, f"differ across ranks: {listed}", {"tensors": names}),),
-        hint=(
-            "something changed one rank's copy only (a rank-local write, a fault after the gradient all-reduce); "
-            "DDP never re-broadcasts parameters, so the ranks would train different models from here on"
-        ),
-        state_tensors=names,
-        state_damaged=True,
-    )

@@ -17,28 +17,30 @@ import lightning.pytorch as pl
 from torch import Tensor
 
 from lightning_nanguard import _distributed, _notices
-from lightning_nanguard.contract import Action, Plan, Signal, StopReason
+from lightning_nanguard.contract import Action, Diagnosis, Plan, Signal, StopReason
 from lightning_nanguard.engine.accounting import FitLedger
-from lightning_nanguard.engine.act import carry_out
+from lightning_nanguard.engine.act import Outcome, carry_out
 from lightning_nanguard.engine.bus import EventBus
 from lightning_nanguard.engine.capabilities import DEFAULT_MAX_QUARANTINED_FRACTION
-from lightning_nanguard.engine.decide import note_plan, remedy_facts
+from lightning_nanguard.engine.context import IncidentContext
+from lightning_nanguard.engine.decide import count_event, note_plan, remedy_facts
 from lightning_nanguard.engine.diagnose import diagnose, trigger_note, write_incident_bundle
 from lightning_nanguard.engine.events import AfterStep, EventFacts, PendingEvent
-from lightning_nanguard.engine.final_check import divergence_diagnosis
 from lightning_nanguard.engine.micro_batches import MicroBatch, locate
 from lightning_nanguard.engine.reading import Reading
 from lightning_nanguard.engine.registry import Registry
 from lightning_nanguard.engine.sink import IncidentSink
 from lightning_nanguard.engine.state_check import state_before_update, state_verdict
-from lightning_nanguard.engine.withdrawal import Blames
 from lightning_nanguard.exceptions import (
     NanGuardError,
     NonFiniteTrainingError,
     RankDivergenceError,
     RecoveryBudgetExhausted,
 )
+from lightning_nanguard.policies.diagnosis import divergence_diagnosis
 from lightning_nanguard.policies.remedy import plan_after_step, plan_remedy
+from lightning_nanguard.policies.withdrawal import Blames
+from lightning_nanguard.recovery.quarantine import Quarantine
 from lightning_nanguard.reporting import messages
 from lightning_nanguard.reporting.incidents import Incident
 from lightning_nanguard.signals.model_tensors import nonfinite_names
@@ -105,7 +107,11 @@ class IncidentPath:
         self.ledger = ledger
         self.sink = sink
         self.bus = bus
-        self.blames = Blames()  # the fit's data hypotheses and their quarantines (``withdrawal``)
+
+    @property
+    def blames(self) -> Blames:
+        """The fit's data hypotheses and their quarantines (kept in the ledger)."""
+        return self.ledger.blames
 
     def handle(
         self,
@@ -153,21 +159,23 @@ class IncidentPath:
             batch, samples = micro[0].batch, micro[0].samples
         ranks, batch_idx = _bad_ranks(trainer, event, batch_idx, micro)
         facts = EventFacts(event, step, batch, batch_idx, state_ok, tuple(names), ranks, samples)
+        ctx = IncidentContext(trainer, pl_module, facts, registry, ledger, self.bus, self.sink.run_dir)
         if event.signal is Signal.RANK_DIVERGENCE:
             diagnosis = divergence_diagnosis(state_verdict(trainer, pl_module).diverged)
         else:
-            diagnosis = diagnose(trainer, pl_module, facts, registry, ledger, self.blames)
+            diagnosis = diagnose(ctx)
         # Forensics: the incident bundle, before any action changes the weights or the random state.
-        bundle = write_incident_bundle(trainer, pl_module, facts, diagnosis, registry, ledger, self.sink.run_dir)
-        decided = remedy_facts(trainer, facts, diagnosis, registry, ledger)
+        bundle = write_incident_bundle(ctx, diagnosis)
+        decided = remedy_facts(ctx, diagnosis, count_event(ctx, diagnosis))
         plan = plan_remedy(decided)
         note_plan(decided, plan, ledger, step)
-        out = carry_out(trainer, pl_module, plan, diagnosis, facts, registry, ledger, self.bus)
+        out = carry_out(ctx, plan, diagnosis)
         trigger_note(out.details, diagnosis)  # forensics: a formula bug's trigger, quarantined, is said to be one
         fraction = (
             registry.guard.max_quarantined_fraction if registry.guard is not None else DEFAULT_MAX_QUARANTINED_FRACTION
         )
-        self.blames.settle(registry.quarantine, diagnosis, step, out.details, fraction)
+        if registry.quarantine is not None:
+            _settle_blames(self.blames, registry.quarantine, diagnosis, step, out, fraction)
         restore_failed = Action.ROLLBACK in plan.actions and not out.restored and plan.stop is None
         if restore_failed and (not facts.state_ok or diagnosis.state_damaged):
             plan = Plan(
@@ -247,6 +255,13 @@ class IncidentPath:
             _notices.warn(incident.message)
         self.bus.emit(trainer, EventHandled(incident.step, incident))
 
+    def report(self, trainer: pl.Trainer, incident: Incident) -> bool:
+        """Keep the record of what was decided where it was seen, outside a training step's event (a preflight
+        finding, a checkpoint refused, a headroom promotion, an evaluation re-run, the end-of-fit restore): the one
+        way into the sink beside ``handle``'s. No ``EventHandled``: no remedy's bookkeeping follows it. Rank-local
+        ones (a checkpoint refused on rank 0) never feed a decision. True for a repeat of an earlier record."""
+        return self.sink.record(trainer, incident)
+
     def tried(self) -> str:
         """What the run has tried so far, from the records' actions."""
         counts: Counter[str] = Counter()
@@ -300,6 +315,26 @@ class IncidentPath:
         return -1
 
 
+def _settle_blames(
+    blames: Blames, quarantine: Quarantine, d: Diagnosis, step: int, out: Outcome, fraction: float
+) -> None:
+    """After the actions: release what a withdrawn chain held; add this incident's quarantine to its chain, and
+    withdraw (and release) the chain whose records pass the quarantined-share budget (``policies.withdrawal``)."""
+    for due in blames.releases_due():
+        quarantine.release(due.samples, due.prints, step)
+    added = out.quarantined
+    if Action.QUARANTINE not in out.details or added is None:
+        return
+    chain = blames.add(d, step, added.samples, added.prints)
+    size = quarantine.dataset_size() or 0
+    held = blames.past_share(size, fraction) if chain is not None else None
+    if chain is None or held is None:
+        return
+    released = quarantine.release(chain.samples, chain.prints, step)
+    line = blames.withdraw(chain, d, step, held, size, fraction, released)
+    out.details[Action.QUARANTINE] += f"; then {line.split(': ', 1)[1]}"
+
+
 def _bad_ranks(
     trainer: pl.Trainer, event: PendingEvent, batch_idx: int, micro: tuple[MicroBatch, bool] | None
 ) -> tuple[tuple[int, ...], int]:
@@ -319,9 +354,7 @@ def _bad_ranks(
     if not event.readings and event.signal is Signal.NONFINITE_STATE:
         # A state check (no step reading): the ranks whose own parameters or buffers are non-finite.
         any_bad = bool(nonfinite_names(trainer.lightning_module, limit=1))
-    gathered = [
-        cast(tuple[bool, bool, int], g) for g in _distributed.all_gather_objects(trainer, (loss_bad, any_bad, found))
-    ]
+    gathered = _distributed.all_gather_objects(trainer, (loss_bad, any_bad, found))
     ranks = [i for i, g in enumerate(gathered) if g[0]] or [i for i, g in enumerate(gathered) if g[1]]
     ranks = ranks or list(range(trainer.world_size))
     named = next((gathered[r][2] for r in ranks if gathered[r][2] >= 0), -1)

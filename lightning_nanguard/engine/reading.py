@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, cast
 
 import torch
 from torch import Tensor
@@ -21,6 +21,12 @@ from lightning_nanguard.recovery.host_memory import protect_forked_children
 from lightning_nanguard.signals.gradients import GradNorms, ParamIndex
 
 __all__ = ["DropPath", "HostMirror", "Layout", "Pending", "Reading", "StateBefore", "fill", "resolve"]
+
+
+class _HostBuffer(Protocol):
+    """A tensor marked as host memory a device vector was copied into (``_lightning_compat.host_buffer_marked``)."""
+
+    _nanguard_host: bool
 
 
 class DropPath(str, Enum):
@@ -122,7 +128,7 @@ class HostMirror:
         if self.cuda:
             protect_forked_children()  # a forked DataLoader worker must never free this buffer (host_memory.py)
         self.buffer = torch.empty(size, dtype=torch.float64, pin_memory=self.cuda)
-        self.buffer._nanguard_host = True  # type: ignore[attr-defined]  # a host buffer: reading it is no device read
+        cast(_HostBuffer, self.buffer)._nanguard_host = True  # a host buffer: reading it is no device read
         self.array = self.buffer.numpy()  # the same memory: ``values`` reads it with no tensor op
         self.event: torch.cuda.Event | None = torch.cuda.Event() if self.cuda else None  # type: ignore[no-untyped-call]
         self.size = size
@@ -142,7 +148,7 @@ class HostMirror:
         event = self.event
         if event is not None and not event.query():  # type: ignore[no-untyped-call]
             event.synchronize()  # old work only: the step it belongs to has been queued long ago
-        return self.array[:n].tolist()  # type: ignore[no-any-return]
+        return self.array[:n].tolist()
 
 
 class Pending(NamedTuple):

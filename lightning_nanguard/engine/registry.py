@@ -36,7 +36,7 @@ class Registry:
         self.metric_sources: list[MetricSource] = []
         self.summary_notes: list[Callable[[], list[str]]] = []  # lines a member adds to the end-of-fit summary
         # Run first at each batch end, after the optimizer step: DeepSpeed's own step outcome is read there
-        # (engine/deepspeed_sensing.py), since its engine steps after the last hook Lightning gives before it.
+        # (parts/deepspeed_sensing.py), since its engine steps after the last hook Lightning gives before it.
         self.step_hooks: list[Callable[[pl.Trainer], None]] = []
         self.monitors_steps = False  # some member watches training steps (sensing runs)
         self.spikes: tuple[RunningZScore, RunningZScore] | None = None  # (grad norm, loss)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import lightning.pytorch as pl
 import torch
@@ -40,6 +40,7 @@ from lightning_nanguard.signals.gradients import (
     grad_norms,
     loss_sum,
     norms_with,
+    step_vector,
     wrapper_prefixes,
 )
 from lightning_nanguard.signals.model_tensors import watched_buffers
@@ -199,14 +200,12 @@ class Sensor:
         loss = losses[0]
         if loss.dtype is not _FLOAT32:
             return None
-        grads = [p.grad for p in plan.params]
-        for g in grads:
-            if g is None:
-                return None
         try:
             # Detached: the optimizer runs its closure, and so this hook, with grad mode on.
-            vec = torch.stack([*_lightning_compat.foreach_norm(grads, 2), loss.detach()])  # type: ignore[arg-type]
+            vec = step_vector(plan.params, (loss.detach(),))
         except RuntimeError:  # a loss that is not 0-d, or on another device than the gradients: ``measure``
+            return None
+        if vec is None:  # a gradient missing: ``measure``
             return None
         values = vec.tolist()  # the step's one host read
         k = plan.count
@@ -293,7 +292,7 @@ class Sensor:
         head: Tensor,
         layout: Layout,
         optimizer: Optimizer,
-        scaler: Any,
+        scaler: object,
         plan: StepPlan,
         *,
         host_only: bool,

@@ -97,11 +97,7 @@ def model_finite(trainer: pl.Trainer, module: nn.Module, optimizers: Sequence[Op
     return state_verdict(trainer, module, optimizers).sound
 
 
-def _foreach_norm_64(tensors: list[Tensor], ord: int) -> list[Tensor]:
-    try:
-        return list(_lightning_compat.foreach_norm(tensors, ord, dtype=torch.float64))
-    except (TypeError, RuntimeError):  # no float64 on this backend (MPS), or an older torch
-        return [n.double() for n in _lightning_compat.foreach_norm(tensors, ord)]
+_F64 = (torch.float64,)  # a difference of one ulp in one element still shows
 
 
 def _replicated_parameters(module: nn.Module) -> list[tuple[str, Tensor]]:
@@ -130,7 +126,7 @@ def _norms(tensors: list[Tensor], ord: int) -> list[Tensor]:
         key = (tensors[start].device, tensors[start].dtype)
         while end < len(tensors) and (tensors[end].device, tensors[end].dtype) == key:
             end += 1
-        out.extend(_foreach_norm_64(tensors[start:end], ord))
+        out.extend(_lightning_compat.foreach_norms(tensors[start:end], ord, dtypes=_F64, cast=torch.float64))
         start = end
     return out
 
@@ -141,4 +137,4 @@ def state_before_update(trainer: pl.Trainer, pl_module: pl.LightningModule) -> t
     if state_verdict(trainer, pl_module, optimizers).finite:
         return True, []
     gathered = _distributed.all_gather_objects(trainer, nonfinite_names(pl_module, optimizers))
-    return False, sorted({n for part in gathered for n in part})  # type: ignore[attr-defined]
+    return False, sorted({n for part in gathered for n in part})

@@ -2,12 +2,13 @@
 
 Per optimizer step: ``batch_start`` (quarantine, AutoRollback's snapshot and triggers), ``on_before_backward`` (the
 loss kept), ``before_optimizer_step`` (the reading; a bad step's update dropped before it lands), and
-``on_train_batch_end`` (the step's accounting, the events handled, the metrics of a logging step). The common
+``on_train_batch_end`` (the step's accounting, the events handled, the metrics of a logging step); after each of
+them, the stage of the same name of every part taking part in the batch (``engine/parts.py``). The common
 healthy step takes the quick path: ``Sensor.quick``'s values, accounted for in a few assignments at the batch end.
 Healthy steps cost the sensor's one fused pass and one host read plus a few attribute checks here.
 
-``Engine`` is a ``StepFlow``: the hooks are the engine's own methods (``_base.bind_engine_hooks`` hands them to
-Lightning directly); ``engine.py`` builds the parts this flow uses and runs the fit around it.
+``Engine`` is a ``StepFlow``: the hooks are the engine's own methods (``_base.bind_hooks`` hands them to
+Lightning directly); ``engine.py`` builds the pieces this flow uses and runs the fit around it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from typing import Any
 
 import lightning.pytorch as pl
 from torch import Tensor
@@ -28,6 +28,7 @@ from lightning_nanguard.engine.accounting import DropReason, FitLedger, judge_sp
 from lightning_nanguard.engine.events import PendingEvent
 from lightning_nanguard.engine.incidents import IncidentPath
 from lightning_nanguard.engine.micro_batches import MicroBatch, MicroBatches
+from lightning_nanguard.engine.parts import Parts, Stages
 from lightning_nanguard.engine.reading import DropPath, Reading, resolve
 from lightning_nanguard.engine.registry import Registry
 from lightning_nanguard.engine.scaler_agreement import agree_scaler_skip
@@ -51,7 +52,8 @@ class StepFlow:
     ledger: FitLedger
     incidents: IncidentPath
     sink: IncidentSink
-    # Shows or hides the driver's ``on_train_batch_start`` (``_base.bind_engine_hooks``); None: always shown.
+    parts: Parts
+    # Shows or hides the driver's ``on_train_batch_start`` (``_base.bind_hooks``); None: always shown.
     batch_start_switch: Callable[[bool], None] | None
 
     def _start_steps(self) -> None:
@@ -72,6 +74,9 @@ class StepFlow:
         self._micro = MicroBatches()
         self._window_losses: list[Tensor] = []
         self._monitors = False  # some member watches training steps (sensing runs)
+        self._starters: list[Stages] = []  # the parts with a ``batch_start`` (set at the start of training)
+        self._engaged: list[Stages] = []  # those of them with work at a batch start now (``refresh_batch_start``)
+        self._following: list[Stages] = []  # the parts taking part in the batch in flight (``engine/parts.py``)
         self._spikes: tuple[RunningZScore, RunningZScore] | None = None
         self._probes = False  # a spike is judged by re-scoring the probe batch (GradNormMonitor(on_spike="probe"))
         self._host_only = False
@@ -91,16 +96,25 @@ class StepFlow:
             self._last_reading = self.sensor.quick_reading(quick, self._last_quick_batch)
         return self._last_reading
 
+    @property
+    def taking_part(self) -> list[object]:
+        """The parts taking part in the batch in flight (their ``batch_start`` answered True)."""
+        return [stages.part for stages in self._following]
+
     def refresh_batch_start(self) -> None:
         """Hide the driver's ``on_train_batch_start`` while a batch start has nothing to decide: no restorer (its
         snapshots and triggers run there) and nothing quarantined (no batch can be dropped). Its bookkeeping (the
         batch, the quarantine's place in the batches, the step clock) is then done at the batch end. Shown again
-        for good once something is quarantined (after an incident, before the next batch)."""
+        for good once something is quarantined (after an incident, before the next batch), and shown while a part is
+        ``engaged`` (a part whose ``engaged`` changes calls this); a part that is not is not called at a batch start."""
+        self._engaged = [stages for stages in self._starters if stages.engaged]
         switch = self.batch_start_switch
         if switch is None:
             return
         quarantine = self.registry.quarantine
-        needed = self.registry.restorer is not None or (quarantine is not None and quarantine.active)
+        needed = (
+            self.registry.restorer is not None or (quarantine is not None and quarantine.active) or bool(self._engaged)
+        )
         if needed != self._starts:
             switch(needed)
             self._starts = needed
@@ -111,7 +125,7 @@ class StepFlow:
         if not self._starts:
             self._batch_began = 0.0  # timed end to end: the first batch of an epoch would count the epoch's turnover
 
-    def batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> None:
+    def batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, batch_idx: int) -> None:
         self._batch, self._batch_idx = batch, batch_idx
         self._batch_began = time.perf_counter()
         self._drop = None
@@ -135,6 +149,13 @@ class StepFlow:
                     self._drop = DropReason.STOPPING
             if restorer.skip_batch() and self._drop is None:
                 self._drop = DropReason.AFTER_ROLLBACK
+        if self._engaged:  # the parts' batch start, after the engine's (``engine/parts.py``)
+            following = []
+            for stages in self._engaged:
+                start = stages.batch_start
+                if start is not None and start(trainer, pl_module, batch, batch_idx):
+                    following.append(stages)
+            self._following = following
 
     def check_state(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
         """Check the parameters and buffers now (a collective: every rank must call it); a non-finite state, or under
@@ -149,10 +170,20 @@ class StepFlow:
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Tensor) -> None:
         """Keep the step's (micro-batch) loss, not detached (``Sensor``: a detach is a device op, done there where
-        needed). The hook's signature: the driver's hook is bound to it directly (``_base.bind_engine_hooks``)."""
+        needed). The hook's signature: the driver's hook is bound to it directly (``_base.bind_hooks``)."""
         self._losses.append(loss)
+        for stages in self._following:
+            if stages.before_backward is not None:
+                stages.before_backward(trainer, loss)
 
     def before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
+        """The step's reading (``_read_step``), then the following parts' ``before_optimizer_step``."""
+        self._read_step(trainer, pl_module, optimizer)
+        for stages in self._following:
+            if stages.before_optimizer_step is not None:
+                stages.before_optimizer_step(trainer, optimizer)
+
+    def _read_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer) -> None:
         if not self._monitors:
             self._losses.clear()
             if self._agree_scaler:
@@ -224,9 +255,9 @@ class StepFlow:
             reading.dropped = True
 
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: object, batch: object, batch_idx: int
     ) -> None:
-        """``batch_end`` with the hook's signature (the driver's hook, bound directly: ``_base.bind_engine_hooks``).
+        """``batch_end`` with the hook's signature (the driver's hook, bound directly: ``_base.bind_hooks``).
 
         A batch whose one step ``Sensor.quick`` read finite with nothing to decide (``before_optimizer_step``), in a
         fit with no step hook and no scale watch, is accounted for here in a few assignments: what
@@ -266,10 +297,21 @@ class StepFlow:
                     self._batch_began = now  # the next batch is timed from here (end to end: its data loading too)
                 if self._logging_due(trainer):
                     self._flush_metrics(trainer)
+                if self._following:
+                    self._end_parts(trainer)
                 return
         self.batch_end(trainer, pl_module)
         if not starts:
             self._batch_began = time.perf_counter()
+        if self._following:
+            self._end_parts(trainer)
+
+    def _end_parts(self, trainer: pl.Trainer) -> None:
+        """The following parts' ``batch_end``, after the engine's; the next batch starts with none following."""
+        following, self._following = self._following, []
+        for stages in following:
+            if stages.batch_end is not None:
+                stages.batch_end(trainer)
 
     def batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         registry, ledger = self.registry, self.ledger

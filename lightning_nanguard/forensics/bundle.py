@@ -87,7 +87,7 @@ def _script(kind: type) -> str | None:
     return os.path.abspath(path) if isinstance(path, str) else None
 
 
-def _jsonable(value: Any) -> bool:
+def _jsonable(value: object) -> bool:
     try:
         json.dumps(value)
     except (TypeError, ValueError):
@@ -101,7 +101,7 @@ def _hparams(pl_module: pl.LightningModule) -> tuple[dict[str, Any], list[str]]:
     return kept, sorted(set(hparams) - set(kept))
 
 
-def _optimizers(trainer: Any, pl_module: pl.LightningModule) -> list[dict[str, Any]]:
+def _optimizers(trainer: object, pl_module: pl.LightningModule) -> list[dict[str, Any]]:
     names = {id(p): n for n, p in pl_module.named_parameters()}
     out = []
     for opt in getattr(trainer, "optimizers", None) or []:
@@ -156,7 +156,7 @@ def write_bundle(
     left_out: list[str] = []
     pickled_batch: bytes | None = None
     try:
-        stored_batch: Any = encode(batch)
+        stored_batch: object = encode(batch)
     except Unencodable as err:
         stored_batch, pickled_batch = None, pickle.dumps(batch)
         left_out.append(f"the batch holds a {err}: stored with pickle (batch.pkl), read only with allow_pickle")

@@ -47,7 +47,7 @@ class Undecodable(ValueError):
     """A stored value outside the fixed set ``decode`` builds (an unknown tag, another type, a malformed entry)."""
 
 
-def encode(obj: Any, *, to_cpu: bool = True) -> Any:
+def encode(obj: object, *, to_cpu: bool = True) -> Any:
     """``obj`` with tensors detached (and on the CPU) and every non-primitive container tagged."""
     if isinstance(obj, Tensor):
         t = obj.detach()
@@ -73,7 +73,7 @@ def encode(obj: Any, *, to_cpu: bool = True) -> Any:
     raise Unencodable(f"{type(obj).__module__}.{type(obj).__qualname__}")
 
 
-def decode(obj: Any) -> Any:
+def decode(obj: object) -> Any:
     """The inverse of ``encode``, from the fixed set of plain types only (``Undecodable`` otherwise). A named tuple
     comes back as a named tuple with the recorded type name and fields, made here (not the recorded class)."""
     if isinstance(obj, Tensor):
@@ -125,7 +125,7 @@ def _namedtuple(name: str, fields: tuple[str, ...]) -> Any:
     return collections.namedtuple(name, fields)
 
 
-def to_device(obj: Any, device: torch.device | str) -> Any:
+def to_device(obj: object, device: torch.device | str) -> Any:
     """``obj`` (as ``decode`` returns it) with every tensor on ``device``, named tuples kept."""
     if isinstance(obj, Tensor):
         return obj.to(device)
@@ -138,7 +138,7 @@ def to_device(obj: Any, device: torch.device | str) -> Any:
     return obj
 
 
-def nbytes(obj: Any) -> int:
+def nbytes(obj: object) -> int:
     """The bytes of every tensor in ``obj``."""
     if isinstance(obj, Tensor):
         return obj.numel() * obj.element_size()
@@ -159,18 +159,18 @@ def capture_rng() -> dict[str, Any]:
     try:
         import numpy as np
 
-        name, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
+        name, keys, pos, has_gauss, cached = np.random.get_state()
         state["numpy"] = [name, torch.from_numpy(np.asarray(keys, dtype=np.int64)), pos, has_gauss, cached]
     except ImportError:
         pass
     return state
 
 
-def _byte_tensor(t: Any) -> bool:
+def _byte_tensor(t: object) -> bool:
     return isinstance(t, Tensor) and t.dtype == torch.uint8 and t.dim() == 1
 
 
-def check_rng(state: Any) -> None:
+def check_rng(state: object) -> None:
     """Raise ``Undecodable`` unless ``state`` has the shape ``capture_rng`` gives (so ``restore_rng`` cannot fail
     half-way on a damaged bundle)."""
     if not isinstance(state, dict) or not _byte_tensor(state.get("torch")):

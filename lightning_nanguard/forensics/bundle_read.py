@@ -125,7 +125,7 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}".splitlines()[0][:300]
 
 
-def _load(directory: str, name: str) -> Any:
+def _load(directory: str, name: str) -> object:
     """A ``.pt`` of the bundle, weights only, or ``BundleError`` (missing, cut short, or holding a non-plain value)."""
     path = os.path.join(directory, name)
     if not os.path.isfile(path):
@@ -203,7 +203,7 @@ def _read_manifest(path: str) -> dict[str, Any]:
     return manifest
 
 
-def _read_call(directory: str, stored: Any) -> tuple[str, Any, Any]:
+def _read_call(directory: str, stored: object) -> tuple[str, Any, Any]:
     """op.pt: the origin op's name (an aten op: ``aten.<op>.<overload>``) and its decoded inputs."""
     try:
         call = decode(stored)

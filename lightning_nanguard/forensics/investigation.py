@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import lightning.pytorch as pl
 
 from lightning_nanguard import _distributed, _lightning_compat
+from lightning_nanguard.config.grad_norm_monitor import MAX_REPLAY_STEPS
 from lightning_nanguard.forensics.origin_events import batch_fields
 from lightning_nanguard.forensics.replay import TracedPass, run_pass, trace_pass
 from lightning_nanguard.policies.diagnosis import replay_steps, signature
@@ -64,7 +65,7 @@ class ReplayRequest:
     batch_idx: int
     step: int
     mode: str = "first"
-    max_replay_steps: float = 20.0
+    max_replay_steps: float = MAX_REPLAY_STEPS
     has_step: bool = True
     update_applied: bool = False
 
@@ -139,7 +140,7 @@ def _check_targets(trainer: pl.Trainer, f: Findings, replays: tuple[ReplayFindin
     )
     if not suspect:
         return f
-    gathered: list[BatchFindings] = _distributed.all_gather_objects(trainer, read_batch(batch, size))  # type: ignore[assignment]
+    gathered: list[BatchFindings] = _distributed.all_gather_objects(trainer, read_batch(batch, size))
     return dataclasses.replace(f, batch=tuple(gathered))
 
 
@@ -194,7 +195,7 @@ def _replay(
         epoch=epoch,
     )
     book.traced = traced
-    first: list[PassResult] = _distributed.all_gather_objects(trainer, traced.result)  # type: ignore[assignment]
+    first: list[PassResult] = _distributed.all_gather_objects(trainer, traced.result)
     book.bundle_rank = next((r for r, p in enumerate(first) if p.reproduced), 0)
     ms = max(p.ms for p in first)
     fp32: list[PassResult | None] = [None] * len(first)
@@ -203,7 +204,7 @@ def _replay(
     step_ms = f.step_seconds * 1000.0 if math.isfinite(f.step_seconds) and f.step_seconds > 0 else ms
     if f.half_precision and any(p.reproduced for p in first) and book.spent_ms + ms + step_ms <= _budget_ms(f, request):
         mine = run_pass(trainer, pl_module, request.batch, request.batch_idx, float32=True, step=step, epoch=epoch)
-        gathered: list[PassResult] = _distributed.all_gather_objects(trainer, mine)  # type: ignore[assignment]
+        gathered: list[PassResult] = _distributed.all_gather_objects(trainer, mine)
         fp32 = list(gathered)
         ms += max(p.ms for p in gathered)
     replays = tuple(

@@ -66,13 +66,17 @@ def preserved_attributes(module: nn.Module) -> Iterator[None]:
     its torchmetrics states. A tensor attribute changed in place (not a buffer, not a metric's) is not undone."""
     metrics = MetricStates(module)
     saved_metrics = metrics.save() if metrics else None
-    saved: list[tuple[nn.Module, dict[str, object], dict[str, object]]] = []
+    saved: list[tuple[nn.Module, dict[str, object], dict[str, list[object] | dict[object, object] | set[object]]]] = []
     for m in module.modules():
         attrs = {k: v for k, v in vars(m).items() if k not in _MODULE_OWN}
-        contents: dict[str, object] = {}
+        contents: dict[str, list[object] | dict[object, object] | set[object]] = {}
         for k, v in attrs.items():
-            if type(v) in (list, dict, set):
-                contents[k] = type(v)(v)  # type: ignore[call-arg]
+            if type(v) is list:
+                contents[k] = list(v)
+            elif type(v) is dict:
+                contents[k] = dict(v)
+            elif type(v) is set:
+                contents[k] = set(v)
         saved.append((m, attrs, contents))
     try:
         yield
@@ -83,11 +87,14 @@ def preserved_attributes(module: nn.Module) -> Iterator[None]:
                 del own[k]
             for k, v in attrs.items():
                 own[k] = v
-                if k in contents:
-                    if isinstance(v, list):
-                        v[:] = contents[k]  # type: ignore[call-overload]
-                    else:
-                        v.clear()  # type: ignore[attr-defined]
-                        v.update(contents[k])  # type: ignore[attr-defined]
+                kept = contents.get(k)
+                if isinstance(v, list) and isinstance(kept, list):
+                    v[:] = kept
+                elif isinstance(v, dict) and isinstance(kept, dict):
+                    v.clear()
+                    v.update(kept)
+                elif isinstance(v, set) and isinstance(kept, set):
+                    v.clear()
+                    v |= kept
         if saved_metrics is not None:
             MetricStates.restore(saved_metrics)

@@ -92,13 +92,13 @@ def load_object(spec: str, *, want_class: bool) -> Any:
     return _checked(found, f"{where}:{qualname}", want_class=want_class)
 
 
-def _attribute(found: Any, qualname: str) -> Any:
+def _attribute(found: object, qualname: str) -> Any:
     for part in qualname.split("."):
         found = getattr(found, part)
     return found
 
 
-def _checked(found: Any, name: str, *, want_class: bool) -> Any:
+def _checked(found: object, name: str, *, want_class: bool) -> Any:
     if want_class and not (inspect.isclass(found) and issubclass(found, pl.LightningModule)):
         raise BundleError(f"{name} is a {type(found).__qualname__}, not a LightningModule subclass")
     if not want_class and not callable(found):

@@ -25,7 +25,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
@@ -206,11 +206,11 @@ def _prepared(bundle: Bundle, make: Callable[[], pl.LightningModule]) -> pl.Ligh
     return model
 
 
-def _plugin(precision: str, device: str) -> Any:
+def _plugin(precision: str, device: str) -> Precision:
     if precision in ("16-mixed", "bf16-mixed"):
-        return MixedPrecision(precision, device)  # type: ignore[arg-type]
+        return MixedPrecision(cast(Literal["16-mixed", "bf16-mixed"], precision), device)
     if precision in ("16-true", "bf16-true"):
-        return HalfPrecision(precision)  # type: ignore[arg-type]
+        return HalfPrecision(cast(Literal["16-true", "bf16-true"], precision))
     return Precision()
 
 
@@ -218,7 +218,7 @@ def _dtype(precision: str) -> torch.dtype | None:
     return {"16-true": torch.float16, "bf16-true": torch.bfloat16, "64-true": torch.float64}.get(precision)
 
 
-def _cast(obj: Any, dtype: torch.dtype) -> Any:
+def _cast(obj: object, dtype: torch.dtype) -> Any:
     if isinstance(obj, torch.Tensor):
         return obj.to(dtype) if obj.is_floating_point() else obj
     if isinstance(obj, dict):
@@ -230,7 +230,7 @@ def _cast(obj: Any, dtype: torch.dtype) -> Any:
     return obj
 
 
-def _no_log(*args: Any, **kwargs: Any) -> None:
+def _no_log(*args: object, **kwargs: object) -> None:
     """``self.log`` in an offline replay: no Trainer, no logger."""
 
 

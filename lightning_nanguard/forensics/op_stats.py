@@ -13,6 +13,7 @@ import re
 import sys
 import sysconfig
 from collections.abc import Callable, Iterable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -57,24 +58,24 @@ def _is_user_file(path: str) -> bool:
 def frame_from_stack() -> SourceFrame | None:
     """The innermost frame of the running stack that is the user's code (outside torch, Lightning, this package but
     its demo's tasks, the standard library and site-packages)."""
-    f = sys._getframe(1)
+    f: FrameType | None = sys._getframe(1)
     while f is not None:
         path = f.f_code.co_filename
         if _is_user_file(path):
             code = linecache.getline(path, f.f_lineno).strip()
             return SourceFrame(path, f.f_lineno, f.f_code.co_name, code)
-        f = f.f_back  # type: ignore[assignment]
+        f = f.f_back
     return None
 
 
 def module_from_stack(names: dict[int, str]) -> str | None:
     """The name of the innermost module (one of ``names``) whose method is on the stack."""
-    f = sys._getframe(1)
+    f: FrameType | None = sys._getframe(1)
     while f is not None:
         owner = f.f_locals.get("self") if "self" in f.f_code.co_varnames else None
         if owner is not None and id(owner) in names:
             return names[id(owner)]
-        f = f.f_back  # type: ignore[assignment]
+        f = f.f_back
     return None
 
 

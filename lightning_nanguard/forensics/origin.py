@@ -62,12 +62,12 @@ from lightning_nanguard.forensics.origin_events import (
     chain_of,
     check,
     copy_args,
-    flat,
     float_tensors,
     nonfinite_scalar,
     to_origin,
 )
 from lightning_nanguard.policies.origin import Origin, SourceFrame, Stat
+from lightning_nanguard.signals.tensors import iter_tensors
 
 __all__ = ["OriginTracer"]
 
@@ -94,7 +94,7 @@ class OriginTracer:
     def __init__(
         self,
         root: nn.Module | None = None,
-        batch: Any = None,
+        batch: object = None,
         *,
         max_ops: int = 200_000,
         time_budget_s: float = 60.0,
@@ -289,7 +289,7 @@ class OriginTracer:
         real = [s for s in pool if s.tag is not None and self._events[s.tag].kind != "intended"]
         return (real or pool)[0].tag
 
-    def _first_use(self, tag: int | None, func: Any) -> None:
+    def _first_use(self, tag: int | None, func: object) -> None:
         if tag is None:
             return
         ev = self._events[tag]
@@ -298,7 +298,7 @@ class OriginTracer:
             ev.frame = frame_from_stack()
             ev.module = module_from_stack(self._names) or ""
 
-    def _absorbed(self, func: Any, bad: list[Status]) -> None:
+    def _absorbed(self, func: object, bad: list[Status]) -> None:
         """A finite output from non-finite inputs: the op masked them away (kept on every real ancestor event)."""
         frame: SourceFrame | None = None
         for s in bad:
@@ -343,7 +343,7 @@ class OriginTracer:
         """The op's inputs, copied, for an op-level offline replay (not an in-place op's: its input is overwritten)."""
         if op_is_mutable(func):
             return None
-        tensors = [t for t in flat((args, kwargs)) if isinstance(t, Tensor)]
+        tensors = list(iter_tensors((args, kwargs)))
         size = sum(t.numel() * t.element_size() for t in tensors)
         if size > self._keep_left or any(type(t) not in (Tensor, nn.Parameter) for t in tensors):
             return None

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_nanguard.policies.origin import Origin, SourceFrame, Stat
+from lightning_nanguard.signals.tensors import iter_tensors
 
 __all__ = [
     "FINITE",
@@ -22,7 +23,6 @@ __all__ = [
     "chain_of",
     "check",
     "copy_args",
-    "flat",
     "float_tensors",
     "nonfinite_scalar",
     "to_origin",
@@ -63,23 +63,12 @@ class Event:
     call: tuple[str, Any, Any] | None = None
 
 
-def flat(obj: Any) -> Iterator[Any]:
-    if isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from flat(v)
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            yield from flat(v)
-    else:
-        yield obj
-
-
-def float_tensors(obj: Any) -> list[Tensor]:
+def float_tensors(obj: object) -> list[Tensor]:
     # Only plain tensors: checking a tensor subclass (a DTensor) could start a collective.
-    return [t for t in flat(obj) if type(t) in (Tensor, nn.Parameter) and t.is_floating_point()]
+    return [t for t in iter_tensors(obj) if type(t) in (Tensor, nn.Parameter) and t.is_floating_point()]
 
 
-def batch_fields(batch: Any, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
+def batch_fields(batch: object, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
     if isinstance(batch, Tensor):
         yield prefix or "batch", batch
     elif isinstance(batch, Mapping):
@@ -106,8 +95,20 @@ VALUE_FREE = (
 )
 
 
-def nonfinite_scalar(obj: Any) -> bool:
-    return any(isinstance(v, float) and not math.isfinite(v) for v in flat(obj))
+def _leaves(obj: object) -> Iterator[object]:
+    """The Python values of a nested op argument (``iter_tensors`` walks its tensors)."""
+    if isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _leaves(v)
+    elif isinstance(obj, Mapping):
+        for v in obj.values():
+            yield from _leaves(v)
+    else:
+        yield obj
+
+
+def nonfinite_scalar(obj: object) -> bool:
+    return any(isinstance(v, float) and not math.isfinite(v) for v in _leaves(obj))
 
 
 def check(tensors: Sequence[Tensor]) -> list[tuple[bool, bool]]:
@@ -126,7 +127,7 @@ def check(tensors: Sequence[Tensor]) -> list[tuple[bool, bool]]:
     return [(math.isfinite(lo) and math.isfinite(hi), math.isnan(lo) or math.isnan(hi)) for lo, hi in values]
 
 
-def copy_args(obj: Any) -> Any:
+def copy_args(obj: object) -> Any:
     """``obj`` with every tensor detached and copied."""
     if isinstance(obj, Tensor):
         return obj.detach().clone()

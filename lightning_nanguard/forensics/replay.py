@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
@@ -34,31 +34,22 @@ from lightning_nanguard.forensics.origin import OriginTracer
 from lightning_nanguard.forensics.step_view import seen_at
 from lightning_nanguard.policies.findings import PassResult
 from lightning_nanguard.policies.origin import Origin
+from lightning_nanguard.signals.tensors import iter_tensors
 
 __all__ = ["TracedPass", "preserved_state", "run_pass", "trace_pass"]
 
 _GRAD_PARAMS_LISTED = 8
 
 
-def _tensors(obj: Any) -> list[Tensor]:
-    if isinstance(obj, Tensor):
-        return [obj]
-    if isinstance(obj, Mapping):
-        return [t for v in obj.values() for t in _tensors(v)]
-    if isinstance(obj, (list, tuple)):
-        return [t for v in obj for t in _tensors(v)]
-    return []
-
-
-def _floats(obj: Any) -> list[Tensor]:
-    return [t for t in _tensors(obj) if t.is_floating_point()]
+def _floats(obj: object) -> list[Tensor]:
+    return [t for t in iter_tensors(obj) if t.is_floating_point()]
 
 
 def _finite(t: Tensor) -> bool:
     return bool(torch.isfinite(t.detach()).all())
 
 
-def _to_float32(obj: Any) -> Any:
+def _to_float32(obj: object) -> Any:
     if isinstance(obj, Tensor):
         return obj.float() if obj.is_floating_point() else obj
     if isinstance(obj, Mapping):
@@ -110,7 +101,9 @@ class _Recorder:
 
     def __init__(self, root: nn.Module) -> None:
         self.root = root
-        self.aside: Any = contextlib.nullcontext  # an origin trace's ``aside``: the hooks' own ops are not traced
+        self.aside: Callable[[], contextlib.AbstractContextManager[object]] = (
+            contextlib.nullcontext
+        )  # an origin trace's ``aside``: the hooks' own ops are not traced
         self.names = {id(m): n for n, m in root.named_modules()}
         self.out_size: int | None = None
         self._root_ran = False
@@ -120,11 +113,11 @@ class _Recorder:
         # Per gradient, in backward order: ("out" | "in", module, all finite).
         self._backward: list[tuple[str, str, Tensor]] = []
 
-    def forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+    def forward_hook(self, module: nn.Module, args: object, output: object) -> None:
         with self.aside():
             self._forward_hook(module, args, output)
 
-    def _forward_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _forward_hook(self, module: nn.Module, args: object, output: object) -> None:
         outs = _floats(output)
         if not outs:
             return
@@ -149,7 +142,7 @@ class _Recorder:
             if t.requires_grad:
                 t.register_hook(self._grad_hook("in", name))  # type: ignore[no-untyped-call]
 
-    def _grad_hook(self, kind: str, name: str) -> Any:
+    def _grad_hook(self, kind: str, name: str) -> Callable[[Tensor], None]:
         def hook(grad: Tensor) -> None:
             with self.aside():
                 self._backward.append((kind, name, _finite_flag([grad])))
@@ -197,7 +190,7 @@ def _range(tensors: list[Tensor]) -> tuple[float | None, float | None]:
     return lo, hi
 
 
-def _loss_of(out: Any) -> Tensor | None:
+def _loss_of(out: object) -> Tensor | None:
     if isinstance(out, Tensor):
         return out
     if isinstance(out, Mapping) and isinstance(out.get("loss"), Tensor):
@@ -221,7 +214,7 @@ class TracedPass(NamedTuple):
 def run_pass(
     trainer: pl.Trainer,
     pl_module: pl.LightningModule,
-    batch: Any,
+    batch: object,
     batch_idx: int,
     *,
     float32: bool,
@@ -237,9 +230,9 @@ def run_pass(
 
 
 def trace_pass(
-    trainer: Any,
+    trainer: object,
     pl_module: pl.LightningModule,
-    batch: Any,
+    batch: object,
     batch_idx: int,
     *,
     float32: bool = False,

@@ -81,11 +81,27 @@ class CauseSpec:
     example: Origin | None = None
 
 
-def _example(op: str, *stats: tuple[str, float | int | str], **kw: str) -> Origin:
+def _example(
+    op: str,
+    *stats: tuple[str, float | int | str],
+    phase: str = "forward",
+    node: str = "",
+    masked_by: str = "",
+    surfaced_phase: str = "",
+) -> Origin:
     """An origin made by ``op`` that one record of four meets (``CauseSpec.example``)."""
-    phase = kw.pop("phase", "forward")
     frame = SourceFrame("model.py", 42, "training_step")
-    return Origin(op, phase, stats=stats, rows=(1,), batch_size=4, frame=frame, **kw)  # type: ignore[arg-type]
+    return Origin(
+        op,
+        phase,
+        stats=stats,
+        rows=(1,),
+        batch_size=4,
+        frame=frame,
+        node=node,
+        masked_by=masked_by,
+        surfaced_phase=surfaced_phase,
+    )
 
 
 CAUSES: dict[Cause, CauseSpec] = {

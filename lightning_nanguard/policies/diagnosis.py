@@ -8,7 +8,7 @@ under half precision, a head far larger than the labels in use, the hint of the 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -18,7 +18,16 @@ from lightning_nanguard.policies.findings import Findings, ReplayFindings, at, b
 from lightning_nanguard.policies.rules.replay import replay_usable
 from lightning_nanguard.signals.history import HistoryFindings
 
-__all__ = ["classify", "needs_replay", "offline_diagnosis", "replay_steps", "signature", "strip_rows"]
+__all__ = [
+    "classify",
+    "divergence_diagnosis",
+    "listed_names",
+    "needs_replay",
+    "offline_diagnosis",
+    "replay_steps",
+    "signature",
+    "strip_rows",
+]
 
 HEAD_RATIO = 10  # a head at least this many times the largest label in use (and >= HEAD_MIN outputs) is oversized
 HEAD_MIN = 100
@@ -174,15 +183,36 @@ def offline_diagnosis(recorded: Mapping[str, Any], f: Findings) -> Diagnosis:
             Cause(str(recorded["cause"])),
             where=str(recorded.get("where", "")),
             hint=str(recorded.get("hint", "")),
-            rows=tuple(int(r) for r in recorded.get("rows") or ()),  # type: ignore[union-attr]
+            rows=tuple(int(r) for r in recorded.get("rows") or ()),
             caused_by_data=bool(recorded.get("caused_by_data")),
             note=f"decided by evidence a bundle does not hold ({basis.value}): as the incident named it",
             decided_by=basis,
         )
-    kinds = {str(e.get("kind")) for e in recorded.get("evidence") or () if isinstance(e, Mapping)}  # type: ignore[union-attr]
+    kinds = {str(e.get("kind")) for e in recorded.get("evidence") or () if isinstance(e, Mapping)}
     if EvidenceKind.HISTORY_RISING.value in kinds:
         f = replace(f, history=HistoryFindings(grad_norm_rising=True))
-    withdrawn = (recorded.get("counterfactual") or {}).get("quarantine") is False  # type: ignore[union-attr]
+    withdrawn = (recorded.get("counterfactual") or {}).get("quarantine") is False
     if withdrawn:
         return replace(classify(strip_rows(f)), caused_by_data=False, rows=(), rank_rows=())
     return classify(f)
+
+
+def listed_names(names: Sequence[str], shown: int = 3) -> str:
+    """``"a, b, c and 4 more"``: the count of the names left out, so a line never reads as the whole list."""
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+def divergence_diagnosis(names: tuple[str, ...]) -> Diagnosis:
+    """The diagnosis of a rank divergence: the state is damaged (the ranks no longer train one model)."""
+    listed = ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
+    return Diagnosis(
+        Cause.CORRUPT_STATE,
+        where=f"{listed_names(names)}: the ranks' copies differ",
+        evidence=(Evidence(EvidenceKind.RANKS_DIVERGED, f"differ across ranks: {listed}", {"tensors": names}),),
+        hint=(
+            "something changed one rank's copy only (a rank-local write, a fault after the gradient all-reduce); "
+            "DDP never re-broadcasts parameters, so the ranks would train different models from here on"
+        ),
+        state_tensors=names,
+        state_damaged=True,
+    )

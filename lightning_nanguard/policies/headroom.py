@@ -33,6 +33,7 @@ import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightning_nanguard.signals.headroom import GRADIENT
 from lightning_nanguard.signals.op_headroom import OPS, module_of
@@ -130,11 +131,11 @@ class HeadroomBook:
             "losses": [list(e) for e in self.losses],
         }
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.modules = {}
-        for name, entries in dict(state.get("modules", {})).items():  # type: ignore[call-overload]
+        for name, entries in dict(state.get("modules", {})).items():
             self.modules[str(name)] = deque(((int(s), float(a), float(lim)) for s, a, lim in entries), maxlen=self.size)
-        self.losses = deque(((int(s), float(v)) for s, v in state.get("losses", [])), maxlen=self.size)  # type: ignore[attr-defined]
+        self.losses = deque(((int(s), float(v)) for s, v in state.get("losses", [])), maxlen=self.size)
 
 
 def forecast(samples: list[tuple[int, float]], trend_samples: int) -> Forecast:
@@ -303,6 +304,6 @@ class ScaleLowerings:
     def state_dict(self) -> dict[str, object]:
         return {"count": self.count, "halvings": self.halvings}
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        self.count = int(state.get("count", 0))  # type: ignore[call-overload]
-        self.halvings = int(state.get("halvings", 0))  # type: ignore[call-overload]
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.count = int(state.get("count", 0))
+        self.halvings = int(state.get("halvings", 0))

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lightning_nanguard.contract import Notice
+
 __all__ = ["Finding", "GroupInfo", "OptimizerInfo", "min_safe_eps", "preflight_findings"]
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -49,7 +51,7 @@ class OptimizerInfo:
 class Finding:
     """One hazard. ``fix_eps`` is the eps that fixes it (``eps_underflow`` only)."""
 
-    code: str
+    code: Notice
     opt_idx: int
     group_idx: int
     message: str
@@ -79,7 +81,7 @@ def preflight_findings(
         if opt.fused_with_scaler and clip:
             out.append(
                 Finding(
-                    code="fused_scaler_clip",
+                    code=Notice.FUSED_SCALER_CLIP,
                     opt_idx=opt.index,
                     group_idx=-1,
                     fixable=False,
@@ -94,7 +96,7 @@ def preflight_findings(
         if check_half_master and half:
             out.append(
                 Finding(
-                    code="half_master",
+                    code=Notice.HALF_MASTER,
                     opt_idx=opt.index,
                     group_idx=-1,
                     fixable=False,
@@ -118,7 +120,7 @@ def preflight_findings(
                 name = str(dtype).replace("torch.", "")
                 out.append(
                     Finding(
-                        code="eps_underflow",
+                        code=Notice.EPS_UNDERFLOW,
                         opt_idx=opt.index,
                         group_idx=j,
                         fixable=True,

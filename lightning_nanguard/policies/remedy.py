@@ -55,12 +55,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from lightning_nanguard.contract import Action, Cause, Plan, Signal, StopReason
+from lightning_nanguard.contract import SPIKES, Action, Cause, Plan, Signal, StopReason
 from lightning_nanguard.policies.causes import CAUSES, Remedy
 
 __all__ = ["Installed", "RemedyFacts", "counts_as_dropped", "dropped_budget", "plan_after_step", "plan_remedy"]
 
-_SPIKES = (Signal.LOSS_SPIKE, Signal.GRAD_NORM_SPIKE, Signal.LOSS_AND_GRAD_NORM_SPIKE)
 _COLLAPSE_BUDGET = "the loss-scale collapse budget (LossScaleWatchdog max_collapses) ran out"
 
 
@@ -166,7 +165,7 @@ def _plan(f: RemedyFacts) -> Plan:
     ins = f.installed
     if f.signal is Signal.LOSS_SCALE_COLLAPSE:
         return _collapse(f)
-    if f.signal in _SPIKES:
+    if f.signal in SPIKES:
         return _spike(f)
     if f.signal is Signal.DIVERGING:
         return _diverging(f)

@@ -112,7 +112,7 @@ def load_rollback_checkpoint(
             f"nanguard: cannot roll back from {path}: it is not this run's past (its sidecar records another run's "
             "trajectory, abandoned by this run's resume)."
         )
-    return checkpoint  # type: ignore[no-any-return]
+    return checkpoint
 
 
 def has_rollback_checkpoint(trainer: pl.Trainer, dirpath: str | None, *, at_or_before_step: int) -> bool:

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -42,6 +42,7 @@ from lightning_nanguard._lightning_compat import (
     MetricStates,
     takes_dataloader_iter,
 )
+from lightning_nanguard.signals.tensors import iter_tensors
 
 __all__ = [
     "DeferredLog",
@@ -91,7 +92,7 @@ class _MethodCaller(nn.Module):
         self.owner = owner
         self._method = method
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> Any:
         return self._method(*args, **kwargs)
 
 
@@ -122,7 +123,7 @@ class Fp32Weights:
             self.builds += 1
         return self._state
 
-    def call(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def call(self, method: Callable[..., Any], *args: object, **kwargs: object) -> Any:
         """``method(*args, **kwargs)`` with the module's floating weights swapped for their float32 copies."""
         caller = _MethodCaller(self.module, method)
         return torch.func.functional_call(caller, self.state(), args, kwargs, tie_weights=True, strict=False)
@@ -143,7 +144,7 @@ class DeferredLog:
         self.deferring = False
         self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
 
-    def __call__(self, *args: Any, **kwargs: Any) -> None:
+    def __call__(self, *args: object, **kwargs: object) -> None:
         if self.deferring:
             self.calls.append((args, kwargs))
         else:
@@ -174,20 +175,12 @@ class DeferredLog:
         self.calls = []
 
 
-def floating_tensors(obj: Any) -> Iterator[Tensor]:
-    """Every floating-point tensor in a step output (a tensor, a mapping, a list/tuple, nested)."""
-    if isinstance(obj, Tensor):
-        if obj.is_floating_point() or obj.is_complex():
-            yield obj
-    elif isinstance(obj, Mapping):
-        for v in obj.values():
-            yield from floating_tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from floating_tensors(v)
+def floating_tensors(obj: object) -> Iterator[Tensor]:
+    """Every floating-point (or complex) tensor in a step output, nested (``signals.tensors.iter_tensors``)."""
+    return (t for t in iter_tensors(obj) if t.is_floating_point() or t.is_complex())
 
 
-def nonfinite_flag(*collections: Any) -> Tensor | bool:
+def nonfinite_flag(*collections: object) -> Tensor | bool:
     """True where anything in ``collections`` is NaN/inf: a 0-d device bool tensor (no host read), or a Python bool.
 
     Python numbers are checked on the host; tensors on the device, reduced to a single flag.
@@ -206,7 +199,7 @@ def nonfinite_flag(*collections: Any) -> Tensor | bool:
     return ~torch.stack([f.to(device) for f in flags]).all()
 
 
-def autocast_device(plugin: Any) -> str:
+def autocast_device(plugin: object) -> str:
     """The device type a precision plugin autocasts on (``"cpu"`` for a plugin without one)."""
     return str(getattr(plugin, "device", "cpu"))
 
@@ -308,7 +301,7 @@ class Fp32Eval:
             return self._weights.call(step, *args, **kwargs)
 
 
-def _identity(data: Any) -> Any:
+def _identity(data: object) -> Any:
     return data
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import random
 from collections.abc import Iterator, Mapping
-from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -41,7 +40,7 @@ __all__ = ["trial_forward"]
 
 
 def trial_forward(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, probe: OpProbe, *, gradient: bool = False
+    trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, probe: OpProbe, *, gradient: bool = False
 ) -> torch.Tensor:
     """``probe.reduce``'s vector for one traced ``training_step`` of ``batch`` and, with ``gradient``, one more
     entry: the largest parameter gradient of its loss at a loss scale of 1 (``torch.autograd.grad``: no ``.grad``
@@ -57,7 +56,7 @@ def trial_forward(
 
 
 def _traced(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, probe: OpProbe, gradient: bool
+    trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, probe: OpProbe, gradient: bool
 ) -> torch.Tensor | None:
     patches = AttributePatches()
     grad: torch.Tensor | None = None
@@ -98,7 +97,7 @@ def _traced(
     return torch.cat([ops, tail.to(ops.device).reshape(1)])
 
 
-def _gradient_or_note(pl_module: pl.LightningModule, out: Any) -> torch.Tensor | None:
+def _gradient_or_note(pl_module: pl.LightningModule, out: object) -> torch.Tensor | None:
     """``_largest_gradient``, or ``None`` with a note where the loss cannot be differentiated that way (reentrant
     activation checkpointing refuses ``torch.autograd.grad``): the ops' reading stands, the scale starts as set."""
     try:
@@ -108,7 +107,7 @@ def _gradient_or_note(pl_module: pl.LightningModule, out: Any) -> torch.Tensor |
         return None
 
 
-def _largest_gradient(pl_module: pl.LightningModule, out: Any) -> torch.Tensor | None:
+def _largest_gradient(pl_module: pl.LightningModule, out: object) -> torch.Tensor | None:
     """The largest |value| of the parameter gradients of ``out``'s loss (float32, 0-dim), ``None`` without one."""
     loss = out.get("loss") if isinstance(out, Mapping) else out
     params = [p for p in pl_module.parameters() if p.requires_grad]
@@ -119,7 +118,7 @@ def _largest_gradient(pl_module: pl.LightningModule, out: Any) -> torch.Tensor |
     return torch.stack(maxes).amax() if maxes else None
 
 
-def _no_log(*args: Any, **kwargs: Any) -> None:
+def _no_log(*args: object, **kwargs: object) -> None:
     return None
 
 

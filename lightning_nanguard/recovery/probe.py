@@ -34,9 +34,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
+import importlib.util
 import random
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import AbstractContextManager
+from types import ModuleType
 from typing import Any
 
 import lightning.pytorch as pl
@@ -52,10 +55,8 @@ from lightning_nanguard.recovery.probe_trace import untouched
 from lightning_nanguard.recovery.quarantine import Quarantine
 from lightning_nanguard.signals import fsdp1
 
-try:  # NumPy's global RNG is a training stream too where a training_step draws from it
-    import numpy as np
-except ImportError:  # pragma: no cover - torch installs it
-    np = None  # type: ignore[assignment]
+# NumPy's global RNG is a training stream too where a training_step draws from it (torch installs NumPy).
+np: ModuleType | None = importlib.import_module("numpy") if importlib.util.find_spec("numpy") is not None else None
 
 __all__ = ["PROBE_ROWS", "PROBE_SEED", "ProbeBatch", "SnapshotProbe", "WeightsOf"]
 
@@ -75,7 +76,7 @@ class ProbeBatch:
 
     def __init__(self, rows: int = PROBE_ROWS) -> None:
         self.rows = rows
-        self.batch: Any = None
+        self.batch: object = None
         self.samples: frozenset[int] = frozenset()  # the dataset indices of the probe's rows, where known
         self.disabled = ""  # why this fit is not probed ("" while it is)
 
@@ -96,7 +97,7 @@ class ProbeBatch:
         self.disabled = why
         _notices.note(f"nanguard: spikes are not probed under {why}; they are only counted.")
 
-    def capture(self, batch: Any, pl_module: pl.LightningModule, quarantine: Quarantine | None) -> bool:
+    def capture(self, batch: object, pl_module: pl.LightningModule, quarantine: Quarantine | None) -> bool:
         """Keep the first ``rows`` samples of ``batch`` (detached copies, on the batch's device). False when nothing
         could be taken (no tensor with a batch dimension) or this fit is not probed."""
         if self.disabled:
@@ -178,11 +179,11 @@ class ProbeBatch:
         )
 
 
-def _no_log(*args: Any, **kwargs: Any) -> None:
+def _no_log(*args: object, **kwargs: object) -> None:
     return None
 
 
-def _private_copy(batch: Any) -> Any:
+def _private_copy(batch: object) -> Any:
     """A deep copy of the kept rows (their tensors and the containers holding them) for one scoring."""
     try:
         return copy.deepcopy(batch)
@@ -190,7 +191,7 @@ def _private_copy(batch: Any) -> Any:
         return apply_to_collection(batch, Tensor, lambda t: t.clone())
 
 
-def _loss_of(out: Any) -> Tensor | None:
+def _loss_of(out: object) -> Tensor | None:
     if isinstance(out, Tensor):
         return out
     if isinstance(out, Mapping) and isinstance(out.get("loss"), Tensor):
@@ -215,7 +216,7 @@ def _host_rngs_seeded() -> Iterator[None]:
             np.random.set_state(np_state)
 
 
-def _batch_size(batch: Any) -> int | None:
+def _batch_size(batch: object) -> int | None:
     """The leading dimension of the batch's first tensor (``None``: no tensor with one)."""
     found: list[int] = []
 
@@ -228,7 +229,7 @@ def _batch_size(batch: Any) -> int | None:
     return found[0] if found and found[0] > 0 else None
 
 
-def _samples(batch: Any, take: int, quarantine: Quarantine | None) -> frozenset[int]:
+def _samples(batch: object, take: int, quarantine: Quarantine | None) -> frozenset[int]:
     """The dataset indices of the batch's first ``take`` rows, where the quarantine knows them."""
     if quarantine is None or not quarantine.current:
         return frozenset()
@@ -269,7 +270,7 @@ class SnapshotProbe:
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
         quarantine: Quarantine | None,
-        batch: Any = None,
+        batch: object = None,
         *,
         capture: bool,
     ) -> bool:
@@ -289,7 +290,12 @@ class SnapshotProbe:
         return not unready
 
     def snapshot_taken(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, batch: Any, quarantine: Quarantine | None
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        step: int,
+        batch: object,
+        quarantine: Quarantine | None,
     ) -> None:
         """Score the probe with the weights of the snapshot of ``step`` just taken (capturing it from ``batch``
         first, where there is none yet; ``batch`` is ``None`` when its data is quarantined)."""

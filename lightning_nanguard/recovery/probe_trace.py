@@ -100,7 +100,7 @@ class _Reach:
         self._visit(root, type(root).__name__, 0)
 
     # ------------------------------------------------------------------ walk
-    def _visit(self, obj: Any, where: str, depth: int) -> None:
+    def _visit(self, obj: object, where: str, depth: int) -> None:
         if isinstance(obj, (_IMMUTABLE, _CALLABLE)) or id(obj) in self.seen:
             return
         self.seen.add(id(obj))
@@ -153,7 +153,7 @@ class _Reach:
         for name, child in module.named_children():
             self._visit(child, f"{where}.{name}", depth)  # the module tree is walked whole, whatever its depth
 
-    def _fingerprint(self, obj: Any, where: str) -> None:
+    def _fingerprint(self, obj: object, where: str) -> None:
         try:
             data = pickle.dumps(obj)
         except Exception:  # not picklable: a change to it cannot be seen (the module docstring says so)
@@ -203,16 +203,16 @@ class _Reach:
 _MISSING = object()
 
 
-def _key(k: Any) -> str:
+def _key(k: object) -> str:
     return repr(k) if isinstance(k, (str, int)) else type(k).__name__
 
 
-def _is_infrastructure(obj: Any) -> bool:
+def _is_infrastructure(obj: object) -> bool:
     module = type(obj).__module__ or ""
     return module.startswith(_NOT_STATE) and not isinstance(obj, (list, dict, set, tuple))
 
 
-def _get_state(obj: Any) -> Any:
+def _get_state(obj: object) -> Any:
     """A random generator's state (``None``: not a generator)."""
     for get in ("get_state", "getstate"):
         if callable(getattr(type(obj), get, None)) and callable(getattr(type(obj), "s" + get[1:], None)):

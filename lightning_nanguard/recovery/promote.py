@@ -17,7 +17,7 @@ back); ``print(model)`` shows the module as ``Linear[float32](...)``; ``demote``
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, SupportsIndex, cast
 
 import torch
 from torch import Tensor, nn
@@ -33,18 +33,19 @@ _CLASSES: dict[type[nn.Module], type[nn.Module]] = {}  # original class -> its p
 class Float32Forward:
     """The first base of a promoted module's class: its forward runs with autocast off, on float32 inputs."""
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *args: object, **kwargs: object) -> Any:
         device = vars(self).get(_DEVICE, "cpu")
         with torch.autocast(device_type=device, enabled=False):
             args, kwargs = tree_map(_to_float32, (args, kwargs))
             return super().forward(*args, **kwargs)  # type: ignore[misc]
 
     def _get_name(self) -> str:
-        return f"{original_class(self).__name__}[float32]"  # type: ignore[arg-type]
+        return f"{original_class(cast(nn.Module, self)).__name__}[float32]"  # a mixin of Module subclasses only
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> Any:
         # Pickled as the original class plus a marker: loading needs only the user's class, not this subclass.
-        return _rebuild, (original_class(self),), self.__getstate__()  # type: ignore[arg-type, attr-defined]
+        module = cast(nn.Module, self)  # a mixin of Module subclasses only
+        return _rebuild, (original_class(module),), module.__getstate__()  # type: ignore[no-untyped-call]
 
 
 def _rebuild(base: type[nn.Module]) -> nn.Module:
@@ -92,7 +93,7 @@ def demote(module: nn.Module) -> bool:
     return True
 
 
-def _to_float32(value: Any) -> Any:
+def _to_float32(value: object) -> Any:
     if isinstance(value, Tensor) and value.is_floating_point() and value.dtype != torch.float32:
         return value.float()
     return value

@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -43,9 +44,18 @@ from lightning_nanguard.recovery.quarantine_rows import TrainLoader, samples_of_
 from lightning_nanguard.recovery.quarantine_sampler import LoaderHook
 from lightning_nanguard.signals.tensors import fingerprint
 
-__all__ = ["QUARANTINE_FILE", "Quarantine", "fingerprint"]
+__all__ = ["QUARANTINE_FILE", "Added", "Quarantine", "fingerprint"]
 
 QUARANTINE_FILE = os.path.join("nanguard", "quarantine.json")
+
+
+@dataclass(frozen=True)
+class Added:
+    """What one ``Quarantine.add`` quarantined: the sentence for the incident, the samples and fingerprints new."""
+
+    message: str
+    samples: list[tuple[str, int]]
+    prints: list[str]
 
 
 class Quarantine:
@@ -64,8 +74,6 @@ class Quarantine:
         self.current: dict[str, list[int] | None] = {}  # this batch's dataset indices, per hooked loader
         self._log_path: str | None = None
         self._dirty = False
-        # What the last ``add`` quarantined (identical on every rank): a blame withdrawn later releases it.
-        self.last_added: tuple[list[tuple[str, int]], list[str]] = ([], [])
 
     # ------------------------------------------------------------------ what is quarantined
     @property
@@ -73,7 +81,7 @@ class Quarantine:
         """The quarantined sample indices, over every loader."""
         return set().union(*self._record.samples.values()) if self._record.samples else set()
 
-    def samples_of(self, batch: Any, rows: list[int]) -> set[int]:
+    def samples_of(self, batch: object, rows: list[int]) -> set[int]:
         """The dataset indices behind ``rows`` of the current ``batch``, where they are known."""
         picked, _ = samples_of_rows(batch, rows, self._loaders, self.current)
         return {int(i) for _, i in picked}
@@ -172,7 +180,7 @@ class Quarantine:
             queue = hook.queue
             current[key] = queue.popleft()[1] if queue else None
 
-    def begin_batch(self, batch: Any, trainer: pl.Trainer | None = None) -> bool:
+    def begin_batch(self, batch: object, trainer: pl.Trainer | None = None) -> bool:
         """Called at every batch start while the batch start is shown. True when this batch is quarantined: drop its
         update, no incident. Under DDP (``trainer`` given) the ranks agree: one reduction, only while something is
         quarantined, and every rank makes it (the quarantine is identical on every rank)."""
@@ -197,17 +205,18 @@ class Quarantine:
     def add(
         self,
         trainer: pl.Trainer,
-        batch: Any,
+        batch: object,
         rows: Sequence[int],
         step: int,
         *,
         take: bool = True,
         samples: dict[str, list[int] | None] | None = None,
-    ) -> str:
+    ) -> Added:
         """Quarantine the rows of the current batch (all of it when ``rows`` is empty); ``take=False``: nothing from
         this rank; ``samples``: the batch's samples per loader where ``batch`` is not the current one (an earlier
         micro-batch of a gradient-accumulation window). A collective: every rank calls it, and every rank ends with
-        the same quarantine."""
+        the same quarantine. Returns what it added (identical on every rank: a blame withdrawn later releases it)
+        and the sentence that says so."""
         local: dict[str, Any] = {"samples": [], "fingerprint": "", "note": ""}
         if take:
             current = self.current if samples is None else samples
@@ -226,18 +235,19 @@ class Quarantine:
         for key, index in new_samples:
             self._record.samples.setdefault(key, set()).add(index)
         self._record.fingerprints.update(new_prints)
-        self.last_added = (list(new_samples), list(new_prints))
         self._changed(step)
         self._flush()
         notes = sorted({str(p["note"]) for p in gathered if p["note"]})
         if new_samples:
             note = f" ({'; '.join(notes)})" if notes else ""
-            return f"quarantined dataset sample(s) {_names(new_samples)}{note}: left out when they come back"
-        if new_prints:
-            return "quarantined this batch (fingerprint; no sample indices): its update is dropped when it comes back"
-        if any(p["samples"] or p["fingerprint"] for p in gathered):
-            return "the data was already quarantined"
-        return "nothing to quarantine (the batch's samples could not be identified)"
+            said = f"quarantined dataset sample(s) {_names(new_samples)}{note}: left out when they come back"
+        elif new_prints:
+            said = "quarantined this batch (fingerprint; no sample indices): its update is dropped when it comes back"
+        elif any(p["samples"] or p["fingerprint"] for p in gathered):
+            said = "the data was already quarantined"
+        else:
+            said = "nothing to quarantine (the batch's samples could not be identified)"
+        return Added(said, list(new_samples), list(new_prints))
 
     def release(self, samples: Sequence[tuple[str, int]], fingerprints: Sequence[str], step: int) -> int:
         """Take these samples and fingerprints out of the quarantine (a blame withdrawn: they come back from the next

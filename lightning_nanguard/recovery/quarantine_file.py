@@ -28,7 +28,7 @@ import json
 import os
 import string
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from lightning_nanguard.exceptions import NanGuardConfigError, brief
 
@@ -60,7 +60,7 @@ class _Malformed(ValueError):
     pass
 
 
-def parse(data: Any, *, strict: bool = True) -> QuarantineRecord:
+def parse(data: object, *, strict: bool = True) -> QuarantineRecord:
     """Validate ``data`` (the decoded JSON or a checkpoint's state) into a record. Raises ``ValueError`` with the
     problem; ``strict=False`` ignores keys this version does not know (a checkpoint written by a newer one)."""
     if isinstance(data, list):
@@ -144,7 +144,7 @@ def write_file(path: str, record: QuarantineRecord) -> None:
     os.replace(tmp, path)
 
 
-def _indices(value: Any, where: str) -> set[int]:
+def _indices(value: object, where: str) -> set[int]:
     if not isinstance(value, list):
         raise _Malformed(f"{where} is {_kind(value)}, not a list of sample indices")
     bad = [v for v in value if not _is_index(v)]
@@ -153,15 +153,15 @@ def _indices(value: Any, where: str) -> set[int]:
     return {int(v) for v in value}
 
 
-def _is_index(value: Any) -> bool:
+def _is_index(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _kind(value: Any) -> str:
+def _kind(value: object) -> str:
     return "null" if value is None else f"{type(value).__name__} {repr(value)[:40]}"
 
 
-def _no_constant(name: str) -> Any:
+def _no_constant(name: str) -> NoReturn:
     raise _Malformed(f"{name} is not a number JSON allows")
 
 

@@ -47,7 +47,7 @@ class TrainLoader:
 
 
 def samples_of_rows(
-    batch: Any,
+    batch: object,
     rows: Sequence[int],
     loaders: Sequence[TrainLoader],
     current: dict[str, list[int] | None],

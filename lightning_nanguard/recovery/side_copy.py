@@ -97,7 +97,7 @@ class SideCopy:
         self._wait(event)
         return None
 
-    def _then_wait(self, closure: Callable[[], Any], event: Any) -> Callable[[], Any]:
+    def _then_wait(self, closure: Callable[[], Any], event: object) -> Callable[[], Any]:
         def closure_then_wait() -> Any:
             out = closure()
             self._wait(event)

@@ -93,7 +93,7 @@ class SnapshotRing:
         self.world, self.rank = 1, 0
         self._shareable: set[int] = set()  # parameters whose bytes are spread over the ranks (DDP only)
         self._side: SideCopy | None = None
-        self._trainer: Any = None  # weakref to the Trainer (budget agreement across ranks)
+        self._trainer: weakref.ref[pl.Trainer] | None = None  # weakref to the Trainer (budget agreement across ranks)
         self._layout_of: tuple[tuple[TensorSpec, ...], Layout] | None = None
         # The last snapshot was taken while a lazy module's parameters were uninitialized: it cannot restore the model
         # once they are materialized, so the next batch start takes another (``AutoRollback.before_batch``). Only

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, TypeVar
 
-from lightning_nanguard.contract import Action, Cause, Signal
+from lightning_nanguard.contract import Action, Cause, Notice, Signal
 
 __all__ = ["INCIDENTS_FILE", "Incident", "IncidentLog"]
 
@@ -39,8 +39,9 @@ class Incident:
         epoch: ``trainer.current_epoch``.
         batch_idx: batch index within the epoch (``-1`` when not tied to a batch).
         ranks: the ranks whose local reading was bad (``[0]`` on one device).
-        trigger: what was seen, a ``Signal`` (``nonfinite_grads``, ``loss_scale_collapse``, ...) or, for events
-            outside a training step, the code of what was checked (``"nonfinite_checkpoint"``, ``"eps_underflow"``).
+        trigger: what was seen, a ``Signal`` (``nonfinite_grads``, ``loss_scale_collapse``, ...) or, for what was seen
+            outside a training step, a ``Notice`` (``nonfinite_checkpoint``, ``eps_underflow``); a plain string only
+            in a record read back from a file that names neither.
         action: the main thing done (``skip``, ``rollback``, ...): the most consequential of ``actions``, so one
             record reads "rollback" when a skip and a rollback were both taken.
         source: the callbacks whose remedies acted, e.g. ``"GradNormMonitor, AutoRollback"``.
@@ -64,7 +65,7 @@ class Incident:
     epoch: int
     batch_idx: int
     ranks: list[int]
-    trigger: Signal | str
+    trigger: Signal | Notice | str
     action: Action
     source: str
     values: dict[str, object] = field(default_factory=dict)
@@ -95,7 +96,7 @@ class Incident:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__  # frozen
-        set_(self, "trigger", _member(Signal, self.trigger))
+        set_(self, "trigger", _member(Notice, _member(Signal, self.trigger)))
         set_(self, "action", _member(Action, self.action))
         set_(self, "actions", [_member(Action, a) for a in self.actions])
         set_(self, "cause", _member(Cause, self.cause) if self.cause else None)

@@ -77,7 +77,7 @@ class BatchFindings:
         )
 
 
-def split_batch(batch: Any) -> tuple[list[Any], list[Any]]:
+def split_batch(batch: object) -> tuple[list[Any], list[Any]]:
     """The batch's ``(inputs, targets)`` parts, by the rule in the module docstring."""
     if isinstance(batch, Mapping):
         targets = [v for k, v in batch.items() if k in TARGET_KEYS]
@@ -87,14 +87,14 @@ def split_batch(batch: Any) -> tuple[list[Any], list[Any]]:
     return [batch], []
 
 
-def integer_tensors(batch: Any) -> list[Tensor]:
+def integer_tensors(batch: object) -> list[Tensor]:
     """Every integer (non-bool) tensor of a (nested) batch, in a stable order."""
     return [
         t for t in iter_tensors(batch) if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
     ]
 
 
-def target_tensor(batch: Any) -> Tensor | None:
+def target_tensor(batch: object) -> Tensor | None:
     """The batch's class targets: the first integer entry under ``TARGET_KEYS`` of a mapping, else the last integer
     tensor of a sequence's targets. ``None`` when the batch has none (regression, or integer inputs only)."""
     if isinstance(batch, Mapping):
@@ -107,7 +107,7 @@ def target_tensor(batch: Any) -> Tensor | None:
     return found[-1] if found else None
 
 
-def magnitude_outliers(batch: Any, ratio: float = MAGNITUDE_RATIO) -> tuple[list[int], float, float]:
+def magnitude_outliers(batch: object, ratio: float = MAGNITUDE_RATIO) -> tuple[list[int], float, float]:
     """Rows whose largest finite |value| is ``ratio`` times the batch's median row (and the two magnitudes)."""
     row_max: Tensor | None = None
     for t in floating_tensors(batch):
@@ -141,7 +141,7 @@ def _unmasked(inputs: list[Any]) -> list[Any]:
     return [t for t in iter_tensors(inputs) if not is_additive_mask(t)]
 
 
-def read_batch(batch: Any, out_size: int | None = None) -> BatchFindings:
+def read_batch(batch: object, out_size: int | None = None) -> BatchFindings:
     """All the batch evidence of one rank. Targets are checked only against ``out_size``, the model's output size as
     a replay saw it: guessing it from the modules (a tied head has no output Linear) would blame good labels."""
     if batch is None:

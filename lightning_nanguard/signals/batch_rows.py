@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
@@ -12,12 +10,12 @@ from lightning_nanguard.signals.tensors import iter_tensors
 __all__ = ["floating_tensors", "nonfinite_rows"]
 
 
-def floating_tensors(batch: Any) -> list[Tensor]:
+def floating_tensors(batch: object) -> list[Tensor]:
     """Every floating-point tensor in a (nested) batch, in a stable order (``signals.tensors.iter_tensors``)."""
     return [t for t in iter_tensors(batch) if t.is_floating_point()]
 
 
-def nonfinite_rows(batch: Any) -> list[int]:
+def nonfinite_rows(batch: object) -> list[int]:
     """Indices along the first dimension of the rows that hold a NaN/inf in any float tensor of ``batch``."""
     rows: set[int] = set()
     for t in floating_tensors(batch):

@@ -10,7 +10,7 @@ group, updates its loss scaler, and drops the update when it overflowed; otherwi
 is already identical on every rank: the overflow flag and the norm are DeepSpeed's reduced values, and the loss
 scaler runs the same update on every rank.
 
-Pure adapters and texts, no Trainer: the engine's DeepSpeed watches (``engine/deepspeed_sensing.py``) call them once
+Pure adapters and texts, no Trainer: the engine's DeepSpeed watches (``parts/deepspeed_sensing.py``) call them once
 per step, and the incident path writes an event's message with the ``*_message`` functions, given the plan.
 """
 
@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_nanguard.contract import Action, Plan, StopReason
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 __all__ = [
     "MIN_SCALE_EXIT",
@@ -154,7 +157,7 @@ def read_step(ds_engine: Any) -> StepOutcome:
     optimizer = getattr(ds_engine, "optimizer", None)
     overflow = bool(getattr(optimizer, "overflow", False))
     applied = bool(ds_engine.was_step_applied())
-    norm: Any = None if overflow else ds_engine.get_global_grad_norm()
+    norm: float | Tensor | None = None if overflow else ds_engine.get_global_grad_norm()
     if overflow:
         grad_norm, known = math.inf, False
     elif norm is None:

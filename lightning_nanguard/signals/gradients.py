@@ -16,7 +16,8 @@ and the kernels: the grouping by device and dtype, the names and the layer group
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -34,6 +35,7 @@ __all__ = [
     "layer_of",
     "loss_sum",
     "norms_with",
+    "step_vector",
     "weighted_squares",
     "wrapper_prefixes",
 ]
@@ -224,13 +226,13 @@ def grad_norms(index: ParamIndex, scale: Tensor | None = None) -> GradNorms | No
     if index.sharded:  # local shards only: a DTensor op could start a collective on this rank alone
         grads = local_grads(index.params, grads)
     # `is not None` per item: `None in grads` would call Tensor.__eq__ on every gradient.
-    norms: Iterable[Tensor] | None = None
+    norms: list[Tensor] | tuple[Tensor, ...] | None = None
     present: tuple[int, ...] | None = None
     if index.uniform and not index.sparse and all(g is not None for g in grads):
         if not grads:
             return None
         try:
-            norms = _foreach_norm_fp32(grads)  # type: ignore[arg-type]
+            norms = _norms_fp32(cast(list[Tensor], grads))  # every one present (checked above)
         except NotImplementedError:  # a sparse gradient that was not there when the index was built
             index.sparse = True
     if norms is None:
@@ -239,7 +241,7 @@ def grad_norms(index: ParamIndex, scale: Tensor | None = None) -> GradNorms | No
             return None
         norms = _grouped_norms(index, grads, present_list)
         present = tuple(present_list)
-    stacked = torch.stack(norms)  # type: ignore[arg-type]
+    stacked = torch.stack(norms)
     if scale is not None:
         stacked = stacked / scale.to(device=stacked.device, dtype=stacked.dtype)
     return GradNorms(tensor_norms=stacked, present=present)
@@ -258,16 +260,25 @@ def norms_with(index: ParamIndex, tail: Sequence[Tensor]) -> tuple[GradNorms, Te
     for an index ``inline_applies`` to, every gradient present. The total norm is then summed on the host from the
     per-tensor norms (two fewer device ops than a ``vector_norm`` and a second ``stack``; the per-tensor norms are
     sliced out of the vector only where they are used). ``None`` where a gradient is missing (``grad_norms`` then)."""
-    grads = [p.grad for p in index.params]
-    for g in grads:
-        if g is None:
-            return None
     try:
-        vec = torch.stack([*_foreach_norm_fp32(grads), *tail])  # type: ignore[arg-type]
+        vec = step_vector(index.params, tail)
     except NotImplementedError:  # a sparse gradient that was not there when the index was built: ``grad_norms``
         index.sparse = True
         return None
-    return GradNorms(present=None, vec=vec, count=index.count), vec
+    return None if vec is None else (GradNorms(present=None, vec=vec, count=index.count), vec)
+
+
+def step_vector(params: Sequence[Tensor], tail: Sequence[Tensor]) -> Tensor | None:
+    """``[norm_0, ..., norm_k-1, *tail]``: each parameter's gradient 2-norm (one fused pass, accumulated in float32
+    or wider) and ``tail``, in one ``stack``: the healthy step's two device ops (``norms_with``, ``Sensor.quick``).
+    ``None`` where a gradient is missing; raises as the ops do (a sparse gradient, a tail on another device)."""
+    grads: list[Tensor] = []
+    for p in params:
+        g = p.grad
+        if g is None:
+            return None
+        grads.append(g)
+    return torch.stack([*_norms_fp32(grads), *tail])
 
 
 def _grouped_norms(index: ParamIndex, grads: list[Tensor | None], present: list[int]) -> list[Tensor]:
@@ -284,7 +295,7 @@ def _grouped_norms(index: ParamIndex, grads: list[Tensor | None], present: list[
     out: dict[int, Tensor] = {}
     device = dense[present[0]].device
     for positions in by_key.values():
-        for i, n in zip(positions, _foreach_norm_fp32([dense[i] for i in positions]), strict=True):
+        for i, n in zip(positions, _norms_fp32([dense[i] for i in positions]), strict=True):
             out[i] = n if n.device == device else n.to(device)
     return [out[i] for i in present]
 
@@ -325,13 +336,9 @@ def weighted_squares(index: ParamIndex, norms: GradNorms | None, device: torch.d
     return out.index_copy_(0, where, squares)
 
 
-def _foreach_norm_fp32(tensors: list[Tensor]) -> Iterable[Tensor]:
-    """Per-tensor 2-norms of one (device, dtype) group, accumulated in float32."""
-    if tensors[0].dtype in (torch.float32, torch.float64):
-        return _lightning_compat.foreach_norm(
-            tensors, 2
-        )  # already accumulates in float32; dtype= would cost a conversion
-    try:
-        return _lightning_compat.foreach_norm(tensors, 2, dtype=torch.float32)
-    except (TypeError, RuntimeError):  # older torch without dtype=; correct but may overflow for huge fp16 grads
-        return [n.float() for n in _lightning_compat.foreach_norm(tensors, 2)]
+def _norms_fp32(tensors: list[Tensor]) -> list[Tensor] | tuple[Tensor, ...]:
+    """Per-tensor 2-norms of one (device, dtype) group, accumulated in float32 (float32/float64: their own)."""
+    return _lightning_compat.foreach_norms(tensors, 2, dtypes=_F32, cast=torch.float32)
+
+
+_F32 = (torch.float32,)

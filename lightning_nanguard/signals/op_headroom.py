@@ -28,7 +28,7 @@ attributed.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -132,13 +132,13 @@ class OpProbe:
         self._handles, self._stack = [], []
         self._made = WeakIdKeyDictionary()
 
-    def _enter(self, slot: int):  # type: ignore[no-untyped-def]
+    def _enter(self, slot: int) -> Callable[[nn.Module, object], None]:
         def hook(module: nn.Module, args: object) -> None:
             self._stack.append(slot)
 
         return hook
 
-    def _leave(self, slot: int):  # type: ignore[no-untyped-def]
+    def _leave(self, slot: int) -> Callable[[nn.Module, object, object], None]:
         def hook(module: nn.Module, args: object, output: object) -> None:
             if self._stack and self._stack[-1] == slot:
                 self._stack.pop()

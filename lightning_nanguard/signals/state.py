@@ -57,7 +57,7 @@ def eps_underflows(optimizers: Sequence[Optimizer]) -> list[str]:
 def trial_adam_update(optimizer: Optimizer, param: Tensor) -> Tensor | None:
     """The update Adam/AdamW would make (or made) from ``param``'s current moments, in the parameter's dtype; ``None``
     when the optimizer keeps no Adam moments for it. Reads the state only."""
-    state = optimizer.state.get(param)  # type: ignore[call-overload]
+    state = optimizer.state.get(param)
     if not state or "exp_avg" not in state or "exp_avg_sq" not in state or "step" not in state:
         return None
     group = next((g for g in optimizer.param_groups if any(p is param for p in g["params"])), None)

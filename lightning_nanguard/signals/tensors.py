@@ -13,13 +13,12 @@ import torch
 from torch import Tensor
 
 from lightning_nanguard import _lightning_compat
-from lightning_nanguard.signals.gradients import _foreach_norm_fp32
 from lightning_nanguard.signals.stored import stored_values
 
 __all__ = ["all_finite", "at_path", "fingerprint", "iter_tensors"]
 
 
-def iter_tensors(obj: Any) -> Iterator[Tensor]:
+def iter_tensors(obj: object) -> Iterator[Tensor]:
     """Every tensor of a (nested) batch, depth first, in a stable order: tensors, mappings (in their order), lists
     and tuples (named tuples too) and dataclass instances (in field order), as Lightning's ``apply_to_collection``
     walks them. Anything else (strings, numbers, ``None``) holds no tensor."""
@@ -36,7 +35,7 @@ def iter_tensors(obj: Any) -> Iterator[Tensor]:
             yield from iter_tensors(getattr(obj, f.name, None))
 
 
-def at_path(obj: Any, path: Sequence[Any]) -> Any:
+def at_path(obj: object, path: Sequence[Any]) -> object:
     """The part of a nested batch at ``path`` (mapping keys and sequence positions, outermost first); ``None`` where
     the batch has no such part. ``()`` is the batch itself."""
     for part in path:
@@ -49,7 +48,7 @@ def at_path(obj: Any, path: Sequence[Any]) -> Any:
     return obj
 
 
-def fingerprint(batch: Any) -> str:
+def fingerprint(batch: object) -> str:
     """A digest of a batch's tensors (shapes and a few reductions, read to the host once): the quarantine's key for
     a batch without sample indices."""
     tensors = [torch.view_as_real(t) if t.is_complex() else t for t in iter_tensors(batch)]
@@ -86,10 +85,11 @@ def all_finite(tensors: Sequence[Tensor], *, wide: bool = False) -> Tensor:
     if not groups:
         return torch.tensor(True)
     device = next(iter(groups))[0]
-    norm = _foreach_norm_wide if wide else _foreach_norm_fp32
-    norms = [n.to(device) for group in groups.values() for n in norm(group)]
+    dtypes = (torch.float64, torch.float32) if wide else (torch.float32,)  # no float64 on MPS
+    cast = None if wide else torch.float32
+    norms = [
+        n.to(device)
+        for group in groups.values()
+        for n in _lightning_compat.foreach_norms(group, 2, dtypes=dtypes, cast=cast)
+    ]
     return torch.isfinite(torch.stack(norms)).all()
-
-
-def _foreach_norm_wide(tensors: list[Tensor]) -> list[Tensor]:
-    return _lightning_compat.foreach_norms(tensors, 2, dtypes=(torch.float64, torch.float32))  # no float64 on MPS

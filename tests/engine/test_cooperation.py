@@ -85,6 +85,7 @@ class DispatchedHooks(pl.Callback):
 
     def __init__(self, at_step: int = 2) -> None:
         self.seen: dict[str, list[str]] = {}
+        self.taking_part: list[str] = []  # the parts taking part in that batch (``engine/parts.py``)
         self.at_step = at_step
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -96,19 +97,25 @@ class DispatchedHooks(pl.Callback):
                     if type(cb).__module__.startswith("lightning_nanguard") and callable(getattr(cb, hook))
                 ]
 
+    def on_before_optimizer_step(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.at_step:
+            self.taking_part = [type(part).__name__ for part in get_engine(trainer).taking_part]
 
-def test_only_members_with_per_batch_work_are_dispatched_per_batch(tmp_path: Any) -> None:
-    # Lightning charges a profiler context per hook per callback even for a no-op; members hide the per-batch hooks
-    # they have nothing to do in (the driver's engine hooks stay; OptimizerBackoff's only while backed off;
-    # PrecisionHeadroom's batch start, its sampling clock: one comparison between samples).
-    probe = DispatchedHooks()
+
+def test_lightning_dispatches_the_per_batch_hooks_to_the_driver_only(tmp_path: Any) -> None:
+    # Lightning charges a profiler context per hook per callback even for a no-op: the driver's per-batch hooks are
+    # the engine's, every other member's are hidden, and a feature's per-step work runs as its part's stages (at step
+    # 0 PrecisionHeadroom samples: its part takes part in that whole batch, through the engine).
+    probe = DispatchedHooks(at_step=0)
     callbacks = ng.default_callbacks()
     trainer = make_trainer(tmp_path, callbacks=[*callbacks, probe], max_steps=4)
     trainer.fit(TinyModel())
     assert probe.seen["on_after_backward"] == []
-    assert probe.seen["on_before_optimizer_step"] == ["GradNormMonitor"]  # the driver
-    assert probe.seen["on_train_batch_start"] == ["GradNormMonitor", "PrecisionHeadroom"]
-    assert probe.seen["on_train_batch_end"] == ["GradNormMonitor"]  # PrecisionHeadroom's: on sampled steps only
+    for hook in ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end"):
+        assert probe.seen[hook] == ["GradNormMonitor"], hook  # the driver
+    assert probe.taking_part == ["PrecisionHeadroom"]
+    headroom = next(cb for cb in callbacks if isinstance(cb, ng.PrecisionHeadroom))
+    assert headroom.watch.book.modules  # sampled without a hook of its own
     # After the fit every hook is a method again (a later fit, or a user calling it, finds it).
     assert all(callable(cb.on_after_backward) for cb in callbacks)
 
@@ -122,14 +129,15 @@ class _BackOffAt(pl.Callback):
             self.backoff.back_off(trainer, lr=True, eps=False, cause="test")
 
 
-def test_optimizer_backoff_is_dispatched_per_batch_while_the_lr_is_backed_off(tmp_path: Any) -> None:
-    # Its batch hooks re-apply the scale to a scheduler built mid-fit (SWA) and run the recovery timer: hidden while
-    # the scale is 1, dispatched again from the backoff on.
-    probe = DispatchedHooks(at_step=4)
+def test_optimizer_backoff_takes_part_in_the_batches_while_the_lr_is_backed_off(tmp_path: Any) -> None:
+    # Its part re-applies the scale to a scheduler built mid-fit (SWA) and runs the recovery timer: it takes part in
+    # no batch while the scale is 1, in every batch from the backoff on; Lightning still dispatches to the driver only.
+    before, after = DispatchedHooks(at_step=1), DispatchedHooks(at_step=4)
     callbacks = ng.default_callbacks()
     backoff = next(cb for cb in callbacks if isinstance(cb, ng.OptimizerBackoff))
-    trainer = make_trainer(tmp_path, callbacks=[*callbacks, _BackOffAt(backoff, 2), probe], max_steps=6)
+    trainer = make_trainer(tmp_path, callbacks=[*callbacks, _BackOffAt(backoff, 2), before, after], max_steps=6)
     trainer.fit(TinyModel())
     assert backoff.lr_scale < 1.0
-    assert probe.seen["on_train_batch_start"] == ["GradNormMonitor", "OptimizerBackoff", "PrecisionHeadroom"]
-    assert probe.seen["on_train_batch_end"] == ["GradNormMonitor", "OptimizerBackoff"]
+    assert before.taking_part == []
+    assert after.taking_part == ["OptimizerBackoff"]
+    assert after.seen["on_train_batch_start"] == after.seen["on_train_batch_end"] == ["GradNormMonitor"]

@@ -162,7 +162,7 @@ def test_first_reuses_a_reproduced_cause_every_replays_each_off_never(tmp_path: 
     # An origin that names the records triggering it is traced again while the budget allows: they are each batch's.
     again = _fit(tmp_path / "again", HandBCE(hot_rows=hot), monitor=GradNormMonitor(max_replay_steps=1e9), max_steps=5)
     # The second, fresh record meeting the same formula at the same place so soon withdraws the trigger blame
-    # (engine.withdrawal): the formula is at fault, nothing is quarantined and the first record is released.
+    # (policies.withdrawal): the formula is at fault, nothing is quarantined and the first record is released.
     assert [(d["cause"], d["replayed"], d["rows"]) for d in again] == [
         ("log_of_zero", True, [2]),
         ("log_of_zero", True, []),

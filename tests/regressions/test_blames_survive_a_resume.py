@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_nanguard import CheckpointVerificationError, GradNormMonitor, default_callbacks
-from lightning_nanguard.engine.withdrawal import STATE_VERSION, Blames, Chain
+from lightning_nanguard.policies.withdrawal import STATE_VERSION, Blames, Chain
 from tests.helpers import make_trainer
 
 # The resume is mid-epoch, as a preemption's is (the blame is at step 0, its withdrawal at step 2 of 2 per epoch).

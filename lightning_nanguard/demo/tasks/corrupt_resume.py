@@ -8,7 +8,7 @@ import os
 import warnings
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import Tensor
 
 from lightning_nanguard.callbacks import CheckpointGuard
@@ -23,7 +23,14 @@ def _module(seed: int) -> DemoModule:
     return DemoModule(mlp(16, seed=seed), lr=3e-3)
 
 
-def _fit(trainer_kw: dict[str, object], module: DemoModule, data: TensorDataModule, **fit_kw: object) -> None:
+def _fit(
+    epochs: int,
+    callbacks: list[Callback],
+    module: DemoModule,
+    data: TensorDataModule,
+    ckpt_path: str | None = None,
+    weights_only: bool | None = None,
+) -> None:
     pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -31,8 +38,9 @@ def _fit(trainer_kw: dict[str, object], module: DemoModule, data: TensorDataModu
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        **trainer_kw,  # type: ignore[arg-type]
-    ).fit(module, datamodule=data, **fit_kw)  # type: ignore[arg-type]
+        max_epochs=epochs,
+        callbacks=callbacks,
+    ).fit(module, datamodule=data, ckpt_path=ckpt_path, weights_only=weights_only)
 
 
 def _earlier_run(seed: int, ckpt_dir: str) -> str:
@@ -51,7 +59,8 @@ def _earlier_fits(seed: int, ckpt_dir: str, x: Tensor, y: Tensor, xv: Tensor, yv
     good = ModelCheckpoint(dirpath=ckpt_dir, filename="good-{epoch}", save_top_k=-1)
     # Two healthy epochs, saved through CheckpointGuard: verified files with checksum sidecars.
     _fit(
-        {"max_epochs": GOOD_EPOCHS, "callbacks": [good, CheckpointGuard()]},
+        GOOD_EPOCHS,
+        [good, CheckpointGuard()],
         _module(seed),
         TensorDataModule((x, y), (xv, yv), batch_size=32),
     )
@@ -63,7 +72,8 @@ def _earlier_fits(seed: int, ckpt_dir: str, x: Tensor, y: Tensor, xv: Tensor, yv
     with warnings.catch_warnings():  # "callbacks used to create the checkpoint ...": CheckpointGuard, on purpose
         warnings.filterwarnings("ignore", message=".*callbacks used to create the checkpoint.*")
         _fit(
-            {"max_epochs": GOOD_EPOCHS + 1, "callbacks": [last]},
+            GOOD_EPOCHS + 1,
+            [last],
             _module(seed),
             TensorDataModule((x_bad, y), (xv, yv), batch_size=32),
             ckpt_path=good_path,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from lightning_nanguard.contract import Cause, Diagnosis, Evidence, EvidenceKind, Signal
+from lightning_nanguard.contract import SPIKES, Cause, Diagnosis, Evidence, EvidenceKind, Signal
 from lightning_nanguard.policies.findings import Findings, at, batch_evidence, history_evidence, rows_by_rank
 
 __all__ = [
@@ -18,12 +18,10 @@ __all__ = [
     "targets_out_of_range",
 ]
 
-_SPIKES = (Signal.LOSS_SPIKE, Signal.GRAD_NORM_SPIKE, Signal.LOSS_AND_GRAD_NORM_SPIKE)
-
 
 def spike_or_collapse(f: Findings) -> Diagnosis | None:
     """A spike or a loss-scale collapse: the history is the evidence."""
-    if f.signal is not Signal.LOSS_SCALE_COLLAPSE and f.signal not in _SPIKES:
+    if f.signal is not Signal.LOSS_SCALE_COLLAPSE and f.signal not in SPIKES:
         return None
     return Diagnosis(Cause.GRADIENT_EXPLOSION, evidence=(history_evidence(f),))
 

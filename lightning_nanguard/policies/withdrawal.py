@@ -28,11 +28,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_nanguard.contract import Action, Diagnosis, Evidence, EvidenceKind
-from lightning_nanguard.engine.counterfactual import MEASURED, redecide
+from lightning_nanguard.contract import Diagnosis, Evidence, EvidenceKind
 from lightning_nanguard.exceptions import brief
+from lightning_nanguard.policies.counterfactual import is_measured, redecide
 from lightning_nanguard.policies.findings import Findings
-from lightning_nanguard.recovery.quarantine import Quarantine
 
 __all__ = ["MIN_RECORDS", "STATE_VERSION", "WINDOW", "Blames", "Chain", "hypothesis", "place"]
 
@@ -41,14 +40,9 @@ MIN_RECORDS = 4  # the quarantined share is judged past this many records (0.5% 
 STATE_VERSION = 1  # the format of ``Blames.state_dict``
 
 
-def _measured(d: Diagnosis) -> bool:
-    """The blamed records hold NaN/inf themselves: a measurement, not a hypothesis."""
-    return any(e.kind in MEASURED for e in d.evidence) or (d.origin or {}).get("phase") == "input"
-
-
 def hypothesis(d: Diagnosis) -> bool:
     """``d`` blames records that do not hold NaN/inf themselves: a hypothesis a remedy can refute."""
-    return d.caused_by_data and not d.state_damaged and not _measured(d)
+    return d.caused_by_data and not d.state_damaged and not is_measured(d)
 
 
 def place(d: Diagnosis) -> tuple[str, str]:
@@ -144,7 +138,7 @@ class Blames:
         """``d``, withdrawn where its chain's quarantine did not stop the fault (before any new quarantine). The
         same cause at the same place counts as a recurrence whether or not this incident names its rows (a kept
         replay reused without them): the quarantined records are left out, so whatever met it is fresh."""
-        if d.state_damaged or _measured(d):
+        if d.state_damaged or is_measured(d):
             return d
         chain = self.chains.get(place(d))
         if chain is None or not chain.steps:
@@ -173,32 +167,33 @@ class Blames:
             return dataclasses.replace(d, evidence=(*d.evidence, ev), counterfactual=record, note=note)
         return redecide(findings, d, ev, record)
 
-    def settle(
-        self, quarantine: Quarantine | None, d: Diagnosis, step: int, details: dict[Action, str], fraction: float
-    ) -> None:
-        """After the actions: release what a withdrawn chain held; add this incident's quarantine to its chain, and
-        withdraw the chain whose records pass the quarantined-share budget."""
-        if quarantine is None:
-            return
-        for chain in self.chains.values():
-            if chain.release_due:
-                chain.release_due = False
-                quarantine.release(chain.samples, chain.prints, step)
-        if Action.QUARANTINE not in details or not hypothesis(d):
-            return
-        samples, prints = quarantine.last_added
-        quarantine.last_added = ([], [])
-        if not (samples or prints):
-            return
+    def releases_due(self) -> list[Chain]:
+        """The chains ``judge`` withdrew whose records are still held: released now (each once)."""
+        due = [chain for chain in self.chains.values() if chain.release_due]
+        for chain in due:
+            chain.release_due = False
+        return due
+
+    def add(self, d: Diagnosis, step: int, samples: list[tuple[str, int]], prints: list[str]) -> Chain | None:
+        """What this incident's quarantine added (``Quarantine.add``), into its chain where ``d`` is a hypothesis."""
+        if not hypothesis(d) or not (samples or prints):
+            return None
         chain = self.chains.setdefault(place(d), Chain())
         chain.steps.append(step)
         chain.samples.extend(samples)
         chain.prints.extend(prints)
-        size = quarantine.dataset_size()
+        return chain
+
+    def past_share(self, size: int, fraction: float) -> int | None:
+        """The records the standing hypotheses hold, where they pass ``fraction`` of a dataset of ``size`` samples
+        (never fewer than ``MIN_RECORDS``); ``None`` within it."""
         held = sum(len(c.samples) for c in self.chains.values() if c.withdrawn is None)
-        if not size or held <= max(MIN_RECORDS, math.floor(fraction * size)):
-            return
-        released = quarantine.release(chain.samples, chain.prints, step)
+        return held if size and held > max(MIN_RECORDS, math.floor(fraction * size)) else None
+
+    def withdraw(
+        self, chain: Chain, d: Diagnosis, step: int, held: int, size: int, fraction: float, released: int
+    ) -> str:
+        """``chain`` withdrawn for passing the share (its ``released`` records let go): the line that says so."""
         chain.withdrawn = step
         line = (
             f"step {step}: records blamed as a hypothesis are {held} of {size} samples, past "
@@ -206,4 +201,4 @@ class Blames:
             f"{released} record(s) quarantined for {d.cause.value}"
         )
         self.lines.append(line)
-        details[Action.QUARANTINE] += f"; then {line.split(': ', 1)[1]}"
+        return line

@@ -9,8 +9,6 @@ fit). Each module's entry goes into the headroom book as ``"<module> (ops)"`` (`
 
 from __future__ import annotations
 
-from typing import Any
-
 import lightning.pytorch as pl
 import torch
 
@@ -71,7 +69,7 @@ class OpSampling:
         return vec[0].to(device), vec[1]
 
     def trial(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, scale: torch.Tensor | None
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, scale: torch.Tensor | None
     ) -> list[float]:
         """The first step tried (``recovery.first_step_trial``), read on the host: the op entries, then, with the
         GradScaler's ``scale``, the largest parameter gradient at scale 1 and that scale."""

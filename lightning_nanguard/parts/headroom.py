@@ -12,7 +12,7 @@ One sample, over two steps, with no host read of device memory on the step path:
    close to the limit and falling.
 
 Under ``16-mixed`` the sampled step's largest gradient times its loss scale rides on the same vector, and its read
-may lower the scale before the step (``engine.scaled_gradient``).
+may lower the scale before the step (``parts.scaled_gradient``).
 
 Between samples a step costs one integer comparison at its batch start. Decisions come from the rank-reduced vector:
 every rank promotes the same module, and lowers the scale alike, at the same step.
@@ -27,11 +27,11 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_nanguard import _distributed, _lightning_compat
-from lightning_nanguard.contract import Action
-from lightning_nanguard.engine.op_sampling import OpSampling
+from lightning_nanguard.contract import Action, Notice
 from lightning_nanguard.engine.reading import HostMirror
-from lightning_nanguard.engine.scaled_gradient import ENTRIES, ScaledGradient
-from lightning_nanguard.policies.headroom import HeadroomBook, HeadroomSettings, decide
+from lightning_nanguard.parts.op_sampling import OpSampling
+from lightning_nanguard.parts.scaled_gradient import ENTRIES, ScaledGradient
+from lightning_nanguard.policies.headroom import Forecast, HeadroomBook, HeadroomSettings, decide
 from lightning_nanguard.precision import FULL_PRECISION, Precision, classify_precision
 from lightning_nanguard.recovery.eval_precision import autocast_device
 from lightning_nanguard.recovery.promote import demote, is_promoted, promote_submodule
@@ -127,7 +127,7 @@ class HeadroomWatch:
         self._reduced = None
 
     # ------------------------------------------------------------------ the step
-    def tick(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine, batch: Any = None) -> bool:
+    def tick(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine, batch: object = None) -> bool:
         """Batch start: read the last sample (if any), then arm the probe when a sample is due. True when armed.
 
         A sample is read one step after it was taken on a CPU (the copy was synchronous) and two steps after on an
@@ -148,7 +148,9 @@ class HeadroomWatch:
         self._armed_at = trainer.global_step
         return True
 
-    def _try_first_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine, batch: Any) -> None:
+    def _try_first_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine, batch: object
+    ) -> None:
         """The fit's first half-precision step, tried before its forward (``recovery.first_step_trial``): its ops'
         headroom into the book and decided on now, so a module that cannot run in float16 is promoted before the
         step overflows; where the scale can be cut, its gradient at the GradScaler's scale lowers the scale before
@@ -266,7 +268,7 @@ class HeadroomWatch:
             self._demote(trainer, pl_module, engine, name)
 
     def _promote(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine, name: str, why: str, fc: Any
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine, name: str, why: str, fc: Forecast
     ) -> None:
         device = autocast_device(trainer.precision_plugin)
         done, message = promote_submodule(pl_module, name, device, mixed=True, precision=str(trainer.precision))
@@ -296,7 +298,8 @@ class HeadroomWatch:
             "margin_bits": self.settings.margin_bits,
             "horizon_steps": self.settings.horizon_steps,
         }
-        engine.sink.record(trainer, self._incident(trainer, "headroom_forecast", Action.PROMOTE, name, text, values))
+        incident = self._incident(trainer, Notice.HEADROOM_FORECAST, Action.PROMOTE, name, text, values)
+        engine.incidents.report(trainer, incident)
 
     def _demote(self, trainer: pl.Trainer, pl_module: pl.LightningModule, engine: Engine, name: str) -> None:
         promoter = engine.registry.promoter
@@ -314,10 +317,11 @@ class HeadroomWatch:
             "again it is promoted again, for good."
         )
         values: dict[str, object] = {"module": name, "history": [[s, round(b, 3)] for s, b in bits]}
-        engine.sink.record(trainer, self._incident(trainer, "headroom_recovered", Action.DEMOTE, name, text, values))
+        incident = self._incident(trainer, Notice.HEADROOM_RECOVERED, Action.DEMOTE, name, text, values)
+        engine.incidents.report(trainer, incident)
 
     def _incident(
-        self, trainer: pl.Trainer, trigger: str, action: Action, where: str, message: str, values: dict[str, object]
+        self, trainer: pl.Trainer, trigger: Notice, action: Action, where: str, message: str, values: dict[str, object]
     ) -> Incident:
         return Incident(
             step=int(trainer.global_step),
