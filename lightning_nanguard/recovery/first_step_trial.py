@@ -18,9 +18,7 @@ synchronization the trial costs, once per fit. Manual optimization is not tried 
 
 from __future__ import annotations
 
-import contextlib
-import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import lightning.pytorch as pl
 import torch
@@ -28,13 +26,8 @@ import torch
 from lightning_nanguard import _distributed, _notices
 from lightning_nanguard._lightning_compat import AttributePatches
 from lightning_nanguard.forensics.isolation import preserved_state, swapped
-from lightning_nanguard.recovery.probe_trace import untouched
+from lightning_nanguard.recovery.probe_trace import host_rngs_kept, untouched
 from lightning_nanguard.signals.op_headroom import OpProbe
-
-try:  # NumPy's global RNG is a training stream too where a training_step draws from it
-    import numpy as np
-except ImportError:  # pragma: no cover - torch installs it
-    np = None  # type: ignore[assignment]
 
 __all__ = ["trial_forward"]
 
@@ -65,7 +58,7 @@ def _traced(
         try:
             with (
                 preserved_state(pl_module),
-                _host_rngs_kept(),
+                host_rngs_kept(),
                 swapped(pl_module, float32=False),
                 torch.set_grad_enabled(gradient),
             ):
@@ -120,16 +113,3 @@ def _largest_gradient(pl_module: pl.LightningModule, out: object) -> torch.Tenso
 
 def _no_log(*args: object, **kwargs: object) -> None:
     return None
-
-
-@contextlib.contextmanager
-def _host_rngs_kept() -> Iterator[None]:
-    """Python's and NumPy's global RNG states put back after the block."""
-    state = random.getstate()
-    np_state = np.random.get_state() if np is not None else None
-    try:
-        yield
-    finally:
-        random.setstate(state)
-        if np is not None and np_state is not None:
-            np.random.set_state(np_state)

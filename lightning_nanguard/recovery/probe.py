@@ -32,14 +32,9 @@ so once).
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import importlib
-import importlib.util
-import random
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Mapping
 from contextlib import AbstractContextManager
-from types import ModuleType
 from typing import Any
 
 import lightning.pytorch as pl
@@ -51,12 +46,9 @@ from lightning_nanguard import _distributed, _lightning_compat, _notices
 from lightning_nanguard._lightning_compat import AttributePatches
 from lightning_nanguard.forensics.isolation import preserved_state, swapped
 from lightning_nanguard.policies.probe import ProbeBook, ProbeVerdict
-from lightning_nanguard.recovery.probe_trace import untouched
+from lightning_nanguard.recovery.probe_trace import host_rngs_kept, untouched
 from lightning_nanguard.recovery.quarantine import Quarantine
 from lightning_nanguard.signals import fsdp1
-
-# NumPy's global RNG is a training stream too where a training_step draws from it (torch installs NumPy).
-np: ModuleType | None = importlib.import_module("numpy") if importlib.util.find_spec("numpy") is not None else None
 
 __all__ = ["PROBE_ROWS", "PROBE_SEED", "ProbeBatch", "SnapshotProbe", "WeightsOf"]
 
@@ -143,7 +135,7 @@ class ProbeBatch:
             try:
                 with (
                     preserved_state(pl_module),
-                    _host_rngs_seeded(),
+                    host_rngs_kept(PROBE_SEED),
                     swapped(pl_module, float32=False),
                     torch.no_grad(),
                 ):
@@ -198,22 +190,6 @@ def _loss_of(out: object) -> Tensor | None:
         loss: Tensor = out["loss"]
         return loss
     return None
-
-
-@contextlib.contextmanager
-def _host_rngs_seeded() -> Iterator[None]:
-    """Python's and NumPy's global RNGs seeded with ``PROBE_SEED`` for the block, their states put back after."""
-    state = random.getstate()
-    np_state = np.random.get_state() if np is not None else None
-    try:
-        random.seed(PROBE_SEED)
-        if np is not None:
-            np.random.seed(PROBE_SEED)
-        yield
-    finally:
-        random.setstate(state)
-        if np is not None and np_state is not None:
-            np.random.set_state(np_state)
 
 
 def _batch_size(batch: object) -> int | None:

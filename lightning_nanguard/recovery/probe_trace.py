@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import pickle
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import BuiltinFunctionType, FunctionType, MethodType, ModuleType
@@ -46,7 +47,7 @@ try:
 except ImportError:  # pragma: no cover - torch installs it
     np = None  # type: ignore[assignment]
 
-__all__ = ["MAX_DEPTH", "MAX_NODES", "Trace", "untouched"]
+__all__ = ["MAX_DEPTH", "MAX_NODES", "Trace", "host_rngs_kept", "untouched"]
 
 MAX_DEPTH = 8  # attribute/container levels below a module walked (a dict of lists of tensors is 3)
 MAX_NODES = 200_000  # objects visited in all (a list of 100k step losses is walked whole)
@@ -294,3 +295,21 @@ def untouched(module: nn.Module) -> Iterator[Trace]:
     finally:
         trace.beyond_repair = reach.restore(set(writes.originals))
         writes.write_back()
+
+
+@contextlib.contextmanager
+def host_rngs_kept(seed: int | None = None) -> Iterator[None]:
+    """Python's and NumPy's global RNG states put back after the block (both seeded with ``seed`` for it, if given):
+    a training_step that draws from them leaves the training streams where they were."""
+    state = random.getstate()
+    np_state = np.random.get_state() if np is not None else None
+    try:
+        if seed is not None:
+            random.seed(seed)
+            if np is not None:
+                np.random.seed(seed)
+        yield
+    finally:
+        random.setstate(state)
+        if np is not None and np_state is not None:
+            np.random.set_state(np_state)
