@@ -20,6 +20,7 @@ from lightning_nanguard.policies.loss_scale import CollapseFacts
 from lightning_nanguard.policies.probe import ProbeVerdict
 from lightning_nanguard.policies.snapshot_rates import RestoredRates
 from lightning_nanguard.recovery.backoff_scales import BackoffResult
+from lightning_nanguard.signals.loss_climb import LossTrend
 
 __all__ = [
     "DEFAULT_DROPPED_WINDOW",
@@ -78,11 +79,17 @@ class Restorer(Protocol):
         ...
 
     def probe_spike(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, batch_loss: float | None
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        step: int,
+        batch_loss: float | None,
+        trend: LossTrend | None = None,
     ) -> ProbeVerdict | None:
-        """At a spike of ``step`` (whose batch lost ``batch_loss``): the probe batch re-scored with the current
-        weights, against the newest sound snapshot's score (every rank calls it: one all-reduce). ``None`` when
-        nothing was probed."""
+        """At a spike of ``step`` (whose batch lost ``batch_loss``; ``trend``: what the training loss says, a climb
+        probed alone included): the probe batch re-scored with the current weights, against the newest sound
+        snapshot's weights and the probe's recent past (every rank calls it: one all-reduce). ``None`` when nothing
+        was probed."""
         ...
 
     def restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int) -> Restored | None: ...

@@ -36,6 +36,7 @@ from lightning_nanguard.engine.sensing import Sensor
 from lightning_nanguard.engine.sink import IncidentSink
 from lightning_nanguard.engine.step import StepFlow
 from lightning_nanguard.recovery.quarantine import Quarantine
+from lightning_nanguard.signals.loss_climb import ClimbingLoss
 from lightning_nanguard.signals.model_tensors import record_intended_infinities
 from lightning_nanguard.signals.spike import RunningZScore
 
@@ -233,6 +234,8 @@ class Engine(StepFlow):
 
     def _restored(self, trainer: pl.Trainer, event: StateRestored) -> None:
         self.sensor.rewatch()  # a rollback may have reallocated a buffer
+        if self._spikes is not None and isinstance(self._spikes[1], ClimbingLoss):
+            self._spikes[1].restart()  # the restored state's losses are measured from its own level
 
     def train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """End of training (``on_train_end``): the end-of-fit state check, on the device, as training left the state

@@ -18,6 +18,7 @@ from lightning_nanguard.engine.capabilities import Backoff, MetricSource, Promot
 from lightning_nanguard.exceptions import NanGuardConfigError
 from lightning_nanguard.policies.remedy import Installed
 from lightning_nanguard.recovery.quarantine import Quarantine
+from lightning_nanguard.signals.loss_climb import ClimbingLoss
 from lightning_nanguard.signals.spike import RunningZScore
 
 __all__ = ["Registry", "settings_text"]
@@ -64,9 +65,11 @@ class Registry:
         self.quarantine = quarantine
         self.monitors_steps = True
         if settings.spike_zscore is not None:
+            # Probed, a loss that climbs and stays up is probed too (``signals.loss_climb``): the probe decides.
+            loss = ClimbingLoss if settings.on_spike == "probe" else RunningZScore
             self.spikes = (
                 RunningZScore(settings.spike_zscore, settings.spike_warmup),
-                RunningZScore(settings.spike_zscore, settings.spike_warmup),
+                loss(settings.spike_zscore, settings.spike_warmup),
             )
         # A spike that must be dropped has to be judged on the host before the update: no device path then (a probed
         # spike is judged after it, when its verdict reaches the host).

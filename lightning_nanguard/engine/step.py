@@ -37,6 +37,7 @@ from lightning_nanguard.engine.sink import IncidentSink
 from lightning_nanguard.engine.state_check import state_before_update, state_verdict
 from lightning_nanguard.recovery.step_skip import drop_update
 from lightning_nanguard.reporting import emit
+from lightning_nanguard.signals.loss_climb import ClimbingLoss, LossTrend
 from lightning_nanguard.signals.spike import RunningZScore
 
 __all__ = ["StepFlow"]
@@ -376,7 +377,12 @@ class StepFlow:
         debug-level line, no incident)."""
         restorer = self.registry.restorer
         loss = reading.loss
-        verdict = restorer.probe_spike(trainer, pl_module, reading.step, loss) if restorer is not None else None
+        climb = self._spikes[1] if self._spikes is not None else None
+        trend = None
+        if isinstance(climb, ClimbingLoss):
+            progress = climb.progress
+            trend = LossTrend(progress.lost(), progress.level, climb.climbed and reading.spike is Signal.LOSS_SPIKE)
+        verdict = restorer.probe_spike(trainer, pl_module, reading.step, loss, trend) if restorer is not None else None
         if verdict is not None and verdict.rose:
             return PendingEvent(Signal.PROBE_ROSE, event.readings)
         if not reading.dropped:

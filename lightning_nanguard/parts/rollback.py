@@ -30,6 +30,7 @@ from lightning_nanguard.recovery.rollback import repair_buffers, restore_state
 from lightning_nanguard.recovery.snapshot import SnapshotRing
 from lightning_nanguard.recovery.snapshot_stats import parameter_max_abs
 from lightning_nanguard.reporting import keys
+from lightning_nanguard.signals.loss_climb import LossTrend
 
 __all__ = ["Rollback"]
 
@@ -107,7 +108,12 @@ class Rollback:
         return True
 
     def probe_spike(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, step: int, batch_loss: float | None
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        step: int,
+        batch_loss: float | None,
+        trend: LossTrend | None = None,
     ) -> ProbeVerdict | None:
         verdict = self.probe.spike(
             trainer,
@@ -117,6 +123,7 @@ class Rollback:
             self._quarantine(),
             batch_loss,
             lambda kept: snapshot_weights(self.ring, kept, trainer, pl_module),
+            trend,
         )
         if verdict is not None and verdict.rose:  # taken during the climb: a restore passes over them
             self.book.judge.unsound.update(verdict.unsound)

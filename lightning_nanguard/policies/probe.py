@@ -18,6 +18,17 @@ probe drawn from the old domain lose 10x more while the weights are doing exactl
 apart is the spiking batch itself: when the weights are going wrong, the probe (ordinary training samples) does about
 as badly as the batch (``after >= of_batch`` x the batch's loss); when the batch is the unusual thing, the probe stays
 far below it. Both must hold.
+
+Early in a fit the newest sound snapshot is the untrained model, and weights that gave back everything they learned
+since only score as badly as it does, never twice as badly (a language model whose attention runs away returns to a
+near-uniform prediction: the untrained loss). The second yardstick is the recent past: the probe's lowest score of
+the last ``RECENT`` steps (at a snapshot, or at a spike it held: measured states of this trajectory), scaled by how
+much the reference's score moved since it was taken (the objective's own change, seen like with like). A probe that
+gave back ``LOST`` (a third) of what it had learned by then, back that share of the way to its loss at the first
+snapshot, is a rise too, where the training loss itself gave back half of its own (``signals.loss_climb``: the median
+of five steps, so a wobble of the probe's few rows on a noisy healthy fit is not enough), and the probe is neither far
+below the batch nor far above the training loss's level (``of_batch`` each way: a probe from an old data domain,
+forgotten after a switch, loses far more than the new domain's batches; a divergence makes both lose alike).
 """
 
 from __future__ import annotations
@@ -26,7 +37,9 @@ import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-__all__ = ["PROBE_OF_BATCH", "PROBE_ROSE_FACTOR", "PROBE_ROSE_FLOOR", "ProbeBook", "ProbeVerdict"]
+from lightning_nanguard.signals.loss_climb import CLIMB_LOST, CLIMB_WINDOW, LEARNED, LossTrend
+
+__all__ = ["LOST", "PROBE_OF_BATCH", "PROBE_ROSE_FACTOR", "PROBE_ROSE_FLOOR", "RECENT", "ProbeBook", "ProbeVerdict"]
 
 # A rise of the probe's loss this large (a ratio) is the weights going wrong: one update on a hard or new batch moves
 # the probe's loss by a few percent; a divergence multiplies it.
@@ -35,6 +48,12 @@ PROBE_ROSE_FACTOR = 2.0
 PROBE_ROSE_FLOOR = 0.05
 # ... and the probe doing at least this share as badly as the spiking batch (a new domain's batch loses far more).
 PROBE_OF_BATCH = 0.5
+# Against the recent past: the share of what the probe had learned that, given back, is a rise, where the training
+# loss gave back ``CLIMB_LOST`` of its own (a median of five steps: the stronger evidence; the probe says the weights,
+# not the data or the objective, did it, and its few rows lag or lead the batches by a few steps) ...
+LOST = 1 / 3
+# ... over the probe's scores of this many steps back (the preset's snapshot cadence).
+RECENT = CLIMB_WINDOW
 
 
 @dataclass(frozen=True)
@@ -53,6 +72,11 @@ class ProbeVerdict:
         factor: the ratio that counts as a rise.
         same_moment: ``before`` is the reference snapshot's weights scored at the spike, beside ``after`` (False:
             its score when it was taken).
+        lately: the probe's lowest score of the recent past, scaled to the objective now (``None``: none), and
+            ``lately_step`` its step.
+        lost: the share of what the probe had learned by ``lately`` that ``after`` gave back (``None``: it had not
+            learned enough to say), and ``loss_lost`` the training loss's (``signals.loss_climb``).
+        by_recent: the rise is against the recent past, not the reference snapshot.
     """
 
     step: int
@@ -64,6 +88,11 @@ class ProbeVerdict:
     unsound: tuple[int, ...] = ()
     factor: float = PROBE_ROSE_FACTOR
     same_moment: bool = False
+    lately: float | None = None
+    lately_step: int | None = None
+    lost: float | None = None
+    loss_lost: float | None = None
+    by_recent: bool = False
 
     @property
     def ratio(self) -> float:
@@ -72,6 +101,13 @@ class ProbeVerdict:
     def summary(self) -> str:
         """``"probe loss 0.0213 at the snapshot of step 100 -> 0.87 at step 131 (40.8x; the batch's loss 1.2)"``."""
         batch = "" if self.batch_loss is None else f"; the spiking batch's loss {self.batch_loss:.3g}"
+        if self.lately is not None and self.lost is not None:
+            batch += (
+                f"; {self.lost:.0%} of what the probe had learned by step {self.lately_step} ({self.lately:.3g}) given "
+                "back"
+            )
+            if self.loss_lost is not None:
+                batch += f", {self.loss_lost:.0%} of the training loss's"
         if self.before_step is None:
             return f"probe loss {self.after:.3g} at step {self.step}, no snapshot scored to compare with{batch}"
         if self.same_moment:
@@ -91,6 +127,11 @@ class ProbeVerdict:
             "probe_after": self.after,
             "probe_ratio": self.ratio,
             "probe_same_moment": self.same_moment,
+            "probe_lately": self.lately,
+            "probe_lately_step": self.lately_step,
+            "probe_lost": self.lost,
+            "loss_lost": self.loss_lost,
+            "probe_by_recent": self.by_recent,
             "batch_loss": self.batch_loss,
             "unsound_snapshots": list(self.unsound),
         }
@@ -111,9 +152,11 @@ class ProbeBook:
     of_batch: float = PROBE_OF_BATCH
     scores: dict[int, float] = field(default_factory=dict)  # snapshot step -> probe loss
     first: float | None = None  # the probe's loss at the first snapshot scored (its untrained level)
+    held: dict[int, float] = field(default_factory=dict)  # the probe's loss at the spikes it held (recent ones)
 
     def reset(self) -> None:
         self.scores.clear()
+        self.held.clear()
         self.first = None
 
     def record(self, step: int, loss: float) -> None:
@@ -148,24 +191,100 @@ class ProbeBook:
         kept: Collection[int],
         batch_loss: float | None = None,
         reference_now: float | None = None,
+        trend: LossTrend | None = None,
     ) -> ProbeVerdict:
         """The probe's loss ``now`` at a spike of ``step`` (whose batch lost ``batch_loss``), against the newest
         sound snapshot among ``kept`` (the snapshots a rollback can restore). ``reference_now``: that snapshot's
         weights scored now, on the same rows under the same objective (like with like: a loss whose definition
         changed since the snapshot, a curriculum stage or a ramped weight, changes both scores alike); ``None``:
-        not scored, its score when it was taken stands in. With no snapshot scored, nothing can be compared: no
-        rise."""
+        not scored, its score when it was taken stands in. ``trend``: the share of its recent progress the training
+        loss gave back (``signals.loss_climb``; ``None``: not known), for the second yardstick, the recent past (the
+        module docstring); a step probed for a climb alone is judged against the recent past only (by then a probe
+        from an old data domain can have been forgotten far past the new domain's batches, and the snapshot
+        yardstick's test against the batch holds for a spike, at the switch). A verdict that is no rise is kept as a measured state of the run. With no
+        snapshot scored, nothing can be compared: no rise."""
         scored = sorted((s for s in kept if s in self.scores), reverse=True)
         sound = self.reference(kept)
         if sound is None:
             return ProbeVerdict(step, math.nan, None, now, batch_loss, rose=False, factor=self.factor)
         same_moment = reference_now is not None and math.isfinite(reference_now)
         before = reference_now if same_moment and reference_now is not None else self.scores[sound]
+        then = self.scores[sound]
+        drift = before / then if same_moment and then > 0 else 1.0  # the objective's own change since the snapshot
         like_batch = batch_loss is None or not math.isfinite(now) or now >= self.of_batch * batch_loss
-        rose = self.rise(now, before) and like_batch
-        unsound = tuple(s for s in scored if s > sound) if rose else ()
-        return ProbeVerdict(step, before, sound, now, batch_loss, rose, unsound, self.factor, same_moment)
+        loss_lost = trend.lost if trend is not None else None
+        by_ref = self.rise(now, before) and like_batch and not (trend is not None and trend.climb_only)
+        recent = self._recent(step)
+        lately = lately_step = lost = None
+        if recent is not None:
+            lately_step, lately = recent[0], recent[1] * drift
+            lost = self._lost(now, lately, (self.first or 0.0) * drift)
+        # The probe's rows still like the data the run trains on now: a probe from an old data domain, forgotten, loses
+        # far more than the new domain's batches do (a divergence makes both lose alike).
+        like_level = (
+            trend is None or trend.level is None or not math.isfinite(now) or now <= trend.level / self.of_batch
+        )
+        by_recent = (
+            not by_ref
+            and like_batch
+            and like_level
+            and lost is not None
+            and lost >= LOST
+            and loss_lost is not None
+            and loss_lost >= CLIMB_LOST
+        )
+        rose = by_ref or by_recent
+        unsound: tuple[int, ...] = ()
+        if by_ref:
+            unsound = tuple(s for s in scored if s > sound)
+        elif by_recent and recent is not None:
+            # Risen against the recent past: a snapshot taken since the probe's lowest score whose own score had
+            # given back everything it had learned by then was taken during the climb (its probe alone says so: the
+            # few rows of a probe wobble past half at the edge of stability, and then the state trains well).
+            unsound = tuple(s for s in scored if s > recent[0] and self._gave_back_all(self.scores[s], recent[1]))
+        if not rose and math.isfinite(now):
+            self.held[step] = now
+            self.held = {s: v for s, v in self.held.items() if s >= step - RECENT}
+        return ProbeVerdict(
+            step,
+            before,
+            sound,
+            now,
+            batch_loss,
+            rose,
+            unsound,
+            self.factor,
+            same_moment,
+            lately,
+            lately_step,
+            lost,
+            loss_lost,
+            by_recent,
+        )
+
+    def _recent(self, step: int) -> tuple[int, float] | None:
+        """The probe's lowest score of the ``RECENT`` steps before ``step`` (a snapshot's or a held spike's) and its
+        step (``None``: none)."""
+        seen = [(v, s) for s, v in (*self.scores.items(), *self.held.items()) if step - RECENT <= s < step]
+        if not seen:
+            return None
+        loss, at = min(seen)
+        return at, loss
+
+    def _gave_back_all(self, score: float, lately: float) -> bool:
+        lost = self._lost(score, lately, self.first or 0.0)
+        return lost is not None and lost >= 1.0
+
+    @staticmethod
+    def _lost(now: float, lately: float, start: float) -> float | None:
+        """The share of what the probe had learned from ``start`` to ``lately`` that ``now`` gave back (``None``:
+        it had not come down by ``LEARNED`` of its start)."""
+        learned = start - lately
+        if not (learned > 0 and learned >= LEARNED * start):
+            return None
+        return (now - lately) / learned if math.isfinite(now) else math.inf
 
     def restored(self, step: int) -> None:
         """The state of ``step`` was restored: the scores of later snapshots belong to the abandoned trajectory."""
         self.scores = {s: v for s, v in self.scores.items() if s <= step}
+        self.held = {s: v for s, v in self.held.items() if s <= step}

@@ -49,6 +49,7 @@ from lightning_nanguard.policies.probe import ProbeBook, ProbeVerdict
 from lightning_nanguard.recovery.probe_trace import host_rngs_kept, untouched
 from lightning_nanguard.recovery.quarantine import Quarantine
 from lightning_nanguard.signals import fsdp1
+from lightning_nanguard.signals.loss_climb import LossTrend
 
 __all__ = ["PROBE_ROWS", "PROBE_SEED", "ProbeBatch", "SnapshotProbe", "WeightsOf"]
 
@@ -291,6 +292,7 @@ class SnapshotProbe:
         quarantine: Quarantine | None,
         batch_loss: float | None = None,
         weights: WeightsOf | None = None,
+        trend: LossTrend | None = None,
     ) -> ProbeVerdict | None:
         """At a spike of ``step`` (whose batch lost ``batch_loss``): the probe re-scored with the current weights,
         judged against the newest sound snapshot among ``kept``, whose weights are scored again now where
@@ -310,7 +312,7 @@ class SnapshotProbe:
                 if loaded:
                     self.scorings += 1
                     then = self.batch.score(trainer, pl_module)
-        self.verdict = self.book.judge(step, score, kept, batch_loss, then)
+        self.verdict = self.book.judge(step, score, kept, batch_loss, then, trend)
         return self.verdict
 
     def restored(self, step: int) -> None:

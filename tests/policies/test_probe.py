@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from lightning_nanguard.policies.probe import ProbeBook
+from lightning_nanguard.signals.loss_climb import LossTrend
 
 
 def _book(scores: dict[int, float]) -> ProbeBook:
@@ -75,3 +76,75 @@ def test_the_reference_scored_now_is_the_yardstick_like_with_like() -> None:
     assert "under the weights of the snapshot of step 50, 2.5 under the current weights" in verdict.summary()
     assert book.judge(60, 2.5, kept=[0, 50], batch_loss=3.0, reference_now=0.9).rose  # the weights did get worse
     assert book.judge(60, 2.5, kept=[0, 50], batch_loss=3.0).rose  # not scored now: its old score stands in
+
+
+def test_a_probe_that_gave_back_what_it_learned_lately_is_a_rise_where_the_training_loss_did_too() -> None:
+    # The newest sound snapshot is the untrained model (4.3); the probe came down to 2.3 at a spike it held; at step 40
+    # it is back at 4.36, under 2x the untrained level, having given back everything it learned since.
+    book = _book({0: 4.3})
+    assert not book.judge(12, 2.3, kept=[0], batch_loss=2.2, trend=LossTrend(0.0)).rose  # held: kept as a recent score
+    verdict = book.judge(40, 4.36, kept=[0], batch_loss=4.7, trend=LossTrend(0.51))
+    assert verdict.rose
+    assert verdict.by_recent
+    assert (verdict.lately, verdict.lately_step) == (2.3, 12)
+    assert verdict.lost is not None
+    assert verdict.lost > 1.0
+    assert "given back" in verdict.summary()
+    assert verdict.values()["probe_by_recent"] is True
+
+
+def test_against_the_recent_past_the_training_loss_must_agree() -> None:
+    # The few rows of a probe wobble back past their untrained loss at the edge of stability while the training loss
+    # holds (a median of five steps): no rise. Nor without the training loss's figure at all. A third is enough
+    # where it agrees.
+    book = _book({0: 0.27})
+    book.judge(10, 0.02, kept=[0], batch_loss=0.02, trend=LossTrend(0.0))
+    assert not book.judge(14, 0.34, kept=[0], batch_loss=0.3, trend=LossTrend(0.08)).rose
+    assert not book.judge(15, 0.34, kept=[0], batch_loss=0.3).rose
+    assert book.judge(16, 0.11, kept=[0], batch_loss=0.1, trend=LossTrend(0.6)).rose
+
+
+def test_the_recent_past_is_recent_and_of_this_trajectory() -> None:
+    book = _book({0: 4.0})
+    book.judge(10, 1.0, kept=[0], batch_loss=1.0, trend=LossTrend(0.0))
+    assert not book.judge(80, 3.5, kept=[0], batch_loss=3.5, trend=LossTrend(0.9)).rose  # 70 steps back: not recent
+    book = _book({0: 4.0})
+    book.judge(10, 1.0, kept=[0], batch_loss=1.0, trend=LossTrend(0.0))
+    book.restored(0)  # the held spike belonged to the abandoned trajectory
+    assert not book.judge(20, 3.5, kept=[0], batch_loss=3.5, trend=LossTrend(0.9)).rose
+
+
+def test_against_the_recent_past_the_objective_s_own_change_is_scaled_out() -> None:
+    # A curriculum stage doubled the loss since the snapshot: its weights score 2x now what they scored then, and
+    # the probe's recent level moves with them; the current weights at that level are no rise.
+    book = _book({0: 4.0, 50: 1.0})
+    book.judge(60, 1.0, kept=[0, 50], batch_loss=1.0, reference_now=1.0, trend=LossTrend(0.0))
+    verdict = book.judge(70, 2.2, kept=[0, 50], batch_loss=2.2, reference_now=2.0, trend=LossTrend(0.6))
+    assert not verdict.rose
+    assert verdict.lately == 2.0
+
+
+def test_a_snapshot_since_the_recent_low_is_passed_over_only_where_its_probe_gave_back_everything() -> None:
+    book = _book({0: 4.0, 50: 2.5, 60: 4.1})
+    book.judge(40, 1.0, kept=[0, 50], batch_loss=1.0, trend=LossTrend(0.0))
+    verdict = book.judge(65, 3.9, kept=[0, 50, 60], batch_loss=3.9, trend=LossTrend(0.7))
+    assert verdict.rose
+    assert verdict.by_recent
+    assert verdict.unsound == (60,)  # 50 gave back half (a wobble of a few rows, then a state that trains well)
+
+
+def test_a_climb_probed_alone_is_judged_against_the_recent_past_only() -> None:
+    # 12 steps after a domain switch the old-domain probe is forgotten far past the new domain's batches: at a spike
+    # that would be a rise against the snapshot; a climb of the loss probed alone is not judged that way.
+    book = _book({0: 0.73, 50: 0.0008})
+    assert book.judge(109, 6.4, kept=[0, 50], batch_loss=0.94).rose
+    assert not book.judge(109, 6.4, kept=[0, 50], batch_loss=0.94, trend=LossTrend(7.7, climb_only=True)).rose
+
+
+def test_a_forgotten_old_domain_probe_far_above_the_training_loss_is_no_rise_against_the_recent_past() -> None:
+    # 27 steps after a switch the old-domain probe (3.06) loses 6x what the run's new-domain batches do lately (0.5):
+    # the rows are no longer like the data; a divergence makes both lose alike. (A climb probed alone.)
+    book = _book({0: 0.73, 50: 0.0008})
+    book.judge(97, 0.024, kept=[0, 50], batch_loss=5.7, trend=LossTrend(0.0))
+    assert not book.judge(136, 3.06, kept=[0, 50], batch_loss=2.0, trend=LossTrend(0.7, level=0.5, climb_only=True)).rose
+    assert book.judge(136, 3.06, kept=[0, 50], batch_loss=2.0, trend=LossTrend(0.7, level=2.5, climb_only=True)).rose
