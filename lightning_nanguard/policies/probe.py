@@ -21,14 +21,15 @@ far below it. Both must hold.
 
 Early in a fit the newest sound snapshot is the untrained model, and weights that gave back everything they learned
 since only score as badly as it does, never twice as badly (a language model whose attention runs away returns to a
-near-uniform prediction: the untrained loss). The second yardstick is the recent past: the probe's lowest score of
-the last ``RECENT`` steps (at a snapshot, or at a spike it held: measured states of this trajectory), scaled by how
-much the reference's score moved since it was taken (the objective's own change, seen like with like). A probe that
-gave back ``LOST`` (a third) of what it had learned by then, back that share of the way to its loss at the first
-snapshot, is a rise too, where the training loss itself gave back half of its own (``signals.loss_climb``: the median
-of five steps, so a wobble of the probe's few rows on a noisy healthy fit is not enough), and the probe is neither far
-below the batch nor far above the training loss's level (``of_batch`` each way: a probe from an old data domain,
-forgotten after a switch, loses far more than the new domain's batches; a divergence makes both lose alike).
+near-uniform prediction: the untrained loss). The second yardstick is the recent past: the probe's lowest score at
+the spikes it held in the last ``RECENT`` steps, or the reference snapshot's own. Each held score is kept as a ratio to
+the reference's weights scored at the same moment, so a change of the objective since (a curriculum stage, a ramped
+weight) changes both sides of every comparison alike. A probe that gave back ``LOST`` (a third) of what it had learned
+by then, back that share of the way to its loss at the first snapshot, is a rise too, where the training loss itself
+gave back half of its own (``signals.loss_climb``: the median of five steps, so a wobble of the probe's few rows on a
+noisy healthy fit is not enough), and the probe is neither far below the batch nor far above the training loss's level
+(``of_batch`` each way: a probe from an old data domain, forgotten after a switch, loses far more than the new
+domain's batches; a divergence makes both lose alike).
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ class ProbeVerdict:
         factor: the ratio that counts as a rise.
         same_moment: ``before`` is the reference snapshot's weights scored at the spike, beside ``after`` (False:
             its score when it was taken).
-        lately: the probe's lowest score of the recent past, scaled to the objective now (``None``: none), and
-            ``lately_step`` its step.
+        lately: the probe's lowest score of the recent past, as the weights of that moment would score now (its ratio
+            to the reference's weights then, times ``before``; ``None``: none), and ``lately_step`` its step.
         lost: the share of what the probe had learned by ``lately`` that ``after`` gave back (``None``: it had not
             learned enough to say), and ``loss_lost`` the training loss's (``signals.loss_climb``).
         by_recent: the rise is against the recent past, not the reference snapshot.
@@ -152,7 +153,9 @@ class ProbeBook:
     of_batch: float = PROBE_OF_BATCH
     scores: dict[int, float] = field(default_factory=dict)  # snapshot step -> probe loss
     first: float | None = None  # the probe's loss at the first snapshot scored (its untrained level)
-    held: dict[int, float] = field(default_factory=dict)  # the probe's loss at the spikes it held (recent ones)
+    # The spikes the probe held lately: step -> (the reference snapshot's step, the probe's loss over the reference's
+    # weights' loss at that moment).
+    held: dict[int, tuple[int, float]] = field(default_factory=dict)
 
     def reset(self) -> None:
         self.scores.clear()
@@ -201,8 +204,8 @@ class ProbeBook:
         loss gave back (``signals.loss_climb``; ``None``: not known), for the second yardstick, the recent past (the
         module docstring); a step probed for a climb alone is judged against the recent past only (by then a probe
         from an old data domain can have been forgotten far past the new domain's batches, and the snapshot
-        yardstick's test against the batch holds for a spike, at the switch). A verdict that is no rise is kept as a measured state of the run. With no
-        snapshot scored, nothing can be compared: no rise."""
+        yardstick's test against the batch holds for a spike, at the switch). A verdict that is no rise is kept as a
+        measured state of the run. With no snapshot scored, nothing can be compared: no rise."""
         scored = sorted((s for s in kept if s in self.scores), reverse=True)
         sound = self.reference(kept)
         if sound is None:
@@ -210,15 +213,19 @@ class ProbeBook:
         same_moment = reference_now is not None and math.isfinite(reference_now)
         before = reference_now if same_moment and reference_now is not None else self.scores[sound]
         then = self.scores[sound]
-        drift = before / then if same_moment and then > 0 else 1.0  # the objective's own change since the snapshot
         like_batch = batch_loss is None or not math.isfinite(now) or now >= self.of_batch * batch_loss
         loss_lost = trend.lost if trend is not None else None
         by_ref = self.rise(now, before) and like_batch and not (trend is not None and trend.climb_only)
-        recent = self._recent(step)
-        lately = lately_step = lost = None
-        if recent is not None:
-            lately_step, lately = recent[0], recent[1] * drift
-            lost = self._lost(now, lately, (self.first or 0.0) * drift)
+        # The recent past, as ratios to the reference's weights at the same moment: the reference itself (1), and the
+        # spikes held against it lately.
+        lately_rel, lately_step = min(
+            [(1.0, sound)]
+            + [(rel, s) for s, (ref, rel) in self.held.items() if ref == sound and step - RECENT <= s < step]
+        )
+        lost = lately = None
+        if before > 0 and then > 0:
+            lately = lately_rel * before
+            lost = self._lost(now / before, lately_rel, (self.first or 0.0) / then)
         # The probe's rows still like the data the run trains on now: a probe from an old data domain, forgotten, loses
         # far more than the new domain's batches do (a divergence makes both lose alike).
         like_level = (
@@ -234,17 +241,10 @@ class ProbeBook:
             and loss_lost >= CLIMB_LOST
         )
         rose = by_ref or by_recent
-        unsound: tuple[int, ...] = ()
-        if by_ref:
-            unsound = tuple(s for s in scored if s > sound)
-        elif by_recent and recent is not None:
-            # Risen against the recent past: a snapshot taken since the probe's lowest score whose own score had
-            # given back everything it had learned by then was taken during the climb (its probe alone says so: the
-            # few rows of a probe wobble past half at the edge of stability, and then the state trains well).
-            unsound = tuple(s for s in scored if s > recent[0] and self._gave_back_all(self.scores[s], recent[1]))
-        if not rose and math.isfinite(now):
-            self.held[step] = now
+        unsound = tuple(s for s in scored if s > sound) if rose else ()
+        if not rose and math.isfinite(now) and before > 0:
             self.held = {s: v for s, v in self.held.items() if s >= step - RECENT}
+            self.held[step] = (sound, now / before)
         return ProbeVerdict(
             step,
             before,
@@ -261,19 +261,6 @@ class ProbeBook:
             loss_lost,
             by_recent,
         )
-
-    def _recent(self, step: int) -> tuple[int, float] | None:
-        """The probe's lowest score of the ``RECENT`` steps before ``step`` (a snapshot's or a held spike's) and its
-        step (``None``: none)."""
-        seen = [(v, s) for s, v in (*self.scores.items(), *self.held.items()) if step - RECENT <= s < step]
-        if not seen:
-            return None
-        loss, at = min(seen)
-        return at, loss
-
-    def _gave_back_all(self, score: float, lately: float) -> bool:
-        lost = self._lost(score, lately, self.first or 0.0)
-        return lost is not None and lost >= 1.0
 
     @staticmethod
     def _lost(now: float, lately: float, start: float) -> float | None:

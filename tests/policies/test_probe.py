@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from lightning_nanguard.policies.probe import ProbeBook
+from lightning_nanguard.policies.probe import LOST, ProbeBook
 from lightning_nanguard.signals.loss_climb import LossTrend
 
 
@@ -124,13 +124,17 @@ def test_against_the_recent_past_the_objective_s_own_change_is_scaled_out() -> N
     assert verdict.lately == 2.0
 
 
-def test_a_snapshot_since_the_recent_low_is_passed_over_only_where_its_probe_gave_back_everything() -> None:
-    book = _book({0: 4.0, 50: 2.5, 60: 4.1})
-    book.judge(40, 1.0, kept=[0, 50], batch_loss=1.0, trend=LossTrend(0.0))
-    verdict = book.judge(65, 3.9, kept=[0, 50, 60], batch_loss=3.9, trend=LossTrend(0.7))
-    assert verdict.rose
-    assert verdict.by_recent
-    assert verdict.unsound == (60,)  # 50 gave back half (a wobble of a few rows, then a state that trains well)
+def test_a_held_spike_is_kept_against_the_reference_at_its_moment_so_an_easier_objective_is_no_rise() -> None:
+    # A loss weight ramped down halves the objective after the snapshot of step 50 (its weights score 1.0 at step 60,
+    # not 2.0): the spike held at step 60 is kept as the ratio of the two scores of that moment, 1.0. At step 70 the
+    # probe is 1.1x the reference's weights: it gave back a tenth of what it had learned, whatever the objective did
+    # since (scaling its score by the reference's change since the snapshot would call that 40%, a rise).
+    book = _book({0: 4.0, 50: 2.0})
+    book.judge(60, 1.0, kept=[0, 50], batch_loss=1.0, reference_now=1.0, trend=LossTrend(0.0))
+    verdict = book.judge(70, 1.1, kept=[0, 50], batch_loss=1.1, reference_now=1.0, trend=LossTrend(0.6, level=1.1))
+    assert not verdict.rose
+    assert verdict.lost is not None
+    assert verdict.lost < LOST
 
 
 def test_a_climb_probed_alone_is_judged_against_the_recent_past_only() -> None:
@@ -138,7 +142,7 @@ def test_a_climb_probed_alone_is_judged_against_the_recent_past_only() -> None:
     # that would be a rise against the snapshot; a climb of the loss probed alone is not judged that way.
     book = _book({0: 0.73, 50: 0.0008})
     assert book.judge(109, 6.4, kept=[0, 50], batch_loss=0.94).rose
-    assert not book.judge(109, 6.4, kept=[0, 50], batch_loss=0.94, trend=LossTrend(7.7, climb_only=True)).rose
+    assert not book.judge(109, 6.4, kept=[0, 50], batch_loss=0.94, trend=LossTrend(7.7, level=2.1, climb_only=True)).rose
 
 
 def test_a_forgotten_old_domain_probe_far_above_the_training_loss_is_no_rise_against_the_recent_past() -> None:
@@ -146,5 +150,7 @@ def test_a_forgotten_old_domain_probe_far_above_the_training_loss_is_no_rise_aga
     # the rows are no longer like the data; a divergence makes both lose alike. (A climb probed alone.)
     book = _book({0: 0.73, 50: 0.0008})
     book.judge(97, 0.024, kept=[0, 50], batch_loss=5.7, trend=LossTrend(0.0))
-    assert not book.judge(136, 3.06, kept=[0, 50], batch_loss=2.0, trend=LossTrend(0.7, level=0.5, climb_only=True)).rose
+    assert not book.judge(
+        136, 3.06, kept=[0, 50], batch_loss=2.0, trend=LossTrend(0.7, level=0.5, climb_only=True)
+    ).rose
     assert book.judge(136, 3.06, kept=[0, 50], batch_loss=2.0, trend=LossTrend(0.7, level=2.5, climb_only=True)).rose
