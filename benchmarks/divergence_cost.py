@@ -7,8 +7,11 @@ One fit's final loss is no yardstick at the 1.05x level: the same run with anoth
 (docs/FORENSICS.md). So each figure is the preset's mean final loss over many runs against the healthy run's mean
 over the same ones: over ``--orders`` data orders for the regression runs of
 ``tests/regressions/test_probe_catches_a_divergence.py`` (a warmup that overshoots to 4x the stable rate, a constant
-rate that jumps 10x), and over the seeds among ``--seeds`` whose unguarded run ends non-finite for the demo tasks
-``spike-then-diverge`` and ``lr-restart`` (at the other seeds the fault is survived, and there is nothing to catch).
+rate that jumps 10x), over the seeds among ``--seeds`` whose unguarded run ends non-finite for the demo tasks
+``spike-then-diverge`` and ``lr-restart`` (at the other seeds the fault is survived, and there is nothing to catch),
+and over ``--orders`` data orders for the small Transformer of
+``tests/regressions/test_probe_catches_attention_divergence.py`` (attention logits that run away at a peak 10x too
+high, against the same model at a sound peak, and that peak 10% off: the criterion's bar).
 Each row also lists every run's incidents (trigger, step, the step restored). Prints one markdown table.
 """
 
@@ -31,6 +34,7 @@ from lightning_nanguard import default_callbacks
 from lightning_nanguard.demo import run_task
 from lightning_nanguard.engine import get_engine
 from tests.regressions import test_probe_catches_a_divergence as regression
+from tests.regressions import test_probe_catches_attention_divergence as attention
 
 REGRESSION: dict[str, Callable[[int], float]] = {
     "warmup-overshoot": regression._overshoot,
@@ -81,6 +85,22 @@ def _demo(name: str, seeds: int, root: str) -> tuple[str, float, float, list[str
     return label, train, val, caught
 
 
+def _attention(orders: int, root: str) -> tuple[str, float, tuple[float, float], list[str]]:
+    """The small Transformer whose attention runs away at a peak 10x too high, against the same model at a sound
+    peak, over ``orders`` data orders; and the sound peak itself 10% off (0.9x, 1.1x) against it: the bar."""
+    preset, healthy, low, high, caught = [], [], [], [], []
+    for order in range(orders):
+        trainer, _, final = attention._fit(attention.TOO_HIGH, default_callbacks(), order, f"{root}/a-p{order}")
+        preset.append(final)
+        caught.append(_restores(get_engine(trainer).sink.records))
+        healthy.append(attention._fit(attention.SOUND, [], order, f"{root}/a-h{order}")[2])
+        low.append(attention._fit(0.9 * attention.SOUND, [], order, f"{root}/a-l{order}")[2])
+        high.append(attention._fit(1.1 * attention.SOUND, [], order, f"{root}/a-u{order}")[2])
+    base = statistics.fmean(healthy)
+    label = f"attention runaway (Transformer, {attention.STEPS} steps, {orders} orders; healthy: the sound peak)"
+    return label, statistics.fmean(preset) / base, (statistics.fmean(low) / base, statistics.fmean(high) / base), caught
+
+
 def _x(ratio: float) -> str:
     return "-" if math.isnan(ratio) else f"{ratio:.3f}x"
 
@@ -104,6 +124,9 @@ def main() -> None:
         for name in DEMO:
             label, train, val, caught = _demo(name, args.seeds, root)
             rows.append(f"| {label} | train {_x(train)} / val {_x(val)} | {'; '.join(caught)} |")
+        label, ratio, (low, high), caught = _attention(args.orders, root)
+        rows.append(f"| {label} | {ratio:.3f}x | {'; '.join(caught)} |")
+        rows.append(f"| the sound peak at 0.9x / 1.1x (the bar) | {low:.3f}x / {high:.3f}x | - |")
     print("\n".join(rows))
 
 

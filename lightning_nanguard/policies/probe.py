@@ -78,6 +78,7 @@ class ProbeVerdict:
         lost: the share of what the probe had learned by ``lately`` that ``after`` gave back (``None``: it had not
             learned enough to say), and ``loss_lost`` the training loss's (``signals.loss_climb``).
         by_recent: the rise is against the recent past, not the reference snapshot.
+        climb_only: the step was probed for a climb of the training loss alone, not a spike.
     """
 
     step: int
@@ -94,6 +95,7 @@ class ProbeVerdict:
     lost: float | None = None
     loss_lost: float | None = None
     by_recent: bool = False
+    climb_only: bool = False
 
     @property
     def ratio(self) -> float:
@@ -109,6 +111,8 @@ class ProbeVerdict:
             )
             if self.loss_lost is not None:
                 batch += f", {self.loss_lost:.0%} of the training loss's"
+        if self.climb_only:
+            batch += "; probed for the training loss's climb"
         if self.before_step is None:
             return f"probe loss {self.after:.3g} at step {self.step}, no snapshot scored to compare with{batch}"
         if self.same_moment:
@@ -133,6 +137,7 @@ class ProbeVerdict:
             "probe_lost": self.lost,
             "loss_lost": self.loss_lost,
             "probe_by_recent": self.by_recent,
+            "probed_for": "loss_climb" if self.climb_only else "spike",
             "batch_loss": self.batch_loss,
             "unsound_snapshots": list(self.unsound),
         }
@@ -260,6 +265,7 @@ class ProbeBook:
             lost,
             loss_lost,
             by_recent,
+            trend is not None and trend.climb_only,
         )
 
     @staticmethod
