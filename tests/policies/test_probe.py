@@ -142,7 +142,9 @@ def test_a_climb_probed_alone_is_judged_against_the_recent_past_only() -> None:
     # that would be a rise against the snapshot; a climb of the loss probed alone is not judged that way.
     book = _book({0: 0.73, 50: 0.0008})
     assert book.judge(109, 6.4, kept=[0, 50], batch_loss=0.94).rose
-    assert not book.judge(109, 6.4, kept=[0, 50], batch_loss=0.94, trend=LossTrend(7.7, level=2.1, climb_only=True)).rose
+    assert not book.judge(
+        109, 6.4, kept=[0, 50], batch_loss=0.94, trend=LossTrend(7.7, level=2.1, climb_only=True)
+    ).rose
 
 
 def test_a_forgotten_old_domain_probe_far_above_the_training_loss_is_no_rise_against_the_recent_past() -> None:
