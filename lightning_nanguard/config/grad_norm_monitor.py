@@ -61,9 +61,11 @@ class GradNormMonitorConfig(CallbackConfig):
         """`"warn"` records and warns; `"skip"` drops the update; `"rollback"` drops it and has AutoRollback restore
         the last good state (and OptimizerBackoff lower the learning rate); `"probe"` measures whether the weights got
         worse: AutoRollback's probe batch (a few training samples, scored at each snapshot) is re-scored with the
-        current weights; its loss rose more than 2x against the newest sound snapshot's: roll back to before the climb
-        and lower the learning rate (cause `weights_diverging`); it did not: nothing is done. Requires
-        `spike_zscore`.""",
+        current weights at a spike, and at a loss that climbs back and stays up (the median of 5 steps gave back half
+        of what the run had learned lately); its loss rose more than 2x against the newest sound snapshot's, or gave
+        back a third of what it had learned in the last 50 steps while the training loss gave back half: roll back to
+        before the climb and lower the learning rate (cause `weights_diverging`); it did not: nothing is done.
+        Requires `spike_zscore`.""",
     )
     quarantine: bool = arg(True, Flag(), "Quarantine the data that caused an incident (`input_data`/`targets` causes).")
     quarantine_file: str | None = arg(
