@@ -38,7 +38,7 @@ import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
 
-from lightning_nanguard.signals.loss_climb import CLIMB_LOST, CLIMB_WINDOW, LEARNED, LossTrend
+from lightning_nanguard.signals.loss_climb import CLIMB_LOST, CLIMB_WINDOW, LossTrend, given_back
 
 __all__ = ["LOST", "PROBE_OF_BATCH", "PROBE_ROSE_FACTOR", "PROBE_ROSE_FLOOR", "RECENT", "ProbeBook", "ProbeVerdict"]
 
@@ -230,7 +230,7 @@ class ProbeBook:
         lost = lately = None
         if before > 0 and then > 0:
             lately = lately_rel * before
-            lost = self._lost(now / before, lately_rel, (self.first or 0.0) / then)
+            lost = given_back(now / before, lately_rel, (self.first or 0.0) / then)
         # The probe's rows still like the data the run trains on now: a probe from an old data domain, forgotten, loses
         # far more than the new domain's batches do (a divergence makes both lose alike).
         like_level = (
@@ -267,15 +267,6 @@ class ProbeBook:
             by_recent,
             trend is not None and trend.climb_only,
         )
-
-    @staticmethod
-    def _lost(now: float, lately: float, start: float) -> float | None:
-        """The share of what the probe had learned from ``start`` to ``lately`` that ``now`` gave back (``None``:
-        it had not come down by ``LEARNED`` of its start)."""
-        learned = start - lately
-        if not (learned > 0 and learned >= LEARNED * start):
-            return None
-        return (now - lately) / learned if math.isfinite(now) else math.inf
 
     def restored(self, step: int) -> None:
         """The state of ``step`` was restored: the scores of later snapshots belong to the abandoned trajectory."""

@@ -35,6 +35,7 @@ __all__ = [
     "ClimbingLoss",
     "LossProgress",
     "LossTrend",
+    "given_back",
 ]
 
 CLIMB_SPAN = 5  # losses in one median: three steps of five must be up
@@ -42,6 +43,16 @@ CLIMB_WINDOW = 50  # steps the recent low is taken over (the preset's snapshot c
 CLIMB_LOST = 0.5  # the share of the recent progress a climb gives back: half of what the run had learned
 CLIMB_AGAIN = 10  # steps between the flags of a climb that stays up
 LEARNED = 0.25  # the least share of its starting loss a run must have come down by to have progress to lose
+
+
+def given_back(now: float, low: float, start: float) -> float | None:
+    """The share of the progress from ``start`` down to ``low`` that ``now`` gave back: 0 at ``low``, 1 back at
+    ``start`` (infinite for a non-finite ``now``). ``None`` where ``low`` is not ``LEARNED`` of ``start`` below it:
+    no progress to lose."""
+    learned = start - low
+    if not (learned > 0 and learned >= LEARNED * abs(start)):
+        return None
+    return (now - low) / learned if math.isfinite(now) else math.inf
 
 
 @dataclass(frozen=True)
@@ -94,11 +105,7 @@ class LossProgress:
         """The share of the recent progress given back now (``None``: no progress to lose, or too few steps)."""
         if self.start is None or not self._medians:
             return None
-        low = min(self._medians)
-        learned = self.start - low
-        if learned < LEARNED * abs(self.start) or learned <= 0:
-            return None
-        return (self._medians[-1] - low) / learned
+        return given_back(self._medians[-1], min(self._medians), self.start)
 
 
 class ClimbingLoss(RunningZScore):
