@@ -18,6 +18,7 @@ from lightning_nanguard.exceptions import CheckpointVerificationError
 from lightning_nanguard.parts.grad_metrics import grad_metrics, layers_due
 from lightning_nanguard.policies.withdrawal import Blames
 from lightning_nanguard.recovery.quarantine import Quarantine
+from lightning_nanguard.signals.loss_climb import load_spikes_state, spikes_state
 
 __all__ = ["GradNormMonitor"]
 
@@ -160,7 +161,7 @@ class GradNormMonitor(NanGuardCallback):
         self._restored_skips = self.skipped_steps
         engine = self._engine
         if engine is not None and engine.spikes is not None:
-            self._spike_state = {"grad": engine.spikes[0].state(), "loss": engine.spikes[1].state()}
+            self._spike_state = spikes_state(engine.spikes)
         if engine is not None and self._quarantine is not None:
             self._blames_state = engine.incidents.blames.state_dict()
         self._engine = None
@@ -170,7 +171,7 @@ class GradNormMonitor(NanGuardCallback):
     def state_dict(self) -> dict[str, Any]:
         engine = self._engine
         spikes = engine.spikes if engine is not None else None
-        spike_state = {"grad": spikes[0].state(), "loss": spikes[1].state()} if spikes else self._spike_state
+        spike_state = spikes_state(spikes) if spikes else self._spike_state
         return {
             "version": 2,
             "skipped_steps": self.skipped_steps,
@@ -191,8 +192,7 @@ class GradNormMonitor(NanGuardCallback):
         self._spike_state = dict(state_dict.get("spike", {}))
         spikes = self._engine.spikes if self._engine is not None else None
         if spikes is not None and self._spike_state:  # a resume: after ``setup``, into this fit's statistics
-            spikes[0].load(self._spike_state.get("grad", {}))
-            spikes[1].load(self._spike_state.get("loss", {}))
+            load_spikes_state(spikes, self._spike_state)
         saved = state_dict.get("quarantine")
         if self._quarantine is not None and saved is not None:
             self._quarantine.load_state_dict(saved)

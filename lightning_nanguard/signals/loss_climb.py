@@ -36,6 +36,8 @@ __all__ = [
     "LossProgress",
     "LossTrend",
     "given_back",
+    "load_spikes_state",
+    "spikes_state",
 ]
 
 CLIMB_SPAN = 5  # losses in one median: three steps of five must be up
@@ -96,6 +98,34 @@ class LossProgress:
         self._last.clear()
         self._medians.clear()
 
+    def state_dict(self) -> dict[str, list[float]]:
+        """What a checkpoint keeps, so that a resumed fit measures its progress as the uninterrupted one does."""
+        return {
+            "start": [] if self.start is None else [self.start],
+            "first": list(self._first),
+            "last": list(self._last),
+            "medians": list(self._medians),
+        }
+
+    def load_state_dict(self, state: object) -> None:
+        """A ``state_dict()`` from a checkpoint (``ValueError``: not one)."""
+        if not isinstance(state, dict):
+            raise ValueError(f"the loss's progress is a {type(state).__name__}, not a dict")
+        lists = {}
+        for key in ("start", "first", "last", "medians"):
+            values = state.get(key, [])
+            if not isinstance(values, list) or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values
+            ):
+                raise ValueError(f"the loss's progress has a malformed {key!r}: {values!r:.80}")
+            lists[key] = [float(v) for v in values]
+        if len(lists["start"]) > 1:
+            raise ValueError(f"the loss's progress has {len(lists['start'])} starts")
+        self.start = lists["start"][0] if lists["start"] else None
+        self._first = lists["first"][:CLIMB_SPAN]
+        self._last = deque(lists["last"], maxlen=CLIMB_SPAN)
+        self._medians = deque(lists["medians"], maxlen=CLIMB_WINDOW)
+
     @property
     def level(self) -> float | None:
         """The median of the last ``CLIMB_SPAN`` losses (``None``: fewer seen since the start or a restore)."""
@@ -120,7 +150,6 @@ class ClimbingLoss(RunningZScore):
     def __init__(self, threshold: float, warmup: int, beta: float = 0.98) -> None:
         super().__init__(threshold, warmup, beta)
         self.progress = LossProgress()
-        self._seen = 0
         self._since: int | None = None  # steps since the climb was last flagged (``None``: not climbing)
         self.climbed = False  # the last ``observe`` flagged a climb that was no z-score spike
 
@@ -134,13 +163,35 @@ class ClimbingLoss(RunningZScore):
         self.climbed = False
         if not math.isfinite(value):
             return spike
-        self._seen += 1
         self.progress.observe(value)
         lost = self.progress.lost()
-        if lost is None or lost < CLIMB_LOST or self._seen <= self.warmup:
+        if lost is None or lost < CLIMB_LOST or self.count <= self.warmup:
             self._since = None
             return spike
         due = self._since is None or self._since >= CLIMB_AGAIN
         self._since = 1 if due else (self._since or 0) + 1
         self.climbed = due and not spike
         return spike or due
+
+
+def spikes_state(spikes: tuple[RunningZScore, RunningZScore]) -> dict[str, object]:
+    """What a checkpoint keeps of the spike detectors (the gradient norm's, the loss's): their statistics, and the
+    loss's progress where it watches for a climb."""
+    grad, loss = spikes
+    state: dict[str, object] = {"grad": grad.state(), "loss": loss.state()}
+    if isinstance(loss, ClimbingLoss):
+        state["climb"] = loss.progress.state_dict()
+    return state
+
+
+def load_spikes_state(spikes: tuple[RunningZScore, RunningZScore], state: dict[str, object]) -> None:
+    """A ``spikes_state()`` from a checkpoint into this fit's detectors (``ValueError``, ``TypeError``: malformed)."""
+    grad, loss = spikes
+    for detector, key in ((grad, "grad"), (loss, "loss")):
+        saved = state.get(key, {})
+        if not isinstance(saved, dict):
+            raise ValueError(f"the {key} spike statistics are a {type(saved).__name__}, not a dict")
+        detector.load(saved)
+    climb = state.get("climb")
+    if climb is not None and isinstance(loss, ClimbingLoss):
+        loss.progress.load_state_dict(climb)

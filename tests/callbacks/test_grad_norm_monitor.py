@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_nanguard import GradNormMonitor, NanGuardConfigError, NonFiniteTrainingError
+from lightning_nanguard import AutoRollback, GradNormMonitor, NanGuardConfigError, NonFiniteTrainingError
 from lightning_nanguard.engine import get_engine
 from lightning_nanguard.testing import FaultInjector
 from tests.helpers import (
@@ -304,3 +304,29 @@ def test_an_optimizer_whose_first_param_group_is_empty_is_read_every_step(tmp_pa
     incidents = get_engine(trainer).sink.log.records
     assert [(i.step, i.action) for i in incidents] == [(3, "skip")]
     assert all_finite(model)
+
+
+def test_a_resume_measures_the_loss_s_progress_as_the_uninterrupted_fit(tmp_path: Any) -> None:
+    # Under on_spike="probe" the loss's progress (where it started, its recent medians: what a climb is measured
+    # against) is saved with the spike statistics, so a resumed fit does not start it again from the resume's level.
+    def callbacks() -> list[Any]:
+        return [GradNormMonitor(spike_zscore=3.0, spike_warmup=2, on_spike="probe"), AutoRollback()]
+
+    def fit(root: str, steps: int, cbs: list[Any], ckpt: str | None = None) -> pl.Trainer:
+        pl.seed_everything(0, verbose=False)
+        trainer = make_trainer(tmp_path / root, max_steps=steps, callbacks=cbs)
+        trainer.fit(TinyModel(), ckpt_path=ckpt, weights_only=True)
+        return trainer
+
+    whole = callbacks()
+    fit("whole", 16, whole)
+    first = callbacks()
+    path = os.path.join(tmp_path, "a.ckpt")
+    fit("first", 8, first).save_checkpoint(path)  # one full epoch: the resume is at an epoch boundary
+    saved = torch.load(path, weights_only=True)["callbacks"][first[0].state_key]["spike"]["climb"]
+    assert len(saved["medians"]) == 4  # 8 losses: the medians of steps 0-4 ... 3-7
+    second = callbacks()
+    fit("second", 16, second, path)
+    resumed, uninterrupted = second[0].state_dict()["spike"]["climb"], whole[0].state_dict()["spike"]["climb"]
+    assert resumed["start"] == uninterrupted["start"] == saved["start"]  # measured from the fit's start
+    assert len(resumed["medians"]) == len(uninterrupted["medians"]) == 12  # not 4: the medians went on

@@ -3,6 +3,8 @@ step reads anyway; a hard batch, a run that has not learned, and a restored olde
 
 from __future__ import annotations
 
+import pytest
+
 from lightning_nanguard.signals.loss_climb import CLIMB_AGAIN, CLIMB_SPAN, CLIMB_WINDOW, ClimbingLoss, LossProgress
 
 
@@ -40,3 +42,16 @@ def test_a_restore_starts_the_recent_levels_over() -> None:
     detector.restart()  # an older state restored: its higher loss is no climb over the abandoned level
     assert _climbs(detector, [3.0] * 10) == []
     assert detector.progress.start == 4.0
+
+
+def test_the_progress_round_trips_and_a_malformed_one_is_refused() -> None:
+    progress = LossProgress()
+    for v in [4.0, 3.9, 4.1, 3.0, 2.5, 2.0, 1.5]:
+        progress.observe(v)
+    copy = LossProgress()
+    copy.load_state_dict(progress.state_dict())
+    assert copy.state_dict() == progress.state_dict()
+    assert (copy.start, copy.level, copy.lost()) == (progress.start, progress.level, progress.lost())
+    for bad in ([1.0], {"medians": [1.0, "x"]}, {"start": [1.0, 2.0]}, {"last": [float("nan")]}):
+        with pytest.raises(ValueError, match="progress"):
+            LossProgress().load_state_dict(bad)
